@@ -1,0 +1,42 @@
+"""Engine configuration with the defaults a laptop (CPU) and a GPU replica both start well with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from replica.model_loader import DEFAULT_MODEL
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+"""KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
+GPU_KV_FRACTION = 0.85
+"""Share of the GPU memory still free after loading weights that goes to the KV pool."""
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Exact pool size; ``None`` sizes it from ``kv_cache_bytes`` (or the free GPU memory)."""
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step; prompts longer than this are prefilled in chunks."""
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    """Context limit; ``None`` takes the model's ``max_position_embeddings``."""
+    device: str | None = None
+    """``None`` picks CUDA when available, else CPU."""
+    dtype: str | None = None
+    """``float32``/``float16``/``bfloat16``; ``None`` is fp32 on CPU, bf16 on GPU."""
+    torch_threads: int | None = None
+    """Intra-op threads for this engine; set it when several replicas share a machine's cores."""
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two, got {bs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")

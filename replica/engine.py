@@ -1,0 +1,234 @@
+"""The synchronous engine: add requests, ``step()`` until done. ``LLM`` and ``AsyncLLM`` wrap it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from replica.block_pool import BlockPool
+from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, EngineConfig
+from replica.detokenizer import IncrementalDetokenizer
+from replica.kv_cache_manager import KVCacheManager
+from replica.kv_events import KVEvent
+from replica.model_loader import load_model
+from replica.model_runner import ModelRunner, kv_bytes_per_block
+from replica.request import Request
+from replica.sampler import sample
+from replica.sampling_params import SamplingParams
+from replica.scheduler import Scheduler
+from router.hashing import BlockHash, first_block_extra, model_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``text``/``token_ids`` are cumulative; ``delta_*`` are this step's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    num_cached_tokens: int
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    kv_usage: float
+    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
+    prefix_hit_rate: float
+    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+
+
+def _pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        device = _pick_device(config.device)
+        dtype = getattr(torch, config.dtype) if config.dtype else None
+        self.loaded = load_model(config.model, device, dtype, config.max_model_len)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_id = config.model
+        self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
+        num_blocks = config.num_kv_blocks or self._blocks_for_budget(device)
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
+        self.hash_seed = model_seed(self.model_id)
+        eos = self.loaded.config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info(
+            "engine ready: %s, %d KV blocks of %d tokens on %s", config.model, num_blocks, config.block_size, device
+        )
+
+    def _blocks_for_budget(self, device: torch.device) -> int:
+        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, next(self.loaded.model.parameters()).dtype)
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * GPU_KV_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        return max(1, budget // per_block)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + output a single request may reach: the context, and never more than the whole pool."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        block_hashes: list[BlockHash] | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError for an empty prompt or one that cannot fit the context."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_request_tokens:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; this engine accepts at most {self.max_request_tokens - 1} "
+                f"(context {self.max_model_len}, KV pool {self.num_blocks * self.block_size} tokens)"
+            )
+        if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
+            raise ValueError("prompt contains token ids outside the vocabulary")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        detok = IncrementalDetokenizer(
+            self.tokenizer.backend_tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+        )
+        req = Request(
+            request_id,
+            ids,
+            params,
+            self.max_request_tokens,
+            self.eos_token_ids,
+            detok,
+            self.block_size,
+            self.hash_seed,
+            first_block_extra(cache_salt),
+            block_hashes,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once; False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report every request that produced output or ended."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.execute(batch, [self.kv.block_ids(sr.request) for sr in batch])
+        sampling = [sr.request for sr in batch if sr.samples]
+        for sr in batch:
+            sr.request.num_computed_tokens += sr.num_new_tokens
+            self.kv.cache_full_blocks(sr.request)
+        outputs = []
+        for req, token in zip(sampling, sample(logits, sampling), strict=True):
+            req.append_token(token)
+            if req.finish_reason:
+                self.scheduler.finish(req, req.finish_reason)
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, [token]))
+        return outputs
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        finished = req.finish_reason is not None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=req.detokenizer.text,
+            delta_text=req.detokenizer.take_delta(finished),
+            delta_token_ids=new_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            finish_reason=req.finish_reason,
+        )
+
+    # ------------------------------------------------------------------ observability
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset()
+
+    def check_integrity(self) -> None:
+        """Assert the pool's accounting and that exactly the live requests own blocks."""
+        self.pool.check_integrity()
+        owners = set(self.kv.req_blocks)
+        running = {r.request_id for r in self.scheduler.running}
+        assert owners == running, f"blocks owned by non-running requests: {owners ^ running}"
+        refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks)
+        for block in self.pool.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            kv_usage=self.pool.usage,
+            prefix_hit_rate=s.prompt_tokens_hit / s.prompt_tokens_queried if s.prompt_tokens_queried else 0.0,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_cached_blocks=self.pool.num_cached_free,
+        )

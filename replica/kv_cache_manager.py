@@ -1,0 +1,75 @@
+"""Per-request block tables on top of the block pool: prefix hits, slot allocation, caching, freeing."""
+
+from __future__ import annotations
+
+from replica.block_pool import Block, BlockPool
+from replica.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def computed_blocks(self, request: Request) -> list[Block]:
+        """Leading blocks of ``request`` already in the cache, stopping at the first miss.
+
+        The hit never covers the last token: its logits are needed to sample, so at least that token (in
+        practice its whole block, since only full blocks are cached) is recomputed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, request: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens; False (no change) if the pool is short.
+
+        ``hits`` are prefix-cache blocks for a request being admitted; they are pinned here, and the
+        caller advances ``num_computed_tokens`` past them.
+        """
+        hits = hits or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
+        # Hits sitting in the LRU free queue stop being allocatable once pinned.
+        pinned_free = sum(1 for b in hits if b.ref_count == 0)
+        if needed + pinned_free > self.pool.num_free:
+            return False
+        self.pool.touch(hits)
+        new = self.pool.allocate(max(needed, 0))
+        self.req_blocks[request.request_id] = blocks + hits + new
+        if hits:
+            self._num_cached_blocks[request.request_id] = len(hits)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish blocks whose KV is now completely computed (prompt or generated tokens alike)."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start = self._num_cached_blocks.get(rid, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        blocks = self.req_blocks[rid]
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
+        self._num_cached_blocks[rid] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``, tail first so its tail is evicted before its head."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks[request.request_id]]

@@ -1,0 +1,107 @@
+"""Continuous batching: which requests run this step, and how many tokens each computes.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in admission order:
+decodes take one token, unfinished prefills take the next chunk of their prompt, so long prompts are
+chunked and mixed with decodes. When the pool cannot give a running request a block, the newest running
+request is preempted (its blocks freed, its progress reset, to be recomputed later, often from the prefix
+cache). Waiting requests are admitted only in steps that preempted nothing, so a preempted request is not
+immediately displaced by a newcomer and the step loop cannot thrash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from replica.kv_cache_manager import KVCacheManager
+from replica.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so the step yields a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prompt_tokens_queried = 0
+        self.prompt_tokens_hit = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()  # the newest running request goes first
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:  # count the first admission only, not recomputes
+                req.num_cached_tokens = num_hit
+                self.prompt_tokens_queried += req.num_tokens
+                self.prompt_tokens_hit += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Retire a request (stopped, aborted): its blocks go back to the pool, cached ones stay reusable."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
