@@ -1,0 +1,47 @@
+"""Shared fixtures: the real default model (SmolLM2) and a tiny random-weight Llama with GQA."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The dequantized SmolLM2 directory (converted from the wheel's GGUF on first use, then cached)."""
+    from replica.model_loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
+    """A 2-layer Llama with 4 query / 2 KV heads and random weights, sharing SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # random init is too flat to make greedy argmax meaningful; sharpen it
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm_dir / name).exists():
+            shutil.copy(smollm_dir / name, path / name)
+    return path
