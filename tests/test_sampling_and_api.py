@@ -49,7 +49,9 @@ def test_stop_string_truncates_and_reports_stop(llm):
     cut = llm.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[stop]))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
-    kept = llm.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[stop], include_stop_str_in_output=True))
+    kept = llm.generate(
+        PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=[stop], include_stop_str_in_output=True)
+    )
     assert kept[0].text.endswith(stop)
 
 
@@ -134,8 +136,8 @@ def test_stats_report_hits_and_usage(llm):
     llm.engine.reset_prefix_cache()
     before = llm.stats()
     shared = list(range(500, 564))
-    first = llm.generate(shared + [1], SamplingParams(max_tokens=2, temperature=0))[0]
-    second = llm.generate(shared + [2], SamplingParams(max_tokens=2, temperature=0))[0]
+    first = llm.generate([*shared, 1], SamplingParams(max_tokens=2, temperature=0))[0]
+    second = llm.generate([*shared, 2], SamplingParams(max_tokens=2, temperature=0))[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 64)
     after = llm.stats()
     assert after.num_cached_blocks >= 4 and after.kv_usage == 0.0
