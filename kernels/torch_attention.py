@@ -1,18 +1,26 @@
 """The vectorized torch path of paged attention, used on CPU (and as a fallback anywhere).
 
-Decode sequences (one query each) are handled together: their blocks are gathered into one padded
-``[batch, kv_heads, context, head_dim]`` tensor and a single fused SDPA call with a length mask does the
-rest. Prefill/extend sequences carry many queries and a causal mask offset by their cached prefix; they
-are few per step (the token budget bounds them), so each gets one SDPA call over its gathered context.
-There are no per-token Python loops.
+Decode sequences (one query each) are sorted by context length and split into a few length buckets; each
+bucket's blocks are gathered into one padded ``[batch, kv_heads, context, head_dim]`` view and a single
+fused SDPA call with a length mask does the rest. Bucketing keeps padding (wasted gather and attention
+work) low when short and long conversations decode together. Prefill/extend sequences carry many queries
+and a causal mask offset by their cached prefix; they are few per step (the token budget bounds them), so
+each gets one SDPA call over its gathered context. There are no per-token Python loops.
+
+Gathers write into a per-thread workspace that only grows: allocating a fresh tensor per layer per step
+costs more in page faults than the copy itself.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
+
+_workspace = threading.local()
 
 
 def store_kv_torch(
@@ -27,12 +35,37 @@ def store_kv_torch(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+def _scratch(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    key = (name, like.dtype, like.device)
+    buf = getattr(_workspace, "bufs", {}).get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(
+            max(numel, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=like.dtype, device=like.device
+        )
+        _workspace.bufs = {**getattr(_workspace, "bufs", {}), key: buf}
+    return buf[:numel]
+
+
+def _gather(name: str, cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[batch, kv_heads, length, head_dim] view of each row's first ``length`` cached tokens."""
     block_size, kvh, d = cache.shape[1:]
     nb = -(-length // block_size)
-    x = cache[block_tables[:, :nb].long()].view(block_tables.shape[0], nb * block_size, kvh, d)
-    return x[:, :length].transpose(1, 2)
+    ids = block_tables[:, :nb].reshape(-1).long()
+    out = _scratch(name, ids.numel() * block_size * kvh * d, cache).view(-1, block_size, kvh, d)
+    torch.index_select(cache, 0, ids, out=out)
+    return out.view(block_tables.shape[0], nb * block_size, kvh, d)[:, :length].transpose(1, 2)
+
+
+def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Split decode rows, longest first, whenever a row is under half its bucket's longest context."""
+    order = sorted(rows, key=lambda i: -lens[i])
+    buckets = [[order[0]]]
+    for i in order[1:]:
+        if 2 * lens[i] <= lens[buckets[-1][0]] and len(buckets[-1]) >= 4:
+            buckets.append([i])
+        else:
+            buckets[-1].append(i)
+    return buckets
 
 
 def paged_attention_torch(
@@ -43,12 +76,12 @@ def paged_attention_torch(
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = meta.query_start_loc.tolist()
     decode = [i for i, n in enumerate(qlens) if n == 1]
-    if decode:
-        rows = torch.tensor(decode, device=q.device)
+    for bucket in _length_buckets(decode, slens) if decode else []:
+        rows = torch.tensor(bucket, device=q.device)
         tok = meta.query_start_loc[rows].long()
-        length = max(slens[i] for i in decode)
-        k = _gather(k_cache, meta.block_tables[rows], length)
-        v = _gather(v_cache, meta.block_tables[rows], length)
+        length = slens[bucket[0]]
+        k = _gather("k", k_cache, meta.block_tables[rows], length)
+        v = _gather("v", v_cache, meta.block_tables[rows], length)
         mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[rows][:, None]
         o = F.scaled_dot_product_attention(
             q[tok].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
@@ -58,8 +91,8 @@ def paged_attention_torch(
         if n <= 1:
             continue
         s, length = starts[i], slens[i]
-        k = _gather(k_cache, meta.block_tables[i : i + 1], length)
-        v = _gather(v_cache, meta.block_tables[i : i + 1], length)
+        k = _gather("k", k_cache, meta.block_tables[i : i + 1], length)
+        v = _gather("v", v_cache, meta.block_tables[i : i + 1], length)
         qq = q[s : s + n].transpose(0, 1).unsqueeze(0)
         if n == length:
             o = F.scaled_dot_product_attention(qq, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,0 +1,102 @@
+"""Output tokens/s of our engine vs Hugging Face ``generate``, side by side in one run.
+
+Workload (fixed seed): 64 requests, prompts of 64-512 random token ids, 32-128 output tokens each
+(``ignore_eos`` so every system produces exactly the requested tokens). Baselines on the same model and
+weights (fp32): HF ``generate`` one request at a time, and HF ``generate`` in static left-padded batches
+of 16 (each batch runs until its longest request is done; only requested tokens are counted).
+
+    python -m benchmarks.engine_throughput [--requests 64] [--repeats 3] [--model smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks.report import median, print_table, write_json
+from replica import LLM, SamplingParams
+from replica.model_loader import resolve_model_dir
+
+
+def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    plens = rng.integers(64, 513, n)
+    olens = rng.integers(32, 129, n)
+    prompts = [rng.integers(100, 40000, int(p)).tolist() for p in plens]
+    return prompts, [int(o) for o in olens]
+
+
+def run_ours(llm: LLM, prompts, olens) -> float:
+    llm.engine.reset_prefix_cache()  # every repeat starts cold, like the baselines
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in olens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == olens
+    return sum(olens) / dt
+
+
+@torch.inference_mode()
+def run_hf_sequential(hf, prompts, olens) -> float:
+    t0 = time.perf_counter()
+    for p, o in zip(prompts, olens, strict=True):
+        hf.generate(torch.tensor([p]), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+    return sum(olens) / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def run_hf_static(hf, prompts, olens, batch: int = 16, pad: int = 0) -> float:
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        chunk, outs = prompts[s : s + batch], olens[s : s + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        m = max(outs)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=pad)
+    return sum(olens) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-sequential", action="store_true", help="skip the slowest baseline")
+    args = ap.parse_args()
+
+    prompts, olens = workload(args.requests)
+    llm = LLM(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
+    runs: dict[str, list[float]] = {"kvmesh engine": [], "HF static batch 16": [], "HF sequential": []}
+    for r in range(args.repeats):
+        runs["kvmesh engine"].append(run_ours(llm, prompts, olens))
+        runs["HF static batch 16"].append(run_hf_static(hf, prompts, olens))
+        if not args.skip_sequential:
+            runs["HF sequential"].append(run_hf_sequential(hf, prompts, olens))
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items() if v))
+    med = {k: median(v) for k, v in runs.items() if v}
+    ours = med["kvmesh engine"]
+    rows = [[k, med[k], ours / med[k]] for k in med]
+    print()
+    print_table(["system", "output tok/s (median)", "kvmesh speed-up"], rows)
+    write_json(
+        "engine_throughput",
+        {
+            "workload": {"requests": args.requests, "prompt_tokens": [64, 512], "output_tokens": [32, 128], "seed": 0},
+            "model": args.model,
+            "repeats": args.repeats,
+            "tok_per_s": runs,
+            "median_tok_per_s": med,
+            "speedup": {k: ours / v for k, v in med.items()},
+            "goal": {"vs HF sequential": 4.0, "vs HF static batch 16": 1.5},
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
