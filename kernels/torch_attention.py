@@ -69,10 +69,15 @@ def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
 
 
 def paged_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context."""
-    out = torch.empty_like(q)
+    """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``."""
+    out = torch.empty_like(q) if out is None else out
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = meta.query_start_loc.tolist()
     decode = [i for i, n in enumerate(qlens) if n == 1]

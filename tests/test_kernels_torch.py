@@ -7,34 +7,9 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata
 from kernels.reference import paged_attention_reference, store_kv_reference
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
-
-
-def random_batch(rng: random.Random, block_size: int, kv_heads: int, group: int, head_dim: int, dtype):
-    """A mixed decode/extend batch whose block tables are shuffled, non-contiguous blocks of one pool."""
-    batch = rng.randint(1, 8)
-    seq_lens = [rng.randint(1, 300) for _ in range(batch)]
-    query_lens = [1 if rng.random() < 0.5 else rng.randint(1, s) for s in seq_lens]
-    need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(need) + 5
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at : at + n])
-        at += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    g = torch.Generator().manual_seed(rng.randint(0, 2**31))
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g, dtype=torch.float64)
-    v_cache = torch.randn(shape, generator=g, dtype=torch.float64)
-    tokens = sum(query_lens)
-    q = torch.randn(tokens, kv_heads * group, head_dim, generator=g, dtype=torch.float64)
-    k = torch.randn(tokens, kv_heads, head_dim, generator=g, dtype=torch.float64)
-    v = torch.randn(tokens, kv_heads, head_dim, generator=g, dtype=torch.float64)
-    return meta, q, k, v, k_cache, v_cache
+from tests.kernel_cases import random_batch, relative_error
 
 
 @pytest.mark.parametrize("case", range(12))
@@ -45,7 +20,7 @@ def test_torch_path_matches_reference(case, dtype, tol):
     group = [1, 3, 4, 8][case % 4]
     kv_heads = rng.choice([1, 2])
     head_dim = rng.choice([64, 128])
-    meta, q, k, v, kc, vc = random_batch(rng, block_size, kv_heads, group, head_dim, torch.float64)
+    meta, q, k, v, kc, vc = random_batch(rng, block_size, kv_heads, group, head_dim)
     scale = head_dim**-0.5
 
     ref_kc, ref_vc = kc.clone(), vc.clone()
@@ -55,8 +30,8 @@ def test_torch_path_matches_reference(case, dtype, tol):
     kc_t, vc_t = kc.to(dtype), vc.to(dtype)
     store_kv_torch(k.to(dtype), v.to(dtype), kc_t, vc_t, meta.slot_mapping)
     assert torch.equal(kc_t, ref_kc.to(dtype)) and torch.equal(vc_t, ref_vc.to(dtype))
-    out = paged_attention_torch(q.to(dtype), kc_t, vc_t, meta, scale)
-    err = (out.double() - expected).norm() / expected.norm()
+    out = paged_attention_torch(q.to(dtype), kc_t, vc_t, meta, scale, out=torch.full_like(q, float("nan"), dtype=dtype))
+    err = relative_error(out, expected)
     assert err <= tol, f"relative error {err:.2e}"
 
 

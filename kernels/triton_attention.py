@@ -1,0 +1,198 @@
+"""Triton kernels for the paged KV cache: ``store_kv`` and paged attention over a mixed batch.
+
+Two attention kernels, not one unified kernel, because decode and extend are bound by different things:
+
+- **decode** (one query token per sequence) is memory-bound: every KV byte is read once per step. The
+  kernel runs one program per (sequence, KV head) and packs that KV head's whole GQA group of query heads
+  into the rows of one tile, so each KV tile is loaded once and used by all query heads that share it.
+- **extend/prefill** (many new tokens attending causally to themselves and to the cached prefix) is
+  compute-bound: one program per (sequence, tile of BLOCK_M query tokens, query head), flash-attention
+  style with online softmax, stopping at the last key its tile can see.
+
+Both kernels walk the context in tiles of BLOCK_N tokens and translate each token's position to its
+physical slot through the block table (``table[pos // block_size] * block_size + pos % block_size``), so
+the tile size is independent of the cache's block size (any power of two >= 8 works). Both launch over
+the whole batch and exit early for sequences that belong to the other kernel, so no host-side split of
+the batch is needed. Softmax and accumulation are fp32; fp32 inputs use IEEE-precision dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+
+@triton.jit
+def _store_kv_kernel(
+    key, value, k_cache, v_cache, slots,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(k_cache + dst, k, mask=mask)
+        tl.store(v_cache + dst, v, mask=mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tok = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) - tok == 1:
+        seq_len = tl.load(seq_lens + seq)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        qmask = (g[:, None] < GROUP) & dmask[None, :]
+        heads = kvh * GROUP + g
+        qt = tl.load(q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+        for start in range(0, seq_len, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < seq_len
+            blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            kvmask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(
+            out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=qmask
+        )
+
+
+@triton.jit
+def _extend_kernel(
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kvh = head // GROUP
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    if (q_len > 1) & (tile * BLOCK_M < q_len):
+        seq_len = tl.load(seq_lens + seq)
+        ctx = seq_len - q_len
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < q_len
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        qmask = mmask[:, None] & dmask[None, :]
+        qt = tl.load(q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qmask, other=0.0)
+        q_pos = ctx + m
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < seq_len
+            blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            kvmask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+            s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
+            visible = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        dst = out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
+
+
+def _check_cache(cache: torch.Tensor) -> None:
+    if cache.stride(-1) != 1:
+        raise ValueError("KV cache must be contiguous in head_dim")
+    bs = cache.shape[1]
+    if bs < 8 or bs & (bs - 1):
+        raise ValueError(f"block size must be a power of two >= 8, got {bs}")
+
+
+def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _check_cache(k_cache)
+    n, kvh, d = key.shape
+    if n == 0:
+        return
+    _store_kv_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check_cache(k_cache)
+    out = torch.empty_like(q) if out is None else out
+    batch = len(meta.query_lens_cpu)
+    if batch == 0:
+        return out
+    heads, d = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[2]
+    if heads % kvh:
+        raise ValueError(f"{heads} query heads do not divide into {kvh} KV heads")
+    group = heads // kvh
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = (
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+    )  # fmt: skip
+    block_d = triton.next_power_of_2(d)
+    if 1 in meta.query_lens_cpu:
+        _decode_kernel[(batch, kvh)](
+            *common, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision,
+        )  # fmt: skip
+    if meta.max_query_len > 1:
+        block_m = 32 if meta.max_query_len >= 32 else 16
+        _extend_kernel[(batch, triton.cdiv(meta.max_query_len, block_m), heads)](
+            *common, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,78 @@
+"""The Triton kernels, run by Triton's interpreter on the CPU, against the float64 references.
+
+``TRITON_INTERPRET=1`` must be set before the kernels are decorated, so this module sets it before
+importing them. Shapes stay small: the interpreter executes every program instance in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
+from kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
+from replica import LLM, SamplingParams  # noqa: E402
+from tests.kernel_cases import random_batch, relative_error  # noqa: E402
+
+GROUPS = [1, 3, 4, 8]
+
+
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_triton_kernels_match_reference(case, dtype, tol):
+    rng = random.Random(1000 + case * 31 + (dtype == torch.float16))
+    block_size = rng.choice([16, 32])
+    group = GROUPS[case % 4]
+    kv_heads = rng.choice([1, 2])
+    head_dim = 64 if case % 2 else 128
+    meta, q, k, v, kc, vc = random_batch(rng, block_size, kv_heads, group, head_dim, max_len=160, max_batch=4)
+    scale = head_dim**-0.5
+
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    store_kv_reference(k, v, ref_kc, ref_vc, meta.slot_mapping)
+    expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale)
+
+    kc_t, vc_t = kc.to(dtype), vc.to(dtype)
+    store_kv_triton(k.to(dtype), v.to(dtype), kc_t, vc_t, meta.slot_mapping)
+    assert torch.equal(kc_t, ref_kc.to(dtype)) and torch.equal(vc_t, ref_vc.to(dtype))
+    out = torch.full_like(q, float("nan"), dtype=dtype)  # any element the kernels skip stays NaN
+    paged_attention_triton(q.to(dtype), kc_t, vc_t, meta, scale, out=out)
+    err = relative_error(out, expected)
+    assert err <= tol, f"relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"
+
+
+def test_store_kv_skips_negative_slots_and_touches_nothing_else():
+    kc = torch.full((2, 8, 2, 64), float("nan"))
+    vc = kc.clone()
+    k = torch.randn(3, 2, 64)
+    slots = torch.tensor([9, -1, 0])
+    store_kv_triton(k, -k, kc, vc, slots)
+    assert torch.equal(kc[1, 1], k[0]) and torch.equal(kc[0, 0], k[2]) and torch.equal(vc[0, 0], -k[2])
+    assert int(torch.isnan(kc).flatten(2).all(-1).sum()) == 16 - 2
+
+
+def test_block_size_eight_and_odd_head_dim():
+    rng = random.Random(5)
+    meta, q, k, v, kc, vc = random_batch(rng, 8, 2, 3, 80, max_len=70, max_batch=3)
+    store_kv_reference(k, v, kc, vc, meta.slot_mapping)
+    expected = paged_attention_reference(q, kc, vc, meta, 80**-0.5)
+    out = paged_attention_triton(q.float(), kc.float(), vc.float(), meta, 80**-0.5)
+    assert relative_error(out, expected) <= 1e-5
+
+
+def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, monkeypatch):
+    prompts = [list(range(200, 200 + n)) for n in (5, 23, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "torch")
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    llm.engine.reset_prefix_cache()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
