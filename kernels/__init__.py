@@ -1,12 +1,15 @@
 """Attention kernels over the paged KV cache, with device dispatch.
 
-``store_kv`` and ``paged_attention`` pick their backend once per device: the Triton kernels on CUDA, the
-vectorized torch path elsewhere. ``KVMESH_ATTENTION_BACKEND=torch|triton`` overrides the choice (tests run
-the Triton kernels on CPU through ``TRITON_INTERPRET=1``).
+``store_kv`` and ``paged_attention`` pick their backend per call from the tensor's device: the Triton
+kernels on CUDA (``kernels/triton_attention.py``), the vectorized torch path elsewhere
+(``kernels/torch_attention.py``). ``KVMESH_ATTENTION_BACKEND=torch|triton`` overrides the choice; tests use
+it to run the Triton kernels on the CPU under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Callable
 
@@ -18,6 +21,7 @@ from kernels.torch_attention import paged_attention_torch, store_kv_torch
 __all__ = ["AttentionMetadata", "attention_backend", "paged_attention", "store_kv"]
 
 BACKENDS = ("torch", "triton")
+log = logging.getLogger(__name__)
 
 
 def attention_backend(device: torch.device) -> str:
@@ -29,17 +33,23 @@ def attention_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def _impls(device: torch.device) -> tuple[Callable, Callable]:
-    if attention_backend(device) == "triton":
-        from kernels.triton_attention import paged_attention_triton, store_kv_triton
-
-        return store_kv_triton, paged_attention_triton
+@functools.cache
+def _impls(backend: str) -> tuple[Callable, Callable]:
+    if backend == "triton":
+        try:
+            from kernels.triton_attention import paged_attention_triton, store_kv_triton
+        except ImportError as exc:  # a CUDA torch without triton: still serve, slower
+            log.warning("triton unavailable (%s); using the torch attention path", exc)
+        else:
+            return store_kv_triton, paged_attention_triton
     return store_kv_torch, paged_attention_torch
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    _impls(key.device)[0](key, value, k_cache, v_cache, slot_mapping)
+    """Write new K/V ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips)."""
+    _impls(attention_backend(key.device))[0](key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return _impls(q.device)[1](q, k_cache, v_cache, meta, scale)
+    """Causal attention of the batch's new queries over their cached prefixes and themselves."""
+    return _impls(attention_backend(q.device))[1](q, k_cache, v_cache, meta, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
+        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
+        """Called with each step's KV events (the index publisher); they must not block."""
         self._ids = itertools.count()
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens on %s", config.model, num_blocks, config.block_size, device
@@ -188,6 +191,7 @@ class LLMEngine:
                 self.scheduler.finish(req, req.finish_reason)
                 del self.requests[req.request_id]
             outputs.append(self._output(req, [token]))
+        self._flush_events()
         return outputs
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
@@ -204,11 +208,17 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ observability
-    def take_kv_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+    def _flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            for sink in self.kv_event_sinks:
+                sink(events)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset()
+        """Forget every cached block (refused while requests hold blocks); sinks hear ``AllBlocksCleared``."""
+        done = self.pool.reset()
+        self._flush_events()
+        return done
 
     def check_integrity(self) -> None:
         """Assert the pool's accounting and that exactly the live requests own blocks."""

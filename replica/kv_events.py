@@ -3,18 +3,21 @@
 They are emitted at the granularity of block hashes, not physical blocks: ``BlockStored`` when a hash
 becomes present in this replica's cache (its first copy), ``BlockRemoved`` when its last copy is evicted,
 ``AllBlocksCleared`` on a prefix-cache reset. Replaying them in order mirrors the set of cached hashes
-exactly, which is all a publisher needs.
+exactly, which is all a publisher needs. The index publisher (``router/index_publisher.py``) reads them by
+their ``kind`` and ``block_hash`` only, so the router never imports the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.hashing import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
+    kind: ClassVar[str] = "stored"
     block_hash: BlockHash
     parent_block_hash: BlockHash | None
     """``None`` for block 0 of a chain."""
@@ -22,12 +25,13 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
+    kind: ClassVar[str] = "removed"
     block_hash: BlockHash
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    pass
+    kind: ClassVar[str] = "cleared"
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -45,3 +45,21 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
         if (smollm_dir / name).exists():
             shutil.copy(smollm_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free loopback port for the whole test session."""
+    from cluster.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def own_redis():
+    """A private redis-server for tests that stop or restart it."""
+    from cluster.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server

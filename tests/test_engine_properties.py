@@ -54,19 +54,18 @@ class Mirror:
                 self.hashes.clear()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_random_workloads_keep_integrity(engine, ops):
     mirror = Mirror()
     mirror.hashes = set(engine.pool.cached_hashes())
-    engine.take_kv_events()
+    engine.kv_event_sinks[:] = [mirror.apply]
     prefixes = [list(range(100, 100 + n)) for n in (0, 9, 21)]
     added: list[str] = []
     counter = len(engine.requests)
 
     def check():
         engine.check_integrity()
-        mirror.apply(engine.take_kv_events())
         assert mirror.hashes == set(engine.pool.cached_hashes())
 
     for op in ops:

@@ -42,3 +42,16 @@ def test_store_kv_skips_negative_slots():
     store_kv_torch(k, 2 * k, kc, vc, torch.tensor([5, -1, 0]))
     assert kc.view(-1, 8).sum(-1).nonzero().flatten().tolist() == [0, 5]
     assert vc.view(-1, 8)[5].eq(2).all()
+
+
+def test_backend_dispatch(monkeypatch):
+    from kernels import attention_backend
+
+    monkeypatch.delenv("KVMESH_ATTENTION_BACKEND", raising=False)
+    assert attention_backend(torch.device("cpu")) == "torch"
+    assert attention_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    assert attention_backend(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError):
+        attention_backend(torch.device("cpu"))

@@ -1,0 +1,154 @@
+"""Paged-attention kernel timings.
+
+CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode attention (gather through
+block tables + SDPA) over SDPA on contiguous KV of the same size. Batch 32, context 1,024, SmolLM2 shapes
+(9 query heads, 3 KV heads, head_dim 64), block 16, shuffled block tables. Goal <= 1.5x.
+
+CUDA (when a GPU is present): Triton decode vs the torch path vs SDPA on pre-gathered contiguous KV, for
+decode batch 1-256 and context 512-32k, with achieved bandwidth (KV bytes read / time) as a fraction of
+the device's measured device-to-device copy bandwidth; and extend (1-4k new tokens on 0-16k cached).
+Goal on H100/H200: decode >= 70% of copy bandwidth at batch >= 32, context >= 4k.
+
+    python -m benchmarks.attention_kernels [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.report import median, print_table, write_json
+from kernels import AttentionMetadata
+from kernels.torch_attention import paged_attention_torch
+
+
+def problem(batch, ctx, new, heads, kv_heads, head_dim, block_size, dtype, device):
+    """A batch of ``batch`` sequences of ``ctx`` tokens (``new`` of them queries) on shuffled blocks."""
+    nb = -(-ctx // block_size)
+    ids = list(range(batch * nb))
+    random.Random(0).shuffle(ids)
+    tables = [ids[i * nb : (i + 1) * nb] for i in range(batch)]
+    meta = AttentionMetadata.build([new] * batch, [ctx] * batch, tables, block_size, device)
+    shape = (batch * nb, block_size, kv_heads, head_dim)
+    kc = torch.randn(shape, dtype=dtype, device=device)
+    vc = torch.randn(shape, dtype=dtype, device=device)
+    q = torch.randn(batch * new, heads, head_dim, dtype=dtype, device=device)
+    return meta, q, kc, vc
+
+
+def contiguous(meta, cache, ctx):
+    """The same KV, gathered once into the [batch, kv_heads, ctx, head_dim] layout SDPA wants."""
+    return cache[meta.block_tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+
+
+def timeit(fn, repeats: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def cpu_overhead(repeats: int) -> dict:
+    batch, ctx, heads, kvh, d = 32, 1024, 9, 3, 64
+    meta, q, kc, vc = problem(batch, ctx, 1, heads, kvh, d, 16, torch.float32, "cpu")
+    k, v = contiguous(meta, kc, ctx), contiguous(meta, vc, ctx)
+    qs = q.view(batch, heads, 1, d)
+    scale = d**-0.5
+    paged = timeit(lambda: paged_attention_torch(q, kc, vc, meta, scale), repeats)
+    sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True), repeats)
+    return {"batch": batch, "context": ctx, "paged_ms": 1000 * paged, "sdpa_contiguous_ms": 1000 * sdpa,
+            "overhead": paged / sdpa, "goal": 1.5}  # fmt: skip
+
+
+def copy_bandwidth(device) -> float:
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    t = timeit(lambda: y.copy_(x), 20, torch.cuda.synchronize)
+    return 2 * x.numel() / t  # read + write
+
+
+def time_kernels(meta, q, kc, vc, repeats: int, with_sdpa: bool) -> dict:
+    """Median times (ms) of the Triton kernels, the torch path and (decode) SDPA on contiguous KV."""
+    from kernels.triton_attention import paged_attention_triton
+
+    sync = torch.cuda.synchronize
+    scale = q.shape[-1] ** -0.5
+    out = {
+        "triton_ms": 1e3 * timeit(lambda: paged_attention_triton(q, kc, vc, meta, scale), repeats, sync),
+        "torch_ms": 1e3 * timeit(lambda: paged_attention_torch(q, kc, vc, meta, scale), repeats, sync),
+    }
+    if with_sdpa:
+        ctx = meta.seq_lens_cpu[0]
+        k, v = contiguous(meta, kc, ctx), contiguous(meta, vc, ctx)
+        qs = q.view(k.shape[0], q.shape[1], 1, q.shape[2])
+        sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True), repeats, sync)
+        out["sdpa_contiguous_ms"] = 1e3 * sdpa
+    return out
+
+
+def cuda_sweep(repeats: int) -> dict:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    heads, kvh, d, bs = 32, 8, 128, 16  # Llama-3-8B attention shapes
+    bw = copy_bandwidth(dev)
+    decode = []
+    for batch in (1, 8, 32, 64, 128, 256):
+        for ctx in (512, 2048, 4096, 8192, 16384, 32768):
+            if batch * ctx > 256 * 8192:  # keep the pool within memory
+                continue
+            row = {"batch": batch, "context": ctx}
+            row.update(time_kernels(*problem(batch, ctx, 1, heads, kvh, d, bs, dtype, dev), repeats, True))
+            kv_bytes = 2 * batch * ctx * kvh * d * dtype.itemsize
+            row["triton_bw_fraction"] = kv_bytes / (row["triton_ms"] / 1e3) / bw
+            decode.append(row)
+    extend = []
+    for new in (1024, 4096):
+        for cached in (0, 4096, 16384):
+            row = {"new": new, "cached": cached}
+            row.update(time_kernels(*problem(1, cached + new, new, heads, kvh, d, bs, dtype, dev), repeats, False))
+            extend.append(row)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "copy_bandwidth_GBps": bw / 1e9,
+        "decode": decode,
+        "extend": extend,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    out: dict = {"cpu": cpu_overhead(args.repeats)}
+    c = out["cpu"]
+    print_table(
+        ["CPU decode, batch 32 x 1k ctx", "paged torch ms", "SDPA contiguous ms", "overhead", "goal"],
+        [["SmolLM2 shapes", c["paged_ms"], c["sdpa_contiguous_ms"], f"{c['overhead']:.2f}x", "<= 1.5x"]],
+    )
+    if torch.cuda.is_available():
+        out["cuda"] = g = cuda_sweep(args.repeats)
+        print(f"\n{g['device']}: copy bandwidth {g['copy_bandwidth_GBps']:.0f} GB/s")
+        print_table(
+            ["batch", "context", "triton ms", "torch ms", "SDPA contiguous ms", "triton % of copy BW"],
+            [[r["batch"], r["context"], r["triton_ms"], r["torch_ms"], r["sdpa_contiguous_ms"],
+              f"{100 * r['triton_bw_fraction']:.0f}%"] for r in g["decode"]],
+        )  # fmt: skip
+        print_table(
+            ["new tokens", "cached", "triton ms", "torch ms"],
+            [[r["new"], r["cached"], r["triton_ms"], r["torch_ms"]] for r in g["extend"]],
+        )
+    else:
+        print("\nno CUDA device: the Triton timing sweep was not run")
+    write_json("attention_kernels", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""How the global prefix index is laid out in Redis; shared by the lookup client and the publisher.
+
+Memory is the constraint (millions of (block, replica) entries), so blocks are bucketed into Redis hashes
+small enough to stay in Redis' compact listpack/ziplist encoding:
+
+    <prefix>b:<2 bytes>    HASH  field <6 bytes> -> packed 4-byte slots of the replicas holding the block
+    <prefix>log:<slot>     STRING  every 8-byte block key the slot ever added (for purging it)
+    <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
+    <prefix>reg / pending  HASH  replica id -> live slot / slot being resynchronised
+    <prefix>slots          counter that allocates slots
+    <prefix>meta           HASH  deployment and model names, for humans and `kvmesh status`
+
+A block key is the first 8 bytes of the block's 16-byte hash (2 bucket bytes + 6 field bytes): a collision
+among a few million blocks is a ~1e-6 event and costs one mis-routed request, never a wrong answer (the
+replica checks full hashes). A *slot* names one incarnation of one replica; every restart or
+resynchronisation takes a fresh slot, so stale entries can never be attributed to a live replica.
+Redis never holds prompt text or pickled objects: only these bytes and replica ids.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+
+import xxhash
+
+from router.hashing import BlockHash
+
+KEY_BYTES = 8
+DEFAULT_HEARTBEAT_TTL_S = 5.0
+
+
+def index_prefix(deployment: str, model: str) -> str:
+    """Namespace of one (deployment, model): two clusters or models can share a Redis without mixing."""
+    return f"kvm:{xxhash.xxh3_64_hexdigest(f'{deployment}|{model}'.encode())[:10]}:"
+
+
+def block_key(block_hash: BlockHash) -> bytes:
+    return block_hash[:KEY_BYTES]
+
+
+def chain_arg(block_hashes: list[BlockHash]) -> bytes:
+    return b"".join(h[:KEY_BYTES] for h in block_hashes)
+
+
+@cache
+def script_source(name: str) -> str:
+    return resources.files("router").joinpath("lua", f"{name}.lua").read_text()

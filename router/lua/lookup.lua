@@ -1,0 +1,69 @@
+-- For one chain of block keys and a list of candidate replicas, how many LEADING blocks each live
+-- candidate holds, in one round trip.
+-- ARGV[1] prefix, ARGV[2] chain (8 bytes per block: 2-byte bucket + 6-byte field), ARGV[3..] replica ids.
+-- Returns { hits, missing, dead }: hits = flat pairs (candidate position, count) for counts > 0; missing =
+-- positions of candidates with no live heartbeat; dead = ids of those still registered (to purge).
+-- Live candidates in neither list hold 0 blocks. Sparse replies keep the client's parsing cost flat in
+-- the number of candidates.
+--
+-- A replica's cached blocks of any chain are prefix-closed: a block is only ever cached after its
+-- parent, only reachable through it, and eviction is LRU with every request's blocks freed tail-first, so
+-- a parent always outlives its children. "Holds block i" is therefore monotone along the chain and each
+-- candidate's count is found by galloping then binary search (~2 log2 n probes, shared between candidates
+-- through a memo) instead of walking all n blocks.
+local p, chain = ARGV[1], ARGV[2]
+local n = #chain / 8
+local slots, live, missing, dead = {}, {}, {}, {}
+local hb = {}
+for i = 3, #ARGV do hb[#hb + 1] = p .. 'hb:' .. ARGV[i] end
+local beats = #hb > 0 and redis.call('MGET', unpack(hb)) or {}
+for k, slot in ipairs(beats) do
+  if slot then
+    slots[k] = slot
+    live[#live + 1] = k
+  else
+    missing[#missing + 1] = k
+    if redis.call('HEXISTS', p .. 'reg', ARGV[k + 2]) == 1 then dead[#dead + 1] = ARGV[k + 2] end
+  end
+end
+local memo = {}
+local function holders(i) -- replicas holding block i (1-based), as packed 4-byte slots
+  local v = memo[i]
+  if v == nil then
+    local at = (i - 1) * 8 + 1
+    v = redis.call('HGET', p .. 'b:' .. string.sub(chain, at, at + 1), string.sub(chain, at + 2, at + 7)) or ''
+    memo[i] = v
+  end
+  return v
+end
+local function holds(i, slot)
+  local v = holders(i)
+  for j = 1, #v, 4 do
+    if string.sub(v, j, j + 3) == slot then return true end
+  end
+  return false
+end
+local hits = {}
+for _, k in ipairs(live) do
+  local slot = slots[k]
+  local lo, hi, step = 0, n + 1, 1 -- blocks 1..lo held; block hi not held (n + 1: past the end)
+  while lo < n do
+    local probe = math.min(lo + step, n)
+    if holds(probe, slot) then
+      lo = probe
+      step = step * 2
+    else
+      hi = probe
+      break
+    end
+  end
+  while hi - lo > 1 and lo < n do
+    local mid = math.floor((lo + hi) / 2)
+    if holds(mid, slot) then lo = mid else hi = mid end
+  end
+  if lo > 0 then
+    hits[#hits + 1] = k
+    hits[#hits + 1] = lo
+  end
+end
+return { hits, missing, dead }

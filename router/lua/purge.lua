@@ -1,0 +1,42 @@
+-- Remove up to ARGV[4] of a slot's entries; call again until it returns 1.
+-- ARGV[1] prefix, ARGV[2] replica id, ARGV[3] slot or '' (''= the dead replica's registered and pending
+-- slots, refused with -1 while its heartbeat is alive), ARGV[4] chunk size.
+-- The slot's log lists every key it ever added (removals are not logged); a cursor key makes the work
+-- resumable by whoever calls next.
+local p, id, slot, chunk = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local forget = false
+if slot == '' then
+  if redis.call('EXISTS', p .. 'hb:' .. id) == 1 then return -1 end
+  slot = redis.call('HGET', p .. 'pending', id)
+  if not slot then
+    slot = redis.call('HGET', p .. 'reg', id)
+    forget = true
+  end
+  if not slot then return 1 end
+end
+local log, cursor_key = p .. 'log:' .. slot, p .. 'purge:' .. slot
+local cursor = tonumber(redis.call('GET', cursor_key) or '0')
+local data = redis.call('GETRANGE', log, cursor, cursor + chunk * 8 - 1)
+for i = 1, #data, 8 do
+  local bucket, field = p .. 'b:' .. string.sub(data, i, i + 1), string.sub(data, i + 2, i + 7)
+  local value = redis.call('HGET', bucket, field)
+  if value then
+    for j = 1, #value, 4 do
+      if string.sub(value, j, j + 3) == slot then
+        local rest = string.sub(value, 1, j - 1) .. string.sub(value, j + 4)
+        if rest == '' then redis.call('HDEL', bucket, field) else redis.call('HSET', bucket, field, rest) end
+        break
+      end
+    end
+  end
+end
+if #data < chunk * 8 then
+  redis.call('DEL', log, cursor_key)
+  if ARGV[3] == '' then
+    if forget then redis.call('HDEL', p .. 'reg', id) else redis.call('HDEL', p .. 'pending', id) end
+    return 0  -- this slot is done; the caller loops until nothing of <id> is left
+  end
+  return 1
+end
+redis.call('SET', cursor_key, cursor + #data)
+return 0

@@ -1,0 +1,111 @@
+"""Router side of the global prefix index: which replica holds how much of a request's prefix.
+
+One server-side script answers a lookup in one round trip. A lookup never raises and never waits longer
+than its timeout: on timeout or any Redis error it returns ``None`` ("unknown") and the router falls
+back to load-only routing. After a failure the client stays quiet for a short back-off, so a dead Redis
+costs the request path nothing. Scripts are registered once; redis-py reloads them transparently if Redis
+restarted and forgot them (NOSCRIPT). Replicas found registered but without a heartbeat are purged in the
+background by whoever notices first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.hashing import BlockHash
+from router.index_schema import chain_arg, index_prefix, script_source
+
+log = logging.getLogger(__name__)
+
+PURGE_CHUNK = 2000
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        redis_url: str,
+        deployment: str,
+        model: str,
+        timeout_s: float = 0.02,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.prefix = index_prefix(deployment, model)
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.client = aioredis.Redis.from_url(
+            redis_url, socket_timeout=max(timeout_s, 0.5), socket_connect_timeout=max(timeout_s, 0.5)
+        )
+        self._lookup = self.client.register_script(script_source("lookup"))
+        self._purge = self.client.register_script(script_source("purge"))
+        self._down_until = 0.0
+        self._purging: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.num_lookups = 0
+        self.num_unknown = 0
+
+    async def lookup(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> dict[str, int] | None:
+        """Leading blocks of ``block_hashes`` held by each *live* replica among ``replica_ids``.
+
+        Replicas missing from the result have no live heartbeat in the index. ``None`` means the index
+        could not answer in time; it is never an exception.
+        """
+        self.num_lookups += 1
+        if not replica_ids:
+            return {}
+        if time.monotonic() < self._down_until:
+            self.num_unknown += 1
+            return None
+        try:
+            hits, missing, dead = await asyncio.wait_for(
+                self._lookup(args=[self.prefix, chain_arg(block_hashes), *replica_ids]), self.timeout_s
+            )
+        except (TimeoutError, RedisError, OSError) as exc:
+            self.num_unknown += 1
+            self._down_until = time.monotonic() + self.backoff_s
+            log.debug("index lookup failed: %r", exc)
+            return None
+        for rid in dead:
+            self._start_purge(rid.decode())
+        out = dict.fromkeys(replica_ids, 0)
+        for k in missing:
+            out.pop(replica_ids[k - 1], None)
+        for i in range(0, len(hits), 2):
+            out[replica_ids[hits[i] - 1]] = hits[i + 1]
+        return out
+
+    def _start_purge(self, replica_id: str) -> None:
+        if replica_id in self._purging:
+            return
+        self._purging.add(replica_id)
+        task = asyncio.get_running_loop().create_task(self.purge_replica(replica_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def purge_replica(self, replica_id: str) -> bool:
+        """Remove every entry of a replica whose heartbeat expired; False if it is alive or Redis failed."""
+        try:
+            while True:
+                done = await self._purge(args=[self.prefix, replica_id, "", PURGE_CHUNK])
+                if done == -1:
+                    return False
+                if done == 1:
+                    log.info("purged index entries of dead replica %s", replica_id)
+                    return True
+        except RedisError as exc:
+            log.warning("purge of %s failed: %r", replica_id, exc)
+            return False
+        finally:
+            self._purging.discard(replica_id)
+
+    async def close(self, purge_grace_s: float = 2.0) -> None:
+        """Close the connection, letting in-flight purges finish for up to ``purge_grace_s``."""
+        if self._tasks:
+            _, pending = await asyncio.wait(list(self._tasks), timeout=purge_grace_s)
+            for task in pending:
+                task.cancel()
+        await self.client.aclose()

@@ -1,0 +1,33 @@
+"""Helpers for index tests: read back what Redis holds for a slot, run async lookups from sync tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from router.prefix_index import PrefixIndex
+
+
+def entries_of_slot(url: str, prefix: str, slot: bytes) -> set[bytes]:
+    """Every 8-byte block key whose replica list contains ``slot``."""
+    client = redis.Redis.from_url(url)
+    out = set()
+    for key in client.scan_iter(match=(prefix + "b:*").encode(), count=1000):
+        bucket = key[len(prefix) + 2 :]
+        for field, value in client.hgetall(key).items():
+            if any(value[i : i + 4] == slot for i in range(0, len(value), 4)):
+                out.add(bucket + field)
+    client.close()
+    return out
+
+
+def lookup(url: str, deployment: str, model: str, chain, ids, **kw):
+    async def go():
+        index = PrefixIndex(url, deployment, model, **kw)
+        try:
+            return await index.lookup(chain, ids)
+        finally:
+            await index.close()
+
+    return asyncio.run(go())

@@ -1,0 +1,189 @@
+"""The Redis prefix index against a real redis-server: publisher (replica side) + lookups (router side)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.hashing import hash_blocks, model_seed
+from router.index_publisher import KVIndexPublisher
+from router.index_schema import block_key, index_prefix
+from tests.index_helpers import entries_of_slot, lookup
+
+MODEL = "m"
+CHAINS = [hash_blocks(list(range(s, s + 16 * 40)), 16, model_seed(MODEL)) for s in (0, 10_000, 20_000)]
+
+
+class FakeCache:
+    """The publisher's view of an engine: a set of cached hashes plus the events that changed it."""
+
+    def __init__(self):
+        self.hashes: dict[bytes, None] = {}
+
+    def store(self, hashes):
+        new = [h for h in hashes if h not in self.hashes]
+        self.hashes.update(dict.fromkeys(new))
+        return [BlockStored(h, None) for h in new]
+
+    def remove(self, hashes):
+        gone = [h for h in hashes if self.hashes.pop(h, 0) is None]
+        return [BlockRemoved(h) for h in gone]
+
+    def snapshot(self):
+        return list(self.hashes)
+
+
+def make_publisher(url, deployment, name, cache, ttl=1.0, **kw):
+    return KVIndexPublisher(url, deployment, MODEL, name, cache.snapshot, heartbeat_ttl_s=ttl, **kw).start()
+
+
+def test_lookup_counts_leading_blocks_per_replica(redis_server, request):
+    dep = request.node.name
+    a_cache, b_cache = FakeCache(), FakeCache()
+    a = make_publisher(redis_server.url, dep, "a", a_cache)
+    b = make_publisher(redis_server.url, dep, "b", b_cache)
+    a.publish(a_cache.store(CHAINS[0][:30]))
+    b.publish(b_cache.store(CHAINS[0][:10] + CHAINS[1][:3]))
+    assert a.wait_synced(5) and b.wait_synced(5)
+    got = lookup(redis_server.url, dep, MODEL, CHAINS[0], [a.replica_id, b.replica_id, "nobody#1"])
+    assert got == {a.replica_id: 30, b.replica_id: 10}
+    a.publish(a_cache.remove(CHAINS[0][5:30]))  # evicted tail-first, as the engine does
+    assert a.wait_synced(5)
+    assert lookup(redis_server.url, dep, MODEL, CHAINS[0], [a.replica_id])[a.replica_id] == 5
+    assert lookup(redis_server.url, dep, MODEL, CHAINS[1], [a.replica_id, b.replica_id]) == {
+        a.replica_id: 0,
+        b.replica_id: 3,
+    }
+    a.close()
+    b.close()
+
+
+def test_clean_shutdown_removes_every_entry(redis_server, request):
+    dep = request.node.name
+    cache = FakeCache()
+    pub = make_publisher(redis_server.url, dep, "a", cache)
+    pub.publish(cache.store(CHAINS[0] + CHAINS[1]))
+    assert pub.wait_synced(5)
+    slot = pub.slot
+    assert len(entries_of_slot(redis_server.url, index_prefix(dep, MODEL), slot)) == 80
+    pub.close()
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = index_prefix(dep, MODEL)
+    leftover = [k for k in client.scan_iter(match=(prefix + "*").encode()) if not k.endswith((b"slots", b"meta"))]
+    assert leftover == []
+    assert lookup(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]) == {}
+
+
+def test_restarted_replica_never_inherits_and_dead_one_is_purged(redis_server, request):
+    dep = request.node.name
+    old_cache, new_cache = FakeCache(), FakeCache()
+    old = make_publisher(redis_server.url, dep, "r0", old_cache, ttl=0.6)
+    old.publish(old_cache.store(CHAINS[0]))
+    assert old.wait_synced(5)
+    old_slot = old.slot
+    old.close(remove_entries=False)  # the process died: nothing cleaned up
+    new = make_publisher(redis_server.url, dep, "r0", new_cache, ttl=0.6)
+    new.publish(new_cache.store(CHAINS[1][:4]))
+    assert new.wait_synced(5) and new.replica_id != old.replica_id
+    assert lookup(redis_server.url, dep, MODEL, CHAINS[0], [new.replica_id]) == {new.replica_id: 0}
+    time.sleep(0.8)  # the dead incarnation's heartbeat expires
+    got = lookup(redis_server.url, dep, MODEL, CHAINS[0], [old.replica_id, new.replica_id])
+    assert got == {new.replica_id: 0}  # never returned once expired
+    prefix = index_prefix(dep, MODEL)
+    deadline = time.monotonic() + 5
+    while entries_of_slot(redis_server.url, prefix, old_slot) and time.monotonic() < deadline:
+        lookup(redis_server.url, dep, MODEL, CHAINS[0], [old.replica_id])  # whoever notices purges
+        time.sleep(0.05)
+    assert entries_of_slot(redis_server.url, prefix, old_slot) == set()
+    assert not redis.Redis.from_url(redis_server.url).hexists(prefix + "reg", old.replica_id)
+    new.close()
+
+
+def test_redis_restart_with_data_loss_is_rebuilt_within_10s(own_redis):
+    cache = FakeCache()
+    pub = make_publisher(own_redis.url, "d", "a", cache, ttl=1.0)
+    pub.publish(cache.store(CHAINS[0]))
+    assert pub.wait_synced(5)
+    own_redis.restart()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        if lookup(own_redis.url, "d", MODEL, CHAINS[0], [pub.replica_id]) == {pub.replica_id: 40}:
+            break
+        time.sleep(0.1)
+    rebuilt = time.monotonic() - t0
+    assert rebuilt < 10, "index not rebuilt within 10 s"
+    assert pub.stats["resyncs"] >= 2
+    pub.close()
+
+
+def test_unreachable_redis_costs_nothing(own_redis):
+    cache = FakeCache()
+    pub = make_publisher(own_redis.url, "d", "a", cache, ttl=1.0, max_queued_steps=50)
+    pub.publish(cache.store(CHAINS[0][:8]))
+    assert pub.wait_synced(5)
+    own_redis.stop()
+    t0 = time.perf_counter()
+    assert (
+        lookup(f"redis://127.0.0.1:{own_redis.port}/0", "d", MODEL, CHAINS[0], [pub.replica_id], timeout_s=0.05) is None
+    )
+    assert time.perf_counter() - t0 < 1.0  # includes client set-up; the lookup itself is bounded by 50 ms
+    t0 = time.perf_counter()
+    for i in range(200):  # the engine keeps stepping: publishing must neither block nor grow without bound
+        pub.publish(cache.store(CHAINS[1][i % 40 : i % 40 + 1]) or cache.remove(CHAINS[1][i % 40 : i % 40 + 1]))
+    assert time.perf_counter() - t0 < 0.5
+    assert len(pub._queue) <= 50 and pub.stats["overflows"] >= 1
+    own_redis.start()
+    assert pub.wait_synced(10)
+    expected = sum(1 for _ in CHAINS[0][:8])
+    assert lookup(own_redis.url, "d", MODEL, CHAINS[0], [pub.replica_id]) == {pub.replica_id: expected}
+    assert entries_of_slot(own_redis.url, index_prefix("d", MODEL), pub.slot) == {block_key(h) for h in cache.hashes}
+    pub.close()
+
+
+def test_prefix_cache_reset_clears_the_replica(redis_server, request):
+    dep = request.node.name
+    cache = FakeCache()
+    pub = make_publisher(redis_server.url, dep, "a", cache)
+    pub.publish(cache.store(CHAINS[0]))
+    assert pub.wait_synced(5)
+    cache.hashes.clear()
+    pub.publish([AllBlocksCleared()])
+    assert pub.wait_synced(5)
+    assert lookup(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]) == {pub.replica_id: 0}
+    pub.close()
+
+
+def test_namespaces_isolate_models_and_deployments(redis_server):
+    cache = FakeCache()
+    pub = KVIndexPublisher(redis_server.url, "prod", "model-a", "r", cache.snapshot).start()
+    pub.publish(cache.store(CHAINS[0][:3]))
+    assert pub.wait_synced(5)
+    assert lookup(redis_server.url, "prod", "model-a", CHAINS[0], [pub.replica_id]) == {pub.replica_id: 3}
+    assert lookup(redis_server.url, "prod", "model-b", CHAINS[0], [pub.replica_id]) == {}
+    assert lookup(redis_server.url, "staging", "model-a", CHAINS[0], [pub.replica_id]) == {}
+    pub.close()
+
+
+def test_redis_holds_only_hashes_and_ids(redis_server, request):
+    dep = request.node.name
+    cache = FakeCache()
+    pub = make_publisher(redis_server.url, dep, "replica-7", cache)
+    pub.publish(cache.store(CHAINS[2]))
+    assert pub.wait_synced(5)
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = index_prefix(dep, MODEL).encode()
+    kinds = {k[len(prefix) :].split(b":")[0] for k in client.scan_iter(match=prefix + b"*")}
+    assert kinds <= {b"b", b"log", b"hb", b"reg", b"slots", b"meta"}
+    for key in client.scan_iter(match=prefix + b"b:*"):
+        assert len(key) == len(prefix) + 4 and all(len(f) == 6 for f in client.hkeys(key))
+    assert set(client.hgetall(prefix + b"meta")) == {b"deployment", b"model"}
+    pub.close()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_lookup_of_empty_or_unknown(redis_server, n):
+    assert lookup(redis_server.url, "x", MODEL, CHAINS[0], []) == {}
+    assert lookup(redis_server.url, "x", MODEL, [], [f"ghost#{i}" for i in range(n)]) == {}
