@@ -36,13 +36,15 @@ def store_kv_torch(
 
 
 def _scratch(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    bufs = getattr(_workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = {}
     key = (name, like.dtype, like.device)
-    buf = getattr(_workspace, "bufs", {}).get(key)
+    buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(
-            max(numel, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=like.dtype, device=like.device
-        )
-        _workspace.bufs = {**getattr(_workspace, "bufs", {}), key: buf}
+        grown = max(numel, int(1.25 * buf.numel()) if buf is not None else 0)
+        with torch.inference_mode(False):  # a normal tensor works inside and outside inference mode
+            buf = bufs[key] = torch.empty(grown, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 
