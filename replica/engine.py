@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,43 @@ class EngineStats:
     num_cached_blocks: int
 
 
+class StepRates:
+    """Running estimates of this engine's speed, reported to routers to turn queues into seconds.
+
+    ``prefill_tok_s`` comes from steps dominated by prefill, ``decode_token_s`` (seconds one running
+    sequence adds to a step) from pure-decode steps; both are exponential moving averages.
+    """
+
+    def __init__(self, prefill_tok_s: float = 2000.0, decode_token_s: float = 0.005, alpha: float = 0.2) -> None:
+        self.prefill_tok_s = prefill_tok_s
+        self.decode_token_s = decode_token_s
+        self.step_s = 0.02
+        self.mean_output_tokens = 128.0
+        self.alpha = alpha
+        self.prefill_measured = self.decode_measured = False
+
+    def observe_finished(self, output_tokens: int) -> None:
+        self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
+
+    def observe(self, batch: list, seconds: float) -> None:
+        prefill = sum(sr.num_new_tokens for sr in batch if sr.num_new_tokens > 1)
+        decodes = len(batch) - sum(1 for sr in batch if sr.num_new_tokens > 1)
+        a = self.alpha
+        self.step_s += a * (seconds - self.step_s)
+        if prefill >= 64 and prefill >= 8 * decodes:
+            rate = prefill / seconds
+            self.prefill_tok_s = (
+                rate if not self.prefill_measured else self.prefill_tok_s + a * (rate - self.prefill_tok_s)
+            )
+            self.prefill_measured = True
+        elif prefill == 0 and decodes:
+            per = seconds / decodes
+            self.decode_token_s = (
+                per if not self.decode_measured else self.decode_token_s + a * (per - self.decode_token_s)
+            )
+            self.decode_measured = True
+
+
 def _pick_device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)
@@ -88,6 +126,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
+        self.rates = StepRates()
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
         """Called with each step's KV events (the index publisher); they must not block."""
         self._ids = itertools.count()
@@ -179,6 +218,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        t0 = time.perf_counter()
         logits = self.runner.execute(batch, [self.kv.block_ids(sr.request) for sr in batch])
         sampling = [sr.request for sr in batch if sr.samples]
         for sr in batch:
@@ -188,10 +228,12 @@ class LLMEngine:
         for req, token in zip(sampling, sample(logits, sampling), strict=True):
             req.append_token(token)
             if req.finish_reason:
+                self.rates.observe_finished(len(req.output_token_ids))
                 self.scheduler.finish(req, req.finish_reason)
                 del self.requests[req.request_id]
             outputs.append(self._output(req, [token]))
         self._flush_events()
+        self.rates.observe(batch, time.perf_counter() - t0)
         return outputs
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
@@ -229,6 +271,26 @@ class LLMEngine:
         refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks)
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"
+
+    def load_report(self) -> dict:
+        """What routers need to estimate a newcomer's wait here (Ray Serve ``record_routing_stats``)."""
+        s = self.scheduler
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        pending += sum(
+            r.num_tokens - r.num_computed_tokens for r in s.running if r.num_computed_tokens < r.num_tokens - 1
+        )
+        return {
+            "pending_prefill_tokens": pending,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_usage": self.pool.usage,
+            # Unmeasured rates are left out: the router then assumes what the replica's peers measured.
+            "prefill_tok_s": self.rates.prefill_tok_s if self.rates.prefill_measured else None,
+            "decode_token_s": self.rates.decode_token_s if self.rates.decode_measured else None,
+            "step_s": self.rates.step_s,
+            "mean_output_tokens": self.rates.mean_output_tokens,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+        }
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -60,9 +60,12 @@ class KVIndexPublisher:
         heartbeat_interval_s: float | None = None,
         max_queued_steps: int = 4096,
         redis_timeout_s: float = 1.0,
+        unique_name: bool = False,
     ) -> None:
         self.prefix = index_prefix(deployment, model)
-        self.replica_id = f"{replica_name}#{uuid.uuid4().hex[:8]}"  # incarnation: restarts never collide
+        # A restarted replica must never inherit its predecessor's entries: add an incarnation, unless the
+        # caller's name is already unique per process (Ray Serve replica ids are).
+        self.replica_id = replica_name if unique_name else f"{replica_name}#{uuid.uuid4().hex[:8]}"
         self._snapshot = snapshot
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.interval_s = heartbeat_interval_s or heartbeat_ttl_s / 5

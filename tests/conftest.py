@@ -63,3 +63,25 @@ def own_redis():
 
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """One local Ray + Serve session shared by every integration test (Serve start costs ~12 s here)."""
+    import os
+
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+    import ray
+    from ray import serve
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    serve.start(proxy_location="Disabled")
+    yield serve
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,110 @@
+"""The engine deployment: one Ray Serve replica = one paged KV engine + its index publisher.
+
+The router (``router/serve_router.py``) sits on this deployment's handle; callers pass one dict per
+request (``generate.remote(body)``) carrying the token ids and the block hashes the ingress computed once,
+so neither the router nor the replica re-tokenizes or re-hashes. Each replica reports its load through
+``record_routing_stats`` and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
+
+from replica import AsyncLLM, EngineConfig, SamplingParams
+from router.index_publisher import KVIndexPublisher
+
+log = logging.getLogger(__name__)
+
+ROUTER_CLASS = "router.serve_router:KVAwareRequestRouter"
+
+
+class EngineServer:
+    def __init__(self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh") -> None:
+        config = EngineConfig(**engine)
+        self.llm = AsyncLLM.from_config(config)
+        self.engine = self.llm.engine
+        try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
+            name, unique = serve.get_replica_context().replica_id.unique_id, True
+        except RayServeException:  # outside Serve
+            name, unique = f"engine-{uuid.uuid4().hex[:8]}", True
+        self.publisher = None
+        if redis_url:
+            self.publisher = KVIndexPublisher(
+                redis_url, deployment, self.engine.model_id, name, self.engine.pool.cached_hashes, unique_name=unique
+            ).start()
+            self.engine.kv_event_sinks.append(self.publisher.publish)
+        self.index_id = self.publisher.replica_id if self.publisher else name
+
+    async def generate(self, body: dict) -> AsyncIterator[dict]:
+        """Stream one request: ``body`` has ``prompt_token_ids``, optional ``block_hashes``, ``params``
+        (``SamplingParams`` fields), ``cache_salt`` and ``request_id``. Yields one dict per engine step."""
+        params = SamplingParams(**(body.get("params") or {}))
+        async for out in self.llm.generate(
+            body["prompt_token_ids"],
+            params,
+            request_id=body.get("request_id"),
+            cache_salt=body.get("cache_salt"),
+            block_hashes=body.get("block_hashes") or None,
+        ):
+            yield {
+                "text": out.delta_text,
+                "token_ids": out.delta_token_ids,
+                "finish_reason": out.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "replica": self.index_id,
+            }
+
+    def record_routing_stats(self) -> dict:
+        return {**self.engine.load_report(), "index_id": self.index_id, "reported_at": time.time()}
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        return {**s.__dict__, "index_id": self.index_id}
+
+    def __del__(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
+
+
+def engine_deployment(
+    engine: dict,
+    num_replicas: int = 1,
+    redis_url: str | None = None,
+    deployment: str = "kvmesh",
+    policy: str = "kv_aware",
+    policy_kwargs: dict | None = None,
+    stats_period_s: float = 1.0,
+    max_ongoing_requests: int = 64,
+) -> serve.Application:
+    """The engine deployment with the KV-aware router (or a baseline policy) on its handles."""
+    model_id = EngineConfig(**engine).model
+    router = RequestRouterConfig(
+        request_router_class=ROUTER_CLASS,
+        request_router_kwargs={
+            "redis_url": redis_url,
+            "deployment": deployment,
+            "model": model_id,
+            "policy": policy,
+            "policy_kwargs": policy_kwargs or {},
+            "report_period_s": stats_period_s,
+        },
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=max(stats_period_s, 1.0),
+    )
+    return serve.deployment(
+        EngineServer,
+        name="engine",
+        num_replicas=num_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_ongoing_requests,
+        request_router_config=router,
+        health_check_period_s=2.0,
+    ).bind(engine, redis_url, deployment)

@@ -1,0 +1,210 @@
+"""Routing policies as plain objects: no Ray, no Redis, no torch.
+
+The same objects drive the Ray Serve request router (``router/serve_router.py``) and the trace simulator,
+so what is benchmarked is what is deployed. A policy sees the request (its block hashes, token count,
+optional session id), the candidate replicas' load, and, for prefix-aware policies, the index's answer
+(leading blocks held per replica, or ``None`` when the index is down). It returns candidates ranked best
+first plus the reason for the choice, which is counted in metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from router.hashing import BlockHash
+
+DEFAULT_PREFILL_TOK_S = 2000.0
+"""Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
+DEFAULT_DECODE_TOKEN_S = 0.0005
+"""Per running sequence, seconds it adds to every engine step, when not reported."""
+
+
+@dataclass
+class RouteRequest:
+    block_hashes: list[BlockHash]
+    num_tokens: int
+    block_size: int = 16
+    session_id: str | None = None
+
+
+@dataclass
+class ReplicaLoad:
+    """What the router knows of one replica: its last report plus what it routed there since."""
+
+    replica_id: str
+    pending_prefill_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefill_tok_s: float | None = None
+    """None until measured; routing then assumes the peers' median (or the module default)."""
+    decode_token_s: float | None = None
+    max_num_seqs: int = 256
+    step_s: float = 0.02
+    """Mean duration of one engine step."""
+    mean_output_tokens: float = 128.0
+    """Mean tokens generated per finished request: how long a batch slot stays taken."""
+    inflight_requests: int = 0
+    """Routed by this router since the replica's last report."""
+    inflight_prefill_tokens: int = 0
+
+    PREFILL_TOK_S_DEFAULT: ClassVar[float] = DEFAULT_PREFILL_TOK_S
+    DECODE_TOKEN_S_DEFAULT: ClassVar[float] = DEFAULT_DECODE_TOKEN_S
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds before a new request's first token could start: queued prefill, slowed by every running
+        sequence, plus the wait for a free batch slot once the replica already holds ``max_num_seqs``."""
+        prefill_rate = self.prefill_tok_s or DEFAULT_PREFILL_TOK_S
+        prefill = (self.pending_prefill_tokens + self.inflight_prefill_tokens) / max(prefill_rate, 1e-6)
+        running = min(self.load, self.max_num_seqs)
+        excess = max(0, self.load + 1 - self.max_num_seqs)
+        slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
+        return prefill + running * (self.decode_token_s or DEFAULT_DECODE_TOKEN_S) + slot_wait
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.inflight_requests
+
+
+@dataclass
+class Decision:
+    ranked: list[str]
+    """Replica ids, best first: the caller tries them in order (a full replica falls to the next)."""
+    reason: str
+    """Why the first was chosen: hit, load_override, miss, index_unavailable, ... (counted in metrics)."""
+    matched_blocks: int = 0
+    costs: dict[str, float] = field(default_factory=dict)
+
+
+class RoutingPolicy(Protocol):
+    name: str
+    uses_index: bool
+
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int] | None) -> Decision: ...
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None: ...
+
+
+class KVAwarePolicy:
+    """Ours: minimise the expected time to first token, in seconds.
+
+    ``cost(r) = queue_s(r) + miss_weight * uncached_tokens(r) / prefill_rate(r)``
+
+    A miss is weighted more than its own prefill time (default 4x) because it also delays everyone queued
+    behind it and copies the prefix onto a second replica, evicting other prefixes there. A replica holding
+    the prefix therefore wins until its queue is worth more than re-prefilling elsewhere, which spreads a
+    hot shared prefix over several replicas instead of pinning it to one. The holder also keeps the request
+    when the cheapest other replica saves less than ``override_margin_s``: estimates that close are noise,
+    and moving a conversation for them duplicates its prefix for nothing. When the index cannot answer,
+    the policy falls back to the prefix-ownership it remembers from its own recent decisions, then to load.
+    """
+
+    name = "kv_aware"
+    uses_index = True
+
+    def __init__(
+        self,
+        miss_weight: float = 4.0,
+        override_margin_s: float = 0.005,
+        predict_ttl_s: float = 2.0,
+        memory_size: int = 65536,
+    ) -> None:
+        if miss_weight < 0 or override_margin_s < 0:
+            raise ValueError("miss_weight and override_margin_s must be >= 0")
+        self.miss_weight = miss_weight
+        self.override_margin_s = override_margin_s
+        self.predict_ttl_s = predict_ttl_s
+        self._recent = _RecentOwners(memory_size)
+        self._rng = random.Random()
+
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int] | None) -> Decision:
+        if not replicas:
+            raise ValueError("no replicas to route to")
+        fill_unmeasured_rates(replicas)
+        reason_prefix = ""
+        ids = [r.replica_id for r in replicas]
+        if hits is None:
+            hits = self._recent.match(req.block_hashes, ids)
+            reason_prefix = "index_unavailable_"
+        elif self.predict_ttl_s > 0:  # what we just routed may not have reached the index yet
+            predicted = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
+            hits = {rid: max(hits.get(rid, 0), predicted[rid]) for rid in ids}
+        costs = {}
+        for r in replicas:
+            cached = min(hits.get(r.replica_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
+            uncached = req.num_tokens - cached
+            costs[r.replica_id] = r.queue_s + self.miss_weight * uncached / max(r.prefill_tok_s or 1.0, 1e-6)
+        jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
+        ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
+        holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
+        if holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
+            ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
+        best_hit = max((hits.get(r.replica_id, 0) for r in replicas), default=0)
+        chosen_hit = hits.get(ranked[0], 0)
+        if best_hit == 0:
+            reason = "miss"
+        elif chosen_hit == best_hit:
+            reason = "hit"
+        else:
+            reason = "load_override"
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs)
+
+    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+        self._recent.record(req.block_hashes, replica_id)
+
+
+class _RecentOwners:
+    """Bounded memory of which replica this router last sent each block to, and when.
+
+    Two uses: predict-on-route (a burst of siblings on a brand-new prefix lands together before the
+    replica's KV events reach the index) and the fallback when the index is down.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._owner: dict[BlockHash, tuple[str, float]] = {}
+
+    def record(self, block_hashes: list[BlockHash], replica_id: str) -> None:
+        now = time.monotonic()
+        for h in block_hashes:
+            self._owner.pop(h, None)
+            self._owner[h] = (replica_id, now)  # re-insert: dicts keep insertion order, oldest first
+        while len(self._owner) > self.size:
+            del self._owner[next(iter(self._owner))]
+
+    def match(
+        self, block_hashes: list[BlockHash], candidates: list[str], max_age_s: float = math.inf
+    ) -> dict[str, int]:
+        out = dict.fromkeys(candidates, 0)
+        oldest = time.monotonic() - max_age_s
+        owner = None
+        for i, h in enumerate(block_hashes):
+            entry = self._owner.get(h)
+            if entry is None or entry[1] < oldest or (owner is not None and entry[0] != owner) or entry[0] not in out:
+                break
+            owner = entry[0]
+            out[owner] = i + 1
+        return out
+
+
+def fill_unmeasured_rates(replicas: list[ReplicaLoad]) -> None:
+    """A replica that has not measured its speed yet (new, idle) is assumed as fast as its peers' median.
+
+    Replicas of one deployment run the same model on the same hardware; a pessimistic default would make
+    every fresh replica look expensive and herd traffic onto the first one that measured itself.
+    """
+    for attr in ("prefill_tok_s", "decode_token_s"):
+        known = sorted(getattr(r, attr) for r in replicas if getattr(r, attr) is not None)
+        fallback = known[len(known) // 2] if known else getattr(ReplicaLoad, attr.upper() + "_DEFAULT")
+        for r in replicas:
+            if getattr(r, attr) is None:
+                setattr(r, attr, fallback)
+
+
+def least_loaded(replicas: list[ReplicaLoad]) -> list[str]:
+    return [r.replica_id for r in sorted(replicas, key=lambda r: (r.queue_s, r.load, r.replica_id))]

@@ -1,0 +1,189 @@
+"""The Ray Serve ``RequestRouter`` that puts kvmesh's routing policies on the engine deployment's handle.
+
+Every process holding a handle to the engine deployment (each ingress replica, each proxy) runs one of
+these. It reads the request's precomputed block hashes from the call's first argument (a dict built by
+the ingress, see ``route_request``), asks the shared Redis index once, combines the answer with each
+replica's reported load (``record_routing_stats``) and the requests it routed itself since that report,
+and returns replicas ranked best first, one per group, so Ray falls back to the next when one is full.
+
+It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
+in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
+information, down to plain least-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.baselines import make_policy
+from router.policy import DEFAULT_PREFILL_TOK_S, ReplicaLoad, RouteRequest
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+LOAD_FIELDS = (
+    "pending_prefill_tokens", "num_running", "num_waiting", "kv_usage", "prefill_tok_s", "decode_token_s",
+    "max_num_seqs", "step_s", "mean_output_tokens",
+)  # fmt: skip
+"""Fields of a replica's ``record_routing_stats`` report copied into ``ReplicaLoad``."""
+
+
+def route_request(pending: PendingRequest | None) -> RouteRequest | None:
+    """The routing view of a call ``handle.generate.remote({...})``: block hashes, size, session."""
+    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+        return None
+    body: dict[str, Any] = pending.args[0]
+    hashes = body.get("block_hashes") or []
+    session = body.get("session_id") or getattr(pending.metadata, "session_id", None) or None
+    return RouteRequest(hashes, int(body.get("num_tokens") or 0), int(body.get("block_size") or 16), session)
+
+
+class KVAwareRequestRouter(RequestRouter):
+    """Configured with ``RequestRouterConfig(request_router_kwargs={...})`` -> ``initialize_state``."""
+
+    def initialize_state(
+        self,
+        redis_url: str | None = None,
+        deployment: str = "kvmesh",
+        model: str = "",
+        policy: str = "kv_aware",
+        policy_kwargs: dict | None = None,
+        lookup_timeout_s: float = 0.02,
+        max_sessions: int = 100_000,
+        report_period_s: float = 1.0,
+    ) -> None:
+        self.policy = make_policy(policy, **(policy_kwargs or {}))
+        self.index = (
+            PrefixIndex(redis_url, deployment, model, timeout_s=lookup_timeout_s)
+            if redis_url and self.policy.uses_index
+            else None
+        )
+        self.decisions: Counter[str] = Counter()
+        self.lookup_seconds: list[float] = []
+        self.report_period_s = report_period_s
+        self._inflight: dict[str, ReplicaID] = {}
+        self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._planned: dict[str, tuple[RouteRequest, dict[str, int]]] = {}
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _index_id(replica: RunningReplica) -> str:
+        """The id under which the replica publishes to the index (reported in its routing stats)."""
+        return (replica.routing_stats or {}).get("index_id") or replica.replica_id.unique_id
+
+    def _unreported(self, replica_id: ReplicaID, reported_at: float, prefill_tok_s: float) -> tuple[int, int]:
+        """Requests routed here after the replica's last load report, and the prefill they likely still need.
+
+        The replica works through that prefill at its reported rate, so each route's share decays with
+        its age instead of counting in full until the next report.
+        """
+        routes = self._recent_routes.get(replica_id)
+        if not routes:
+            return 0, 0
+        now = time.time()
+        horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
+        while routes and next(iter(routes.values()))[0] < horizon:
+            routes.popitem(last=False)
+        backlog, prev = 0.0, None
+        for routed_at, tokens in routes.values():  # a FIFO queue draining at the replica's prefill rate
+            if prev is not None:
+                backlog = max(0.0, backlog - (routed_at - prev) * prefill_tok_s)
+            backlog, prev = backlog + tokens, routed_at
+        return len(routes), int(max(0.0, backlog - (now - prev) * prefill_tok_s))
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        stats = replica.routing_stats or {}
+        load = ReplicaLoad(self._index_id(replica))
+        for key in LOAD_FIELDS:
+            if stats.get(key) is not None:
+                setattr(load, key, stats[key])
+        reported_at = float(stats.get("reported_at") or 0.0)
+        load.inflight_requests, load.inflight_prefill_tokens = self._unreported(
+            replica.replica_id, reported_at, load.prefill_tok_s or DEFAULT_PREFILL_TOK_S
+        )
+        return load
+
+    # ------------------------------------------------------------------ routing
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # all full: wait, then retry
+        if not candidate_replicas:
+            return []
+        req = route_request(pending_request)
+        by_id = {self._index_id(r): r for r in candidate_replicas}
+        if req is None:
+            self.decisions["no_routing_info"] += 1
+            loads = [self._load(r) for r in candidate_replicas]
+            return [[by_id[ld.replica_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
+        hits: dict[str, int] | None = {}
+        if self.policy.uses_index:
+            if self.index is None or not req.block_hashes:
+                hits = None if self.index is None else {}
+            else:
+                t0 = time.perf_counter()
+                hits = await self.index.lookup(req.block_hashes, list(by_id))
+                self.lookup_seconds = [*self.lookup_seconds[-999:], time.perf_counter() - t0]
+        # Loads are read after the lookup: decisions made while this one awaited Redis must count.
+        loads = [self._load(r) for r in candidate_replicas]
+        decision = self.policy.rank(req, loads, hits)
+        ranked = decision.ranked
+        previous = self._sessions.get(req.session_id) if req.session_id else None
+        if (
+            previous in by_id
+            and previous != ranked[0]
+            and decision.costs
+            and decision.costs[previous] - decision.costs[ranked[0]] <= getattr(self.policy, "override_margin_s", 0.005)
+        ):
+            ranked = [previous, *(r for r in ranked if r != previous)]
+            decision.reason = "session"
+        self.decisions[decision.reason] += 1
+        if pending_request is not None:
+            rid = pending_request.metadata.internal_request_id
+            self._planned[rid] = (req, hits or {})
+            # Count it against the first choice now: concurrent decisions must see each other.
+            self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
+        return [[by_id[rid]] for rid in ranked]
+
+    def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
+        for routes in self._recent_routes.values():
+            routes.pop(rid, None)
+        prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
+        self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
+        self._inflight[rid] = replica_id
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        planned = self._planned.pop(rid, None)
+        replica = self.curr_replicas.get(replica_id)
+        if planned is None or replica is None:
+            return
+        req, hits = planned
+        index_id = self._index_id(replica)
+        if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
+            self._track(rid, replica_id, req, hits, index_id)
+        self.policy.on_routed(req, index_id)
+        if req.session_id:
+            self._sessions[req.session_id] = index_id
+            self._sessions.move_to_end(req.session_id)
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._planned.pop(internal_request_id, None)
+        routed_to = self._inflight.pop(internal_request_id, None)
+        if routed_to is not None:
+            self._recent_routes.get(routed_to, {}).pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._recent_routes.pop(replica_id, None)

@@ -1,0 +1,143 @@
+"""Routing policies on fake replicas: pure logic, no Ray, no Redis."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
+from router.hashing import hash_blocks, model_seed
+from router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
+
+SEED = model_seed("t")
+
+
+def request(tokens, session=None):
+    return RouteRequest(hash_blocks(tokens, 16, SEED), len(tokens), 16, session)
+
+
+def replicas(n, **kw):
+    return [ReplicaLoad(f"r{i}", prefill_tok_s=2000, **kw) for i in range(n)]
+
+
+def test_kv_aware_prefers_the_replica_holding_the_prefix():
+    req = request(list(range(1024)))
+    d = KVAwarePolicy().rank(req, replicas(3), {"r0": 0, "r1": 60, "r2": 10})
+    assert d.ranked[0] == "r1" and d.reason == "hit" and d.matched_blocks == 60
+
+
+def test_kv_aware_overrides_a_hit_when_its_queue_costs_more_than_a_miss():
+    req = request(list(range(1024)))
+    reps = replicas(3)
+    reps[1].pending_prefill_tokens = 100_000  # 50 s of queued prefill on the holder
+    d = KVAwarePolicy().rank(req, reps, {"r0": 0, "r1": 64, "r2": 0})
+    assert d.ranked[0] != "r1" and d.reason == "load_override"
+    reps[1].pending_prefill_tokens = 500  # a short queue: the hit still wins
+    assert KVAwarePolicy().rank(req, reps, {"r0": 0, "r1": 64, "r2": 0}).ranked[0] == "r1"
+
+
+def test_kv_aware_miss_goes_to_least_loaded_and_ranks_everyone():
+    reps = replicas(3)
+    reps[0].num_running = 20
+    reps[2].inflight_prefill_tokens = 3000
+    d = KVAwarePolicy().rank(request(list(range(100))), reps, {"r0": 0, "r1": 0, "r2": 0})
+    assert (d.reason == "miss" and d.ranked == ["r1", "r0", "r2"]) or d.ranked[0] == "r1"
+    assert sorted(d.ranked) == ["r0", "r1", "r2"]
+
+
+def route_hot_prefix(rounds_busy: int, n: int = 300) -> Counter:
+    """Requests on one 512-token system prompt, one per round, each busy for ``rounds_busy`` rounds.
+
+    The index reports a hit on every replica that served the prefix before; a replica's load is its
+    concurrent requests, each adding 20 ms to a newcomer's TTFT (a CPU-class decode step share).
+    """
+    policy = KVAwarePolicy()
+    reps = {r.replica_id: r for r in replicas(4, decode_token_s=0.02)}
+    holders: set[str] = set()
+    busy: list[tuple[int, str]] = []
+    chosen = Counter()
+    for i in range(n):
+        for done in [b for b in busy if b[0] <= i]:
+            busy.remove(done)
+            reps[done[1]].inflight_requests -= 1
+        req = request(list(range(512)) + [100_000 + i] * 32)
+        hits = {rid: (32 if rid in holders else 0) for rid in reps}
+        rid = policy.rank(req, list(reps.values()), hits).ranked[0]
+        chosen[rid] += 1
+        holders.add(rid)
+        reps[rid].inflight_requests += 1
+        busy.append((i + rounds_busy, rid))
+    return chosen
+
+
+def test_hot_shared_prefix_stays_home_under_light_load_and_spreads_under_heavy_load():
+    light = route_hot_prefix(rounds_busy=10)
+    assert len(light) == 1, "light load should keep the prefix on one replica"
+    heavy = route_hot_prefix(rounds_busy=200)
+    assert len(heavy) >= 2, "a hot prefix pinned all traffic on one replica"
+    assert max(heavy.values()) <= 0.75 * sum(heavy.values())
+
+
+def test_kv_aware_falls_back_to_its_own_recent_decisions_when_the_index_is_down():
+    policy = KVAwarePolicy()
+    reps = replicas(3)
+    first = request(list(range(640)))
+    d = policy.rank(first, reps, {"r0": 0, "r1": 0, "r2": 0})
+    policy.on_routed(first, "r2")
+    sibling = request(list(range(640)) + [7] * 40)
+    d = policy.rank(sibling, reps, None)
+    assert d.ranked[0] == "r2" and d.reason == "index_unavailable_hit"
+    d = policy.rank(request([9] * 300), reps, None)
+    assert d.reason == "index_unavailable_miss"
+
+
+def test_dead_replicas_are_simply_not_candidates():
+    d = KVAwarePolicy().rank(request(list(range(320))), replicas(2), {"r1": 5})  # r0 not live in the index
+    assert d.ranked[0] == "r1" and set(d.ranked) == {"r0", "r1"}
+    with pytest.raises(ValueError):
+        KVAwarePolicy().rank(request([1] * 20), [], {})
+
+
+def test_round_robin_cycles():
+    p = RoundRobinPolicy()
+    firsts = [p.rank(request([1] * 20), replicas(3)).ranked[0] for _ in range(6)]
+    assert firsts == ["r0", "r1", "r2", "r0", "r1", "r2"]
+
+
+def test_pow2_picks_the_less_loaded_of_two():
+    reps = replicas(2)
+    reps[0].num_running = 10
+    assert all(PowerOfTwoPolicy(seed=s).rank(request([1] * 20), reps).ranked[0] == "r1" for s in range(10))
+
+
+def test_session_hash_is_sticky_and_bounded():
+    p = SessionHashPolicy(epsilon=0.25)
+    reps = replicas(4)
+    home = p.rank(request([1] * 40, "alice"), reps).ranked[0]
+    assert all(p.rank(request([i] * 40, "alice"), reps).ranked[0] == home for i in range(5))
+    spread = Counter(p.rank(request([1] * 40, f"user{i}"), reps).ranked[0] for i in range(200))
+    assert len(spread) == 4
+    next(r for r in reps if r.replica_id == home).num_running = 50  # overloaded: bounded load moves alice
+    d = p.rank(request([1] * 40, "alice"), reps)
+    assert d.ranked[0] != home and d.reason == "bounded_load"
+
+
+def test_approx_tree_follows_its_own_history_until_imbalanced():
+    p = ApproxTreePolicy()
+    reps = replicas(3)
+    req = request(list(range(800)))
+    first = p.rank(req, reps).ranked[0]
+    p.on_routed(req, first)
+    again = p.rank(request(list(range(800)) + [5] * 16), reps)
+    assert again.ranked[0] == first and again.reason == "tree_match"
+    next(r for r in reps if r.replica_id == first).num_waiting = 100  # 100 vs 0: imbalanced
+    d = p.rank(req, reps)
+    assert d.reason == "imbalanced" and d.ranked[0] != first
+
+
+def test_make_policy_by_name():
+    assert make_policy("kv_aware", miss_weight=2.0).miss_weight == 2.0
+    assert make_policy("pow2").name == "pow2"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")

@@ -1,0 +1,83 @@
+"""Integration: real Ray Serve, real Redis, 3 replicas of a tiny model, the KV-aware router on the handle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from cluster.engine_deployment import engine_deployment
+from router.hashing import hash_blocks, model_seed
+
+pytestmark = pytest.mark.integration
+
+REPLICAS = 3
+
+
+@pytest.fixture(scope="module")
+def engine_handle(ray_serve, redis_server, tiny_llama_dir):
+    engine = {"model": str(tiny_llama_dir), "num_kv_blocks": 512, "torch_threads": 1, "max_num_seqs": 8}
+    app = engine_deployment(engine, num_replicas=REPLICAS, redis_url=redis_server.url, deployment="it",
+                            stats_period_s=0.5)  # fmt: skip
+    handle = ray_serve.run(app, name="routing-it", route_prefix=None)
+    time.sleep(1.5)  # first load reports reach the router
+    yield handle.options(method_name="generate", stream=True), str(tiny_llama_dir)
+    ray_serve.delete("routing-it")
+
+
+async def call(handle, model, tokens, max_tokens=8, session=None):
+    body = {
+        "prompt_token_ids": tokens,
+        "block_hashes": hash_blocks(tokens, 16, model_seed(model)),
+        "num_tokens": len(tokens),
+        "block_size": 16,
+        "session_id": session,
+        "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    reply, cached, replica = [], 0, None
+    async for chunk in handle.remote(body):
+        reply += chunk["token_ids"]
+        cached, replica = chunk["num_cached_tokens"], chunk["replica"]
+    return reply, cached, replica
+
+
+def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handle):
+    handle, model = engine_handle
+
+    async def conversation(c: int):
+        history = [1000 + c] * 5 + list(range(2000 + 400 * c, 2000 + 400 * c + 300))  # system + context
+        homes, cached = [], []
+        for turn in range(4):
+            reply, hit, replica = await call(handle, model, history, max_tokens=12)
+            homes.append(replica)
+            cached.append(hit)
+            history = history + reply + [3000 + turn] * 20  # the next user message
+        return homes, cached, len(history)
+
+    async def main():
+        return await asyncio.gather(*(conversation(c) for c in range(6)))
+
+    results = asyncio.run(main())
+    for homes, cached, _ in results:
+        assert len(set(homes)) == 1, f"a conversation moved between replicas: {homes}"
+        assert all(h > 0 for h in cached[1:]), f"later turns found no cached history: {cached}"
+    assert len({homes[0] for homes, _, _ in results}) >= 2, "all conversations landed on one replica"
+
+
+def test_hot_system_prompt_spreads_once_loaded(engine_handle):
+    handle, model = engine_handle
+    system = list(range(7000, 7000 + 320))
+
+    async def main():
+        warm = await call(handle, model, [*system, 1, 2, 3], max_tokens=2)
+        # More concurrent requests than the holder has batch slots (8): the rest would queue behind them.
+        burst = await asyncio.gather(*(call(handle, model, system + [50 + i] * 8, max_tokens=48) for i in range(30)))
+        return warm, burst
+
+    warm, burst = asyncio.run(main())
+    replicas = Counter(r for _, _, r in burst)
+    assert len(replicas) >= 2, f"the hot prefix pinned every request to one replica: {replicas}"
+    assert replicas[warm[2]] >= max(replicas.values()) // 2 or replicas.most_common(1)[0][0] == warm[2]
+    assert sum(1 for _, hit, _ in burst if hit >= 256) >= len(burst) // 2
