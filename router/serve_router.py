@@ -70,7 +70,7 @@ class KVAwareRequestRouter(RequestRouter):
         self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
-        self._planned: dict[str, tuple[RouteRequest, dict[str, int]]] = {}
+        self._planned: dict[str, tuple[RouteRequest, dict[str, int], dict[ReplicaID, str]]] = {}
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -148,7 +148,8 @@ class KVAwareRequestRouter(RequestRouter):
         self.decisions[decision.reason] += 1
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
-            self._planned[rid] = (req, hits or {})
+            index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
+            self._planned[rid] = (req, hits or {}, index_ids)
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
         return [[by_id[rid]] for rid in ranked]
@@ -164,11 +165,10 @@ class KVAwareRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
         planned = self._planned.pop(rid, None)
-        replica = self.curr_replicas.get(replica_id)
-        if planned is None or replica is None:
+        if planned is None or replica_id not in planned[2]:
             return
-        req, hits = planned
-        index_id = self._index_id(replica)
+        req, hits, index_ids = planned
+        index_id = index_ids[replica_id]
         if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, hits, index_id)
         self.policy.on_routed(req, index_id)

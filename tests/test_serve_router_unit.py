@@ -1,0 +1,118 @@
+"""KVAwareRequestRouter's own logic, driven directly (no Ray cluster): stand-in replicas carry only what the
+router reads (id and load report); the index is a real redis-server, or a dead port."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+from cluster.embedded_redis import free_port
+from router.hashing import hash_blocks, model_seed
+from router.index_publisher import KVIndexPublisher
+from router.serve_router import KVAwareRequestRouter
+
+DEP = DeploymentID(name="engine", app_name="unit")
+
+
+@dataclass
+class Replica:
+    replica_id: ReplicaID
+    routing_stats: dict
+
+
+def make_router(url, **kw) -> KVAwareRequestRouter:
+    r = KVAwareRequestRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(redis_url=url, deployment="unit", model="m", lookup_timeout_s=0.5, **kw)
+    return r
+
+
+def replicas(n, **stats):
+    now = time.time()
+    return [Replica(ReplicaID(f"u{i}", DEP), {"index_id": f"u{i}", "reported_at": now, **stats}) for i in range(n)]
+
+
+def pending(tokens, i, session=None):
+    body = {"block_hashes": hash_blocks(tokens, 16, model_seed("m")), "num_tokens": len(tokens), "block_size": 16,
+            "session_id": session}  # fmt: skip
+    return SimpleNamespace(
+        args=[body], kwargs={}, metadata=SimpleNamespace(internal_request_id=f"q{i}", session_id=None),
+        routing_context=SimpleNamespace(should_backoff=False),
+    )  # fmt: skip
+
+
+def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
+    tokens = list(range(640))
+    pub = KVIndexPublisher(
+        redis_server.url, "unit", "m", "u2", lambda: hash_blocks(tokens, 16, model_seed("m")), unique_name=True
+    ).start()
+    assert pub.wait_synced(5)
+    reps = replicas(3, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(redis_server.url)
+        req = pending([*tokens, 1, 2, 3], 1)
+        ranked = await router.choose_replicas(reps, req)
+        assert ranked[0][0].replica_id.unique_id == "u2" and req.routing_context.should_backoff
+        assert router.decisions["hit"] == 1
+        assert router._load(reps[2]).inflight_requests == 1  # counted before Ray even sends it
+        router.on_request_completed(reps[2].replica_id, "q1")
+        assert router._load(reps[2]).inflight_requests == 0
+        miss = await router.choose_replicas(reps, pending([9] * 300, 2))
+        assert router.decisions["miss"] == 1 and len(miss) == 3
+        no_info = await router.choose_replicas(reps, SimpleNamespace(args=["not a dict"], metadata=None,
+                                                                     routing_context=SimpleNamespace()))  # fmt: skip
+        assert len(no_info) == 3 and router.decisions["no_routing_info"] == 1
+        await router.index.close()
+
+    asyncio.run(main())
+    pub.close()
+
+
+def test_index_down_still_routes_from_recent_decisions():
+    reps = replicas(3, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(f"redis://127.0.0.1:{free_port()}/0")
+        first = pending(list(range(480)), 1)
+        ranked = await router.choose_replicas(reps, first)
+        home = ranked[0][0]
+        router.on_request_routed(first, home.replica_id, None)
+        sibling = await router.choose_replicas(reps, pending([*range(480), 5, 6], 2))
+        assert sibling[0][0] is home
+        assert router.decisions["index_unavailable_hit"] == 1
+        await router.index.close()
+
+    asyncio.run(main())
+
+
+def test_session_breaks_near_ties_toward_the_previous_replica():
+    reps = replicas(3, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        first = pending([7] * 40, 1, session="alice")
+        home = (await router.choose_replicas(reps, first))[0][0]
+        router.on_request_routed(first, home.replica_id, None)
+        router.on_request_completed(home.replica_id, "q1")
+        again = await router.choose_replicas(reps, pending([8] * 40, 2, session="alice"))
+        assert again[0][0] is home
+
+    asyncio.run(main())
+
+
+def test_baseline_policy_selected_by_name():
+    reps = replicas(3)
+
+    async def main():
+        router = make_router(None, policy="round_robin")
+        firsts = [
+            (await router.choose_replicas(reps, pending([1] * 40, i)))[0][0].replica_id.unique_id for i in range(3)
+        ]
+        assert sorted(firsts) == ["u0", "u1", "u2"] and router.index is None
+
+    asyncio.run(main())
