@@ -91,6 +91,8 @@ class KVAwareRequestRouter(RequestRouter):
         horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
         while routes and next(iter(routes.values()))[0] < horizon:
             routes.popitem(last=False)
+        if not routes:
+            return 0, 0
         backlog, prev = 0.0, None
         for routed_at, tokens in routes.values():  # a FIFO queue draining at the replica's prefill rate
             if prev is not None:
@@ -113,6 +115,16 @@ class KVAwareRequestRouter(RequestRouter):
     # ------------------------------------------------------------------ routing
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        try:
+            return await self._choose(candidate_replicas, pending_request)
+        except Exception:  # a routing bug must cost one good decision, never the request
+            log.exception("KV-aware routing failed; falling back to the candidates in order")
+            self.decisions["router_error"] += 1
+            return [candidate_replicas]
+
+    async def _choose(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # all full: wait, then retry

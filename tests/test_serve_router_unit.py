@@ -116,3 +116,19 @@ def test_baseline_policy_selected_by_name():
         assert sorted(firsts) == ["u0", "u1", "u2"] and router.index is None
 
     asyncio.run(main())
+
+
+def test_a_newer_load_report_supersedes_routed_work():
+    reps = replicas(2, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        ranked = await router.choose_replicas(reps, pending([3] * 64, 1))
+        chosen = ranked[0][0]
+        assert router._load(chosen).inflight_requests == 1
+        chosen.routing_stats = {**chosen.routing_stats, "reported_at": time.time() + 1, "num_running": 1}
+        load = router._load(chosen)  # the report now includes it: counted once, not twice
+        assert (load.inflight_requests, load.inflight_prefill_tokens, load.num_running) == (0, 0, 1)
+
+    asyncio.run(main())

@@ -11,7 +11,7 @@ import pytest
 from cluster.engine_deployment import engine_deployment
 from router.hashing import hash_blocks, model_seed
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 REPLICAS = 3
 
