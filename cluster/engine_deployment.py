@@ -23,6 +23,8 @@ from router.index_publisher import KVIndexPublisher
 log = logging.getLogger(__name__)
 
 ROUTER_CLASS = "router.serve_router:KVAwareRequestRouter"
+RAY_POW2_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+"""``policy="pow2"`` deploys Ray Serve's own default router, the baseline users would otherwise get."""
 
 
 class EngineServer:
@@ -86,9 +88,12 @@ def engine_deployment(
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles."""
     model_id = EngineConfig(**engine).model
+    ray_pow2 = policy == "pow2"
     router = RequestRouterConfig(
-        request_router_class=ROUTER_CLASS,
-        request_router_kwargs={
+        request_router_class=RAY_POW2_CLASS if ray_pow2 else ROUTER_CLASS,
+        request_router_kwargs={}
+        if ray_pow2
+        else {
             "redis_url": redis_url,
             "deployment": deployment,
             "model": model_id,

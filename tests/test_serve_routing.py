@@ -81,3 +81,19 @@ def test_hot_system_prompt_spreads_once_loaded(engine_handle):
     assert len(replicas) >= 2, f"the hot prefix pinned every request to one replica: {replicas}"
     assert replicas[warm[2]] >= max(replicas.values()) // 2 or replicas.most_common(1)[0][0] == warm[2]
     assert sum(1 for _, hit, _ in burst if hit >= 256) >= len(burst) // 2
+
+
+def test_baseline_selected_by_one_config_value_serves_for_real(ray_serve, redis_server, tiny_llama_dir):
+    """``policy="pow2"`` deploys Ray Serve's own PowerOfTwoChoicesRequestRouter on the same engines."""
+    engine = {"model": str(tiny_llama_dir), "num_kv_blocks": 256, "torch_threads": 1}
+    app = engine_deployment(engine, num_replicas=2, redis_url=redis_server.url, deployment="pow2", policy="pow2")
+    handle = ray_serve.run(app, name="pow2-it", route_prefix=None).options(method_name="generate", stream=True)
+    model = str(tiny_llama_dir)
+
+    async def main():
+        return await asyncio.gather(*(call(handle, model, [40 + i] * 40, max_tokens=24) for i in range(16)))
+
+    results = asyncio.run(main())
+    ray_serve.delete("pow2-it")
+    assert all(len(reply) == 24 for reply, _, _ in results)
+    assert len({replica for _, _, replica in results}) == 2
