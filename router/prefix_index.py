@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router.hashing import BlockHash
-from router.index_schema import chain_arg, index_prefix, script_source
+from router.index_schema import block_key, chain_arg, index_prefix, script_source
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,29 @@ class PrefixIndex:
         for i in range(0, len(hits), 2):
             out[replica_ids[hits[i] - 1]] = hits[i + 1]
         return out
+
+    async def predict(self, block_hashes: list[BlockHash], replica_id: str, ttl_ms: int = 2000) -> None:
+        """Record that ``replica_id`` will hold these blocks (written right after routing, short TTL).
+
+        Keys sit at the depths the lookup script checks (1, 2, 4, ..., the end) so siblings routed by any
+        router process before the replica's events arrive still find the prefix. Failures are ignored.
+        """
+        n = len(block_hashes)
+        if not n or time.monotonic() < self._down_until:
+            return
+        depths, d = [], 1
+        while True:
+            depths.append(d)
+            if d == n:
+                break
+            d = min(2 * d, n)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for d in depths:
+                    pipe.set(self.prefix.encode() + b"p:" + block_key(block_hashes[d - 1]), replica_id, px=ttl_ms)
+                await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.debug("prediction not recorded: %r", exc)
 
     def _start_purge(self, replica_id: str) -> None:
         if replica_id in self._purging:

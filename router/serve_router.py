@@ -13,6 +13,7 @@ information, down to plain least-loaded.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -56,6 +57,7 @@ class KVAwareRequestRouter(RequestRouter):
         lookup_timeout_s: float = 0.02,
         max_sessions: int = 100_000,
         report_period_s: float = 1.0,
+        predict_ttl_s: float = 2.0,
     ) -> None:
         self.policy = make_policy(policy, **(policy_kwargs or {}))
         self.index = (
@@ -66,6 +68,8 @@ class KVAwareRequestRouter(RequestRouter):
         self.decisions: Counter[str] = Counter()
         self.lookup_seconds: list[float] = []
         self.report_period_s = report_period_s
+        self.predict_ttl_ms = int(predict_ttl_s * 1000)
+        self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[str, ReplicaID] = {}
         self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -166,6 +170,16 @@ class KVAwareRequestRouter(RequestRouter):
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
         return [[by_id[rid]] for rid in ranked]
 
+    def _background(self, coro) -> None:
+        """Fire-and-forget on the router's loop (the hook itself must not block)."""
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
         for routes in self._recent_routes.values():
             routes.pop(rid, None)
@@ -184,6 +198,8 @@ class KVAwareRequestRouter(RequestRouter):
         if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, hits, index_id)
         self.policy.on_routed(req, index_id)
+        if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
+            self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
         if req.session_id:
             self._sessions[req.session_id] = index_id
             self._sessions.move_to_end(req.session_id)

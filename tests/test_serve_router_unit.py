@@ -132,3 +132,28 @@ def test_a_newer_load_report_supersedes_routed_work():
         assert (load.inflight_requests, load.inflight_prefill_tokens, load.num_running) == (0, 0, 1)
 
     asyncio.run(main())
+
+
+def test_prediction_is_shared_across_router_processes(redis_server):
+    """Router A routes a new prefix; router B (another process) sends a sibling to the same replica before
+    any KV event exists, through the short-lived prediction in Redis."""
+    pubs = [KVIndexPublisher(redis_server.url, "unit", "m", f"u{i}", list, unique_name=True).start() for i in range(3)]
+    assert all(p.wait_synced(5) for p in pubs)
+    reps = replicas(3, prefill_tok_s=1000.0)
+    prefix = list(range(5000, 5000 + 800))
+
+    async def main():
+        a, b = make_router(redis_server.url), make_router(redis_server.url)
+        first = pending([*prefix, 1], 1)
+        home = (await a.choose_replicas(reps, first))[0][0]
+        a.on_request_routed(first, home.replica_id, None)
+        await asyncio.gather(*a._tasks)
+        home.routing_stats = {**home.routing_stats, "num_running": 4}  # without a hit, B would avoid it
+        sibling = await b.choose_replicas(reps, pending([*prefix, 2, 3], 2))
+        assert sibling[0][0].replica_id == home.replica_id and b.decisions["hit"] == 1
+        for r in (a, b):
+            await r.index.close()
+
+    asyncio.run(main())
+    for p in pubs:
+        p.close()

@@ -1,6 +1,9 @@
 -- For one chain of block keys and a list of candidate replicas, how many LEADING blocks each live
 -- candidate holds, in one round trip.
 -- ARGV[1] prefix, ARGV[2] chain (8 bytes per block: 2-byte bucket + 6-byte field), ARGV[3..] replica ids.
+-- Predictions (p:<block key> -> replica id, short TTL, written by routers right after routing) are
+-- checked at checkpoint depths 1, 2, 4, ... and the chain's end: a sibling of a request routed moments
+-- ago counts as a hit on that replica before its KV events arrive, from any router process.
 -- Returns { hits, missing, dead }: hits = flat pairs (candidate position, count) for counts > 0; missing =
 -- positions of candidates with no live heartbeat; dead = ids of those still registered (to purge).
 -- Live candidates in neither list hold 0 blocks. Sparse replies keep the client's parsing cost flat in
@@ -43,7 +46,7 @@ local function holds(i, slot)
   end
   return false
 end
-local hits = {}
+local counts = {}
 for _, k in ipairs(live) do
   local slot = slots[k]
   local lo, hi, step = 0, n + 1, 1 -- blocks 1..lo held; block hi not held (n + 1: past the end)
@@ -61,9 +64,30 @@ for _, k in ipairs(live) do
     local mid = math.floor((lo + hi) / 2)
     if holds(mid, slot) then lo = mid else hi = mid end
   end
-  if lo > 0 then
+  counts[k] = lo
+end
+if #live > 0 and n > 0 then
+  local position = {}
+  for _, k in ipairs(live) do position[ARGV[k + 2]] = k end
+  local depths, keys, d = {}, {}, 1
+  while true do
+    depths[#depths + 1] = d
+    local at = (d - 1) * 8 + 1
+    keys[#keys + 1] = p .. 'p:' .. string.sub(chain, at, at + 7)
+    if d == n then break end
+    d = math.min(d * 2, n)
+  end
+  local predicted = redis.call('MGET', unpack(keys))
+  for i, owner in ipairs(predicted) do
+    local k = owner and position[owner]
+    if k and depths[i] > counts[k] then counts[k] = depths[i] end
+  end
+end
+local hits = {}
+for _, k in ipairs(live) do
+  if counts[k] > 0 then
     hits[#hits + 1] = k
-    hits[#hits + 1] = lo
+    hits[#hits + 1] = counts[k]
   end
 end
 return { hits, missing, dead }
