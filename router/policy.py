@@ -95,12 +95,17 @@ class KVAwarePolicy:
 
     ``cost(r) = queue_s(r) + miss_weight * uncached_tokens(r) / prefill_rate(r)``
 
-    A miss is weighted more than its own prefill time (default 4x) because it also delays everyone queued
-    behind it and copies the prefix onto a second replica, evicting other prefixes there. A replica holding
+    A miss is weighted more than its own prefill time because it also delays everyone queued behind it and
+    copies the prefix onto a second replica, evicting other prefixes there. The default, 8x, comes from the
+    trace simulator (``benchmarks/simulate.py``, Mooncake conversation trace, 16 replicas): the best weight
+    grows with fleet load, about 1.6 / (1 - load): 4 at 60%, 8 at 80%, 16 at 90%; 8 is best at the 80%
+    reference load and within 3% (60%) / 22% (90%) of the best elsewhere. A replica holding
     the prefix therefore wins until its queue is worth more than re-prefilling elsewhere, which spreads a
-    hot shared prefix over several replicas instead of pinning it to one. The holder also keeps the request
-    when the cheapest other replica saves less than ``override_margin_s``: estimates that close are noise,
-    and moving a conversation for them duplicates its prefix for nothing. When the index cannot answer,
+    hot shared prefix over several replicas instead of pinning it to one. A holder of most of the request
+    (its conversation history) also keeps it when the cheapest other replica saves less than
+    ``override_margin_s``: estimates that close are noise, and moving a conversation for them duplicates its
+    prefix for nothing. Holding only a short shared prefix earns no such bias, or new conversations would
+    herd onto whichever replica first cached the system prompt. When the index cannot answer,
     the policy falls back to the prefix-ownership it remembers from its own recent decisions, then to load.
     """
 
@@ -109,7 +114,7 @@ class KVAwarePolicy:
 
     def __init__(
         self,
-        miss_weight: float = 4.0,
+        miss_weight: float = 8.0,
         override_margin_s: float = 0.005,
         predict_ttl_s: float = 2.0,
         memory_size: int = 65536,
@@ -133,7 +138,8 @@ class KVAwarePolicy:
             reason_prefix = "index_unavailable_"
         elif self.predict_ttl_s > 0:  # what we just routed may not have reached the index yet
             predicted = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
-            hits = {rid: max(hits.get(rid, 0), predicted[rid]) for rid in ids}
+            known = max((hits.get(rid, 0) for rid in ids), default=0)  # extend the index, never contradict it
+            hits = {rid: max(hits.get(rid, 0), predicted[rid] if predicted[rid] > known else 0) for rid in ids}
         costs = {}
         for r in replicas:
             cached = min(hits.get(r.replica_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
@@ -142,7 +148,12 @@ class KVAwarePolicy:
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
-        if holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
+        holder_share = hits.get(holder, 0) * req.block_size / max(req.num_tokens, 1)
+        if (
+            holder != ranked[0]
+            and holder_share >= 0.5  # a conversation's own history, not just a shared system prompt
+            and costs[holder] - costs[ranked[0]] <= self.override_margin_s
+        ):
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
         best_hit = max((hits.get(r.replica_id, 0) for r in replicas), default=0)
         chosen_hit = hits.get(ranked[0], 0)
@@ -180,15 +191,19 @@ class _RecentOwners:
     def match(
         self, block_hashes: list[BlockHash], candidates: list[str], max_age_s: float = math.inf
     ) -> dict[str, int]:
+        """Per candidate, the deepest block of the chain last sent to it (it received the whole prefix).
+
+        Shallow shared blocks (a system prompt) are re-recorded by every request, so their owner is just
+        the latest router choice; each replica's depth is therefore read independently, not as one chain.
+        """
         out = dict.fromkeys(candidates, 0)
         oldest = time.monotonic() - max_age_s
-        owner = None
         for i, h in enumerate(block_hashes):
             entry = self._owner.get(h)
-            if entry is None or entry[1] < oldest or (owner is not None and entry[0] != owner) or entry[0] not in out:
-                break
-            owner = entry[0]
-            out[owner] = i + 1
+            if entry is None:
+                break  # nobody was sent this deep: nothing deeper either
+            if entry[1] >= oldest and entry[0] in out:
+                out[entry[0]] = i + 1
         return out
 
 

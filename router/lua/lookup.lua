@@ -78,9 +78,13 @@ if #live > 0 and n > 0 then
     d = math.min(d * 2, n)
   end
   local predicted = redis.call('MGET', unpack(keys))
+  local known = 0 -- predictions only extend what the KV events already show somewhere: a prefix that some
+  for _, k in ipairs(live) do -- replica really caches (a system prompt) must not pull traffic to the
+    if counts[k] > known then known = counts[k] end -- latest router choice
+  end
   for i, owner in ipairs(predicted) do
     local k = owner and position[owner]
-    if k and depths[i] > counts[k] then counts[k] = depths[i] end
+    if k and depths[i] > known and depths[i] > counts[k] then counts[k] = depths[i] end
   end
 end
 local hits = {}
