@@ -99,7 +99,7 @@ class KVAwarePolicy:
     copies the prefix onto a second replica, evicting other prefixes there. The default, 8x, comes from the
     trace simulator (``benchmarks/simulate.py``, Mooncake conversation trace, 16 replicas): the best weight
     grows with fleet load, about 1.6 / (1 - load): 4 at 60%, 8 at 80%, 16 at 90%; 8 is best at the 80%
-    reference load and within 3% (60%) / 22% (90%) of the best elsewhere. A replica holding
+    reference load and within 2.5% (60%) / 6% (90%) of the best elsewhere (mean TTFT). A replica holding
     the prefix therefore wins until its queue is worth more than re-prefilling elsewhere, which spreads a
     hot shared prefix over several replicas instead of pinning it to one. A holder of most of the request
     (its conversation history) also keeps it when the cheapest other replica saves less than
