@@ -46,6 +46,38 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _attend(
+    qt, q_pos, k_cache, v_cache, table, seq_len, end, kv_off, scale, stride_cb, stride_cs,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over keys ``[0, end)`` of one
+    sequence and one KV head, read tile by tile through its block table ``table``; online softmax in fp32."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < seq_len
+        blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_off
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc / l_i[:, None]
+
+
+@triton.jit
 def _decode_kernel(
     q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -59,33 +91,16 @@ def _decode_kernel(
         seq_len = tl.load(seq_lens + seq)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, BLOCK_D)
-        dmask = d < HEAD_DIM
-        qmask = (g[:, None] < GROUP) & dmask[None, :]
+        qmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
         heads = kvh * GROUP + g
         qt = tl.load(q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
-        for start in range(0, seq_len, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < seq_len
-            blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-            off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            kvmask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(
-            out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out.dtype.element_ty), mask=qmask
-        )
+        q_pos = tl.full([GROUP_P], 0, tl.int32) + seq_len - 1  # the one new token is the last position
+        o = _attend(
+            qt, q_pos, k_cache, v_cache, block_tables + seq * stride_bt, seq_len, seq_len, kvh * stride_ch,
+            scale, stride_cb, stride_cs, GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION,
+        )  # fmt: skip
+        dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -98,41 +113,20 @@ def _extend_kernel(
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
-    kvh = head // GROUP
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     if (q_len > 1) & (tile * BLOCK_M < q_len):
         seq_len = tl.load(seq_lens + seq)
         ctx = seq_len - q_len
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < q_len
         d = tl.arange(0, BLOCK_D)
-        dmask = d < HEAD_DIM
-        qmask = mmask[:, None] & dmask[None, :]
+        qmask = (m[:, None] < q_len) & (d[None, :] < HEAD_DIM)
         qt = tl.load(q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qmask, other=0.0)
-        q_pos = ctx + m
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
-        for start in range(0, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < seq_len
-            blk = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-            off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            kvmask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-            s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
-            visible = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        o = acc / l_i[:, None]
+        end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
+        o = _attend(
+            qt, ctx + m, k_cache, v_cache, block_tables + seq * stride_bt, seq_len, end, (head // GROUP) * stride_ch,
+            scale, stride_cb, stride_cs, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION,
+        )  # fmt: skip
         dst = out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
 
