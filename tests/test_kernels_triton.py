@@ -19,33 +19,14 @@ triton = pytest.importorskip("triton")
 from kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
 from kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
-from tests.kernel_cases import random_batch, relative_error  # noqa: E402
-
-GROUPS = [1, 3, 4, 8]
+from tests.kernel_cases import check_against_reference, random_batch, relative_error  # noqa: E402
 
 
 @pytest.mark.parametrize("case", range(8))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_kernels_match_reference(case, dtype, tol):
-    rng = random.Random(1000 + case * 31 + (dtype == torch.float16))
-    block_size = rng.choice([16, 32])
-    group = GROUPS[case % 4]
-    kv_heads = rng.choice([1, 2])
-    head_dim = 64 if case % 2 else 128
-    meta, q, k, v, kc, vc = random_batch(rng, block_size, kv_heads, group, head_dim, max_len=160, max_batch=4)
-    scale = head_dim**-0.5
-
-    ref_kc, ref_vc = kc.clone(), vc.clone()
-    store_kv_reference(k, v, ref_kc, ref_vc, meta.slot_mapping)
-    expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale)
-
-    kc_t, vc_t = kc.to(dtype), vc.to(dtype)
-    store_kv_triton(k.to(dtype), v.to(dtype), kc_t, vc_t, meta.slot_mapping)
-    assert torch.equal(kc_t, ref_kc.to(dtype)) and torch.equal(vc_t, ref_vc.to(dtype))
-    out = torch.full_like(q, float("nan"), dtype=dtype)  # any element the kernels skip stays NaN
-    paged_attention_triton(q.to(dtype), kc_t, vc_t, meta, scale, out=out)
-    err = relative_error(out, expected)
-    assert err <= tol, f"relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"
+    seed = 1000 + case * 31 + (dtype == torch.float16)
+    check_against_reference(store_kv_triton, paged_attention_triton, seed, case, dtype, tol, max_len=160, max_batch=4)
 
 
 def test_store_kv_skips_negative_slots_and_touches_nothing_else():
