@@ -67,10 +67,6 @@ class EngineServer:
     def record_routing_stats(self) -> dict:
         return {**self.engine.load_report(), "index_id": self.index_id, "reported_at": time.time()}
 
-    def stats(self) -> dict:
-        s = self.engine.stats()
-        return {**s.__dict__, "index_id": self.index_id}
-
     def __del__(self) -> None:
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()

@@ -45,8 +45,6 @@ class PrefixIndex:
         self._down_until = 0.0
         self._purging: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.num_lookups = 0
-        self.num_unknown = 0
 
     async def lookup(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> dict[str, int] | None:
         """Leading blocks of ``block_hashes`` held by each *live* replica among ``replica_ids``.
@@ -54,18 +52,15 @@ class PrefixIndex:
         Replicas missing from the result have no live heartbeat in the index. ``None`` means the index
         could not answer in time; it is never an exception.
         """
-        self.num_lookups += 1
         if not replica_ids:
             return {}
         if time.monotonic() < self._down_until:
-            self.num_unknown += 1
             return None
         try:
             hits, missing, dead = await asyncio.wait_for(
                 self._lookup(args=[self.prefix, chain_arg(block_hashes), *replica_ids]), self.timeout_s
             )
         except (TimeoutError, RedisError, OSError) as exc:
-            self.num_unknown += 1
             self._down_until = time.monotonic() + self.backoff_s
             log.debug("index lookup failed: %r", exc)
             return None

@@ -181,8 +181,9 @@ class KVAwareRequestRouter(RequestRouter):
         task.add_done_callback(self._tasks.discard)
 
     def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
-        for routes in self._recent_routes.values():
-            routes.pop(rid, None)
+        previous = self._inflight.get(rid)  # re-tracked when Ray fell back to a later choice
+        if previous is not None:
+            self._recent_routes.get(previous, {}).pop(rid, None)
         prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
         self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
         self._inflight[rid] = replica_id
