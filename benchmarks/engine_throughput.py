@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.report import median, print_table, write_json
 from replica import LLM, SamplingParams
-from replica.model_loader import resolve_model_dir
+from replica.model_files import resolve_model_dir
 
 
 def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:

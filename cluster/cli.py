@@ -1,13 +1,14 @@
-"""The ``kvmesh`` command. ``kvmesh generate`` streams a completion from one local engine."""
+"""The ``kvmesh`` command: ``serve`` a cluster, show its ``status``, or ``generate`` from one local engine."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 
-from replica.model_loader import DEFAULT_MODEL
+from replica.model_files import DEFAULT_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -46,6 +47,47 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.config import build_config
+    from cluster.launcher import run_until_signalled
+
+    engine = {
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
+        "device": args.device,
+        "torch_threads": args.threads,
+    }
+    overrides = {
+        "model": args.model,
+        "served_model_name": args.served_model_name,
+        "replicas": args.replicas,
+        "policy": args.policy,
+        "address": args.address,
+        "redis_url": args.redis_url,
+        "host": args.host,
+        "http_port": args.port,
+        "grpc_port": args.grpc_port,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "engine": {k: v for k, v in engine.items() if v is not None},
+    }
+    return run_until_signalled(build_config(args.config, overrides))
+
+
+def _status(args: argparse.Namespace) -> int:
+    from cluster.status import fetch_status, render_status
+
+    try:
+        status = fetch_status(args.url)
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="Multi-replica LLM serving with KV-aware routing")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +103,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="start a cluster: Ray, Redis, OpenAI HTTP on :8000, gRPC on :9000, N engine replicas",
+        description="Flags override the --config YAML file, which overrides the defaults (cluster/config.py).",
+    )
+    srv.add_argument("--config", help="YAML file of ClusterConfig settings (engine settings under `engine:`)")
+    srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
+    srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    srv.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
+    srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
+    srv.add_argument("--redis-url", help="index Redis (default: start an embedded one on a free loopback port)")
+    srv.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    srv.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
+    srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
+    srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
+    srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    srv.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
+    srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
+    srv.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")
+    st.add_argument("--json", action="store_true", help="print the raw status document")
+    st.set_defaults(func=_status)
     return parser
 
 

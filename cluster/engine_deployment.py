@@ -8,6 +8,7 @@ so neither the router nor the replica re-tokenizes or re-hashes. Each replica re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from replica import AsyncLLM, EngineConfig, SamplingParams
+from router.hashing import first_block_extra, hash_block
 from router.index_publisher import KVIndexPublisher
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,13 @@ class EngineServer:
         self.publisher = None
         if redis_url:
             self.publisher = KVIndexPublisher(
-                redis_url, deployment, self.engine.model_id, name, self.engine.pool.cached_hashes, unique_name=unique
+                redis_url,
+                deployment,
+                self.engine.model_id,
+                name,
+                self.engine.pool.cached_hashes,
+                unique_name=unique,
+                status=self.status,
             ).start()
             self.engine.kv_event_sinks.append(self.publisher.publish)
         self.index_id = self.publisher.replica_id if self.publisher else name
@@ -53,7 +61,7 @@ class EngineServer:
             params,
             request_id=body.get("request_id"),
             cache_salt=body.get("cache_salt"),
-            block_hashes=body.get("block_hashes") or None,
+            block_hashes=self._checked_hashes(body),
         ):
             yield {
                 "text": out.delta_text,
@@ -63,6 +71,28 @@ class EngineServer:
                 "prompt_tokens": len(out.prompt_token_ids),
                 "replica": self.index_id,
             }
+
+    def _checked_hashes(self, body: dict) -> list[bytes] | None:
+        """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
+
+        A wrong chain would make the prefix cache serve another prompt's KV, so the first and last blocks
+        are recomputed (two block hashes, microseconds): they pin the seed, the tenant salt, the block size
+        and, through the chain, every token."""
+        hashes, ids, size = body.get("block_hashes"), body["prompt_token_ids"], self.engine.block_size
+        if not hashes or body.get("block_size") != size or len(hashes) != len(ids) // size:
+            return None
+        extra = first_block_extra(body.get("cache_salt"))
+        first = hash_block(self.engine.hash_seed, ids[:size], extra)
+        last_parent = hashes[-2] if len(hashes) > 1 else None
+        last = hash_block(last_parent, ids[(len(hashes) - 1) * size : len(hashes) * size]) if last_parent else first
+        if hashes[0] != first or hashes[-1] != last:
+            log.warning("request %s: block hashes do not match this engine's; rehashing", body.get("request_id"))
+            return None
+        return hashes
+
+    def status(self) -> dict:
+        """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
+        return dataclasses.asdict(self.engine.stats())
 
     def record_routing_stats(self) -> dict:
         return {**self.engine.load_report(), "index_id": self.index_id, "reported_at": time.time()}

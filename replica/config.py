@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replica.model_loader import DEFAULT_MODEL
+from replica.model_files import DEFAULT_MODEL
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""

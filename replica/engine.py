@@ -16,6 +16,7 @@ from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_cache_manager import KVCacheManager
 from replica.kv_events import KVEvent
+from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
 from replica.model_runner import ModelRunner, kv_bytes_per_block
 from replica.request import Request
@@ -155,8 +156,7 @@ class LLMEngine:
         return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def add_request(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from replica.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine, RequestOutput
-from replica.model_loader import DEFAULT_MODEL
+from replica.model_files import DEFAULT_MODEL
 from replica.sampling_params import SamplingParams
 
 

@@ -15,6 +15,7 @@ queue lock guarantees.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -61,12 +62,15 @@ class KVIndexPublisher:
         max_queued_steps: int = 4096,
         redis_timeout_s: float = 1.0,
         unique_name: bool = False,
+        status: Callable[[], dict] | None = None,
     ) -> None:
         self.prefix = index_prefix(deployment, model)
         # A restarted replica must never inherit its predecessor's entries: add an incarnation, unless the
         # caller's name is already unique per process (Ray Serve replica ids are).
         self.replica_id = replica_name if unique_name else f"{replica_name}#{uuid.uuid4().hex[:8]}"
         self._snapshot = snapshot
+        self._status = status
+        """Called on each heartbeat; its report is stored beside the heartbeat for metrics and status."""
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self.interval_s = heartbeat_interval_s or heartbeat_ttl_s / 5
         self.max_queued_steps = max_queued_steps
@@ -137,7 +141,8 @@ class KVIndexPublisher:
             self._thread.join(timeout=10)
         if remove_entries:
             try:
-                self.client.delete(self.prefix + "hb:" + self.replica_id)  # lookups stop seeing us at once
+                # lookups stop seeing us at once
+                self.client.delete(self.prefix + "hb:" + self.replica_id, self.prefix + "st:" + self.replica_id)
                 while self._scripts["purge"](args=[self.prefix, self.replica_id, "", CHUNK]) != 1:
                     pass
             except RedisError as exc:
@@ -167,7 +172,8 @@ class KVIndexPublisher:
                 elif batch:
                     self._apply(batch)
                 if time.monotonic() >= next_beat:
-                    if self._scripts["beat"](args=[self.prefix, self.replica_id, self.slot, self.ttl_ms]) != 1:
+                    beat = [self.prefix, self.replica_id, self.slot, self.ttl_ms, self._status_json()]
+                    if self._scripts["beat"](args=beat) != 1:
                         raise StaleSlotError("heartbeat refused")
                     next_beat = time.monotonic() + self.interval_s
                 backoff = 0.05
@@ -180,6 +186,15 @@ class KVIndexPublisher:
                 backoff = min(2 * backoff, 1.0)
             finally:
                 self._busy = False
+
+    def _status_json(self) -> str:
+        if self._status is None:
+            return ""
+        try:
+            report = self._status()
+        except Exception as exc:  # a status bug must never stop the heartbeat
+            report = {"status_error": repr(exc)}
+        return json.dumps({**report, "index_entries": self._live, "reported_at": time.time()})
 
     def _apply(self, ops: bytes) -> None:
         if self._scripts["publish"](args=[self.prefix, self.replica_id, self.slot, ops]) != 1:

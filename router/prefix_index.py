@@ -11,6 +11,7 @@ background by whoever notices first.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -95,6 +96,29 @@ class PrefixIndex:
                 await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
         except (TimeoutError, RedisError, OSError) as exc:
             log.debug("prediction not recorded: %r", exc)
+
+    async def replica_reports(self) -> dict[str, dict]:
+        """The latest status report of every registered replica with a live heartbeat (for metrics, status).
+
+        Reports are JSON written by the replicas' publishers; nothing read here is evaluated or unpickled.
+        Raises ``RedisError`` when Redis is unreachable: callers show that, they do not route on it.
+        """
+        ids = sorted(k.decode() for k in await self.client.hkeys(self.prefix + "reg"))
+        if not ids:
+            return {}
+        raw = await self.client.mget([f"{self.prefix}st:{rid}" for rid in ids])
+        return {rid: json.loads(r) for rid, r in zip(ids, raw, strict=True) if r is not None}
+
+    async def health(self) -> dict:
+        """Redis reachability, round-trip time and memory, for ``kvmesh status``."""
+        t0 = time.perf_counter()
+        try:
+            await self.client.ping()
+            rtt = time.perf_counter() - t0
+            memory = await self.client.info("memory")
+        except (RedisError, OSError) as exc:
+            return {"ok": False, "error": repr(exc)}
+        return {"ok": True, "ping_ms": round(1000 * rtt, 3), "used_memory": memory.get("used_memory_human")}
 
     def _start_purge(self, replica_id: str) -> None:
         if replica_id in self._purging:

@@ -22,6 +22,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.baselines import make_policy
+from router.metrics import INDEX_LOOKUP_SECONDS, register_router
 from router.policy import DEFAULT_PREFILL_TOK_S, ReplicaLoad, RouteRequest
 from router.prefix_index import PrefixIndex
 
@@ -65,8 +66,9 @@ class KVAwareRequestRouter(RequestRouter):
             if redis_url and self.policy.uses_index
             else None
         )
+        self.policy_name = policy
         self.decisions: Counter[str] = Counter()
-        self.lookup_seconds: list[float] = []
+        register_router(self)
         self.report_period_s = report_period_s
         self.predict_ttl_ms = int(predict_ttl_s * 1000)
         self._tasks: set[asyncio.Task] = set()
@@ -145,9 +147,8 @@ class KVAwareRequestRouter(RequestRouter):
             if self.index is None or not req.block_hashes:
                 hits = None if self.index is None else {}
             else:
-                t0 = time.perf_counter()
-                hits = await self.index.lookup(req.block_hashes, list(by_id))
-                self.lookup_seconds = [*self.lookup_seconds[-999:], time.perf_counter() - t0]
+                with INDEX_LOOKUP_SECONDS.time():
+                    hits = await self.index.lookup(req.block_hashes, list(by_id))
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         loads = [self._load(r) for r in candidate_replicas]
         decision = self.policy.rank(req, loads, hits)

@@ -12,7 +12,7 @@ import torch
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The dequantized SmolLM2 directory (converted from the wheel's GGUF on first use, then cached)."""
-    from replica.model_loader import resolve_model_dir
+    from replica.model_files import resolve_model_dir
 
     return resolve_model_dir("smollm2-135m")
 

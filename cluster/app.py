@@ -1,0 +1,49 @@
+"""The kvmesh application: the ingress in front of the engine deployment and its KV-aware router.
+
+``build_app`` is what ``kvmesh serve`` runs; ``app_builder`` is the same for Ray Serve config files
+(``import_path: cluster.app:app_builder`` with ``args:`` holding ``ClusterConfig`` fields), as a KubeRay
+``serveConfigV2`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray import serve
+
+from cluster.config import APP_NAME, ClusterConfig, build_config
+from cluster.engine_deployment import engine_deployment
+from cluster.ingress import Ingress, IngressSettings
+
+
+def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application:
+    engine_cfg = config.engine_config()
+    engine = engine_deployment(
+        config.engine_settings(),
+        num_replicas=config.replicas,
+        redis_url=redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+        policy_kwargs=config.policy_kwargs,
+        stats_period_s=config.stats_period_s,
+        max_ongoing_requests=config.max_ongoing_requests,
+    )
+    settings = IngressSettings(
+        model=config.model,
+        served_model_name=config.name,
+        block_size=engine_cfg.block_size,
+        max_model_len=engine_cfg.max_model_len,
+        redis_url=redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+    )
+    return Ingress.bind(engine, dataclasses.asdict(settings))
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Ray Serve's application-builder entry point; ``args`` must name ``redis_url`` (no embedded Redis)."""
+    config = build_config(overrides=dict(args))
+    if not config.redis_url:
+        raise ValueError("redis_url is required when deploying from a Serve config file")
+    return build_app(config, config.redis_url)

@@ -1,0 +1,104 @@
+"""Cluster configuration: defaults that start on a laptop, a YAML file, command-line flags over both.
+
+One ``ClusterConfig`` describes a deployment. ``kvmesh serve`` builds it from (lowest to highest) these
+defaults, ``--config FILE`` and the flags a user typed. Engine settings live under ``engine:`` and are
+``EngineConfig`` fields, checked by it, so there is one definition of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from replica.config import EngineConfig
+from replica.model_files import DEFAULT_MODEL
+from router.baselines import POLICIES
+
+APP_NAME = "kvmesh"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 9000
+GRPC_SERVICER = "cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
+
+
+@dataclass
+class ClusterConfig:
+    model: str = DEFAULT_MODEL
+    """Alias, Hugging Face directory, .gguf file or hub id; every engine replica loads it."""
+    served_model_name: str | None = None
+    """The name clients send as ``model`` (default: ``model``)."""
+    replicas: int = 2
+    policy: str = "kv_aware"
+    """Routing policy: kv_aware, or a baseline (pow2 = Ray's default, round_robin, session_hash, approx_tree)."""
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """``EngineConfig`` fields (block_size, max_num_seqs, kv_cache_bytes, max_model_len, device, ...)."""
+    address: str | None = None
+    """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one."""
+    redis_url: str | None = None
+    """The index's Redis; ``None`` starts an embedded one on a free loopback port."""
+    host: str = "127.0.0.1"
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    max_ongoing_requests: int = 64
+    """Requests one engine replica accepts at once; more wait in the router's queue."""
+    stats_period_s: float = 1.0
+    num_cpus: int | None = None
+    """CPUs of a locally started Ray (default: this machine's)."""
+    object_store_memory: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        for port in (self.http_port, self.grpc_port):
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} is out of range")
+        self.engine_config()  # raises ValueError on bad engine settings
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        try:
+            return EngineConfig(model=self.model, **self.engine)
+        except TypeError as exc:
+            raise ValueError(f"engine: {exc}") from None
+
+    def engine_settings(self) -> dict[str, Any]:
+        """Engine settings for each replica. Threads default to an equal share of the cores, so replicas
+        sharing a machine do not oversubscribe it."""
+        settings = {"model": self.model, **self.engine}
+        if settings.get("torch_threads") is None and settings.get("device") in (None, "cpu"):
+            settings["torch_threads"] = max(1, (os.cpu_count() or 1) // self.replicas)
+        return settings
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top level")
+    return data
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Defaults <- YAML file <- overrides (flags; ``None`` values mean "not given"). Engine keys merge."""
+    values = load_yaml(file) if file else {}
+    known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{file}: unknown settings {unknown}; known: {sorted(known)}")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key == "engine":
+            values["engine"] = {**(values.get("engine") or {}), **value}
+        else:
+            values[key] = value
+    return ClusterConfig(**values)

@@ -1,0 +1,343 @@
+"""The front door: OpenAI-compatible HTTP and kvmesh's gRPC API on one Ray Serve ingress deployment.
+
+The ingress validates a request, renders the chat template, tokenizes ONCE and hashes the prompt's blocks
+ONCE, then calls the engine deployment's handle with a dict carrying all of it: the KV-aware router on that
+handle (in this process) reads the hashes to pick a replica, and the replica reuses them for its prefix
+cache. Errors found before the first token are answered with a proper status (400, 404); once a stream has
+started, a failure ends it with an error event. A client that hangs up cancels the engine request, which
+frees its blocks.
+
+This module must not import torch (the ingress process stays small): it uses the tokenizer alone. It has
+no ``from __future__ import annotations``: FastAPI must see the request models' real classes on the methods
+that Ray Serve rebinds, or it takes the bodies for query parameters.
+"""
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from redis.exceptions import RedisError
+
+from cluster import metrics
+from cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    usage,
+)
+from cluster.proto import kvmesh_pb2
+from replica.model_files import apply_chat_template, load_tokenizer, max_context, resolve_model_dir
+from replica.sampling_params import SamplingParams
+from router.hashing import first_block_extra, hash_blocks, model_seed
+from router.metrics import decision_counts
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster", version="1")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return JSONResponse(APIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+
+@dataclass
+class IngressSettings:
+    """What the ingress must agree on with the engines (hash seed, block size) and what it serves as."""
+
+    model: str
+    """The model id the engines were configured with: it seeds the block hashes."""
+    served_model_name: str
+    block_size: int
+    max_model_len: int | None = None
+    redis_url: str | None = None
+    deployment: str = "kvmesh"
+    policy: str = "kv_aware"
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized and hashed, ready for the engine."""
+
+    ids: list[int]
+    params: SamplingParams
+    body: dict
+    shape: ResponseShape
+    api: str
+
+
+@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
+        self.settings = IngressSettings(**settings)
+        self.engine = engine.options(method_name="generate", stream=True)
+        model_dir = resolve_model_dir(self.settings.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = self.settings.max_model_len or max_context(model_dir)
+        self.seed = model_seed(self.settings.model)
+        self.names = {self.settings.served_model_name, self.settings.model}
+        self.index = (
+            PrefixIndex(self.settings.redis_url, self.settings.deployment, self.settings.model, timeout_s=1.0)
+            if self.settings.redis_url
+            else None
+        )
+
+    # ------------------------------------------------------------------ shared by HTTP and gRPC
+    def _prepare(
+        self,
+        model: str,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        params: SamplingParams,
+        api: str,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Prepared:
+        if model and model not in self.names:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{self.settings.served_model_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+                kind="invalid_request_error",
+            )
+        if messages is not None:
+            ids = apply_chat_template(self.tokenizer, messages)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt or [])
+            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                raise APIError("prompt contains token ids outside the vocabulary", param="prompt")
+        if not ids:
+            raise APIError("prompt is empty", param="messages" if messages is not None else "prompt")
+        wanted = len(ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the request needs "
+                f"{wanted} ({len(ids)} prompt + {params.max_tokens or 1} completion)",
+                param="messages" if messages is not None else "prompt",
+                code="context_length_exceeded",
+            )
+        size = self.settings.block_size
+        hashes = hash_blocks(ids, size, self.seed, first_block_extra(cache_salt))
+        shape = ResponseShape(chat=messages is not None, model=self.settings.served_model_name)
+        body = {
+            "request_id": shape.id,
+            "prompt_token_ids": ids,
+            "block_hashes": hashes,
+            "num_tokens": len(ids),
+            "block_size": size,
+            "session_id": session_id,
+            "cache_salt": cache_salt,
+            "params": params.__dict__,
+        }
+        return Prepared(ids, params, body, shape, api)
+
+    async def _run(self, prep: Prepared) -> AsyncIterator[dict]:
+        """Engine chunks of one request, with its metrics recorded; the last one carries ``usage``.
+
+        Engine-side validation errors surface as ``APIError`` before anything is yielded."""
+        model = self.settings.served_model_name
+        t0 = time.perf_counter()
+        stream = self.engine.remote(prep.body)
+        last, n_out, outcome, cached = t0, 0, "error", 0
+        try:
+            async for chunk in stream:
+                now = time.perf_counter()
+                if n_out == 0:
+                    metrics.TTFT.labels(model).observe(now - t0)
+                elif chunk["token_ids"]:
+                    metrics.INTER_TOKEN.labels(model).observe((now - last) / len(chunk["token_ids"]))
+                last, n_out = now, n_out + len(chunk["token_ids"])
+                cached = chunk["num_cached_tokens"]
+                if chunk["finish_reason"] is not None:
+                    outcome = "ok"
+                    chunk["usage"] = usage(len(prep.ids), n_out, cached)
+                yield chunk
+        except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
+            outcome = "client_error"
+            raise APIError(str(exc).splitlines()[-1].split(": ", 1)[-1], param="prompt") from exc
+        except BaseException:
+            outcome = "aborted" if outcome == "error" and n_out else outcome
+            stream.cancel()  # the client left or the caller failed: free the engine's blocks now
+            raise
+        finally:
+            metrics.REQUESTS.labels(model, prep.api, outcome).inc()
+            if outcome == "ok":
+                metrics.E2E.labels(model).observe(last - t0)
+                metrics.PROMPT_TOKENS.labels(model).inc(len(prep.ids))
+                metrics.CACHED_TOKENS.labels(model).inc(cached)
+                metrics.GENERATED_TOKENS.labels(model).inc(n_out)
+
+    async def _respond(self, prep: Prepared, stream: bool, include_usage: bool) -> Response:
+        chunks = self._run(prep)
+        try:
+            first = await anext(chunks)  # errors before the first token get a real status code
+        except StopAsyncIteration:
+            raise APIError("the engine ended the request without output", status=500) from None
+        if not stream:
+            text, last = first["text"], first
+            async for chunk in chunks:
+                text, last = text + chunk["text"], chunk
+            return JSONResponse(prep.shape.whole(text, last["finish_reason"], last["usage"]))
+        return StreamingResponse(self._sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream")
+
+    @staticmethod
+    async def _sse(shape: ResponseShape, first: dict, chunks: AsyncIterator[dict], include_usage: bool):
+        def event(obj: dict) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        try:
+            if shape.chat:
+                yield event(shape.chunk("", first=True))
+            chunk = first
+            while True:
+                if chunk["text"] or chunk["finish_reason"]:
+                    yield event(shape.chunk(chunk["text"], chunk["finish_reason"]))
+                if chunk["finish_reason"] is not None:
+                    if include_usage:
+                        yield event(shape.usage_chunk(chunk["usage"]))
+                    break
+                chunk = await anext(chunks)
+        except Exception as exc:  # headers are sent: report the failure in the stream, as OpenAI does
+            log.exception("stream %s failed", shape.id)
+            yield event(APIError(f"generation failed: {exc}", status=500).body())
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ OpenAI HTTP
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        params = body.check()
+        messages = [m.render() for m in body.messages]
+        prep = self._prepare(
+            body.model, None, messages, params, "chat", body.cache_salt, body.session_id or body.user
+        )
+        return await self._respond(prep, body.stream, body.include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Response:
+        params = body.check()
+        prep = self._prepare(
+            body.model, body.single_prompt(), None, params, "completions", body.cache_salt, body.session_id or body.user
+        )
+        return await self._respond(prep, body.stream, body.include_usage)
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        card = {
+            "id": self.settings.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvmesh",
+            "root": self.settings.model,
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    async def _replica_reports(self) -> dict[str, dict]:
+        if self.index is None:
+            return {}
+        try:
+            return await self.index.replica_reports()
+        except (RedisError, OSError) as exc:
+            log.warning("replica reports unavailable: %r", exc)
+            return {}
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(metrics.render(await self._replica_reports()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    async def status(self) -> dict:
+        """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health."""
+        reports = await self._replica_reports()
+        redis_health = await self.index.health() if self.index else {"ok": False, "error": "no Redis configured"}
+        return {
+            "model": self.settings.served_model_name,
+            "policy": self.settings.policy,
+            "replicas": reports,
+            "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
+            "index": {"entries": sum(int(r.get("index_entries") or 0) for r in reports.values())},
+            "redis": redis_health,
+        }
+
+    # ------------------------------------------------------------------ gRPC (see cluster/proto/kvmesh.proto)
+    def _grpc_prepare(self, request: kvmesh_pb2.GenerateRequest) -> Prepared:
+        kwargs = {f: getattr(request, f) for f in ("max_tokens", "temperature", "top_p", "seed") if request.HasField(f)}
+        if request.HasField("top_k"):
+            kwargs["top_k"] = max(request.top_k, 0)
+        try:
+            params = SamplingParams(**kwargs, stop=list(request.stop))
+        except ValueError as exc:
+            raise APIError(str(exc)) from exc
+        messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+        return self._prepare(
+            request.model, request.prompt, messages, params, "grpc", request.cache_salt or None, request.session_id
+        )
+
+    @staticmethod
+    def _grpc_error(grpc_context, exc: APIError) -> APIError:
+        code = {404: grpc.StatusCode.NOT_FOUND, 400: grpc.StatusCode.INVALID_ARGUMENT}.get(
+            exc.status, grpc.StatusCode.INTERNAL
+        )
+        grpc_context.set_code(code)
+        grpc_context.set_details(exc.message)
+        return exc
+
+    @staticmethod
+    def _grpc_usage(chunk: dict) -> kvmesh_pb2.Usage:
+        u = chunk["usage"]
+        return kvmesh_pb2.Usage(
+            prompt_tokens=u["prompt_tokens"],
+            completion_tokens=u["completion_tokens"],
+            cached_tokens=u["prompt_tokens_details"]["cached_tokens"],
+        )
+
+    async def Generate(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> AsyncIterator:
+        try:
+            async for chunk in self._run(self._grpc_prepare(request)):
+                done = chunk["finish_reason"] is not None
+                yield kvmesh_pb2.GenerateChunk(
+                    text=chunk["text"],
+                    finish_reason=chunk["finish_reason"] or "",
+                    usage=self._grpc_usage(chunk) if done else None,
+                )
+        except APIError as exc:
+            raise self._grpc_error(grpc_context, exc) from None
+
+    async def Complete(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> kvmesh_pb2.Completion:
+        try:
+            prep = self._grpc_prepare(request)
+            text, last = "", None
+            async for chunk in self._run(prep):
+                text, last = text + chunk["text"], chunk
+        except APIError as exc:
+            raise self._grpc_error(grpc_context, exc) from None
+        return kvmesh_pb2.Completion(
+            id=prep.shape.id, text=text, finish_reason=last["finish_reason"], usage=self._grpc_usage(last)
+        )

