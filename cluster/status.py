@@ -17,8 +17,7 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
-    return [line, *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [headers, *rows]]
 
 
 def render_status(status: dict) -> str:

@@ -1,0 +1,135 @@
+"""Pure-logic pieces of the front door: request translation, configuration, status rendering, gRPC stubs,
+and the ingress's promises (no torch; hashes the replica accepts only when they are its own)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig, build_config
+from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from cluster.status import render_status
+
+
+def test_chat_request_translates_to_sampling_params():
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}],
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0,
+            "top_k": -1,
+            "stop": "END",
+            "presence_penalty": 0,  # unknown to us, sent by many clients: ignored
+        }
+    )
+    params = req.check()
+    assert (params.max_tokens, params.temperature, params.top_k, params.stop) == (7, 0, 0, ["END"])
+    assert req.messages[0].render() == {"role": "system", "content": "be brief"}
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"n": 2}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+     ({"logprobs": True}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop")],
+)  # fmt: skip
+def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
+    with pytest.raises(APIError) as err:
+        req.check()
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest(model="m", prompt=["one"]).single_prompt() == "one"
+    assert CompletionRequest(model="m", prompt=[5, 6]).single_prompt() == [5, 6]
+    assert CompletionRequest(model="m", prompt="x").check().max_tokens == 16  # OpenAI's default
+    with pytest.raises(APIError):
+        CompletionRequest(model="m", prompt=["a", "b"]).single_prompt()
+    with pytest.raises(APIError):
+        CompletionRequest(model="m", prompt="").single_prompt()
+
+
+def test_config_layers_defaults_file_and_flags(tmp_path: Path):
+    file = tmp_path / "cluster.yaml"
+    file.write_text("replicas: 3\npolicy: pow2\nengine:\n  block_size: 32\n  max_num_seqs: 4\n")
+    config = build_config(file, {"replicas": 5, "policy": None, "engine": {"max_num_seqs": 8}})
+    assert (config.replicas, config.policy) == (5, "pow2")
+    assert config.engine == {"block_size": 32, "max_num_seqs": 8}
+    assert config.engine_config().block_size == 32
+    assert build_config().replicas == ClusterConfig().replicas
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("replica: 2\n", "unknown settings"), ("policy: magic\n", "unknown policy"), ("replicas: 0\n", "at least 1"),
+     ("engine:\n  block_size: 12\n", "power of two"), ("engine:\n  blocksize: 16\n", "engine:"), ("- 1\n", "mapping")],
+)  # fmt: skip
+def test_config_errors_name_the_problem(tmp_path: Path, text: str, message: str):
+    file = tmp_path / "bad.yaml"
+    file.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        build_config(file)
+
+
+def test_status_table_lists_replicas_and_decisions():
+    status = {
+        "model": "m", "policy": "kv_aware", "index": {"entries": 12},
+        "redis": {"ok": True, "ping_ms": 0.2, "used_memory": "1M"},
+        "replicas": {"r1": {"kv_usage": 0.5, "prefix_hit_rate": 0.25, "num_running": 2, "num_waiting": 1,
+                            "num_preemptions": 0, "index_entries": 12}},
+        "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
+    }  # fmt: skip
+    rows = [line.split() for line in render_status(status).splitlines()]
+    assert ["r1", "50.0%", "25.0%", "2", "1", "0", "12"] in rows
+    assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
+    down = render_status({**status, "replicas": {}, "decisions": [], "redis": {"ok": False}})
+    assert "Redis DOWN" in down and "no replica reports" in down and "no routing decisions" in down
+
+
+def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
+    from cluster.proto.build import build
+
+    build(tmp_path)
+    generated = tmp_path / "cluster" / "proto"
+    committed = Path(__file__).resolve().parents[1] / "cluster" / "proto"
+    for name in ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py"):
+        assert (generated / name).read_text() == (committed / name).read_text(), "rerun python -m cluster.proto.build"
+
+
+def test_ingress_never_imports_torch(smollm_dir):
+    code = (
+        "import sys, cluster.ingress\n"
+        "from replica.model_files import apply_chat_template, load_tokenizer\n"
+        f"tok = load_tokenizer(__import__('pathlib').Path({str(smollm_dir)!r}))\n"
+        "assert apply_chat_template(tok, [{'role': 'user', 'content': 'hi'}])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
+    from cluster.engine_deployment import EngineServer
+    from router.hashing import first_block_extra, hash_blocks, model_seed
+
+    server = EngineServer({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    ids = list(range(100, 180))  # 5 full blocks
+    seed = model_seed(str(tiny_llama_dir))
+
+    def body(hashes, block_size=16, salt=None):
+        return {"prompt_token_ids": ids, "block_hashes": hashes, "block_size": block_size, "cache_salt": salt}
+
+    good = hash_blocks(ids, 16, seed, first_block_extra("tenant-a"))
+    assert server._checked_hashes(body(good, salt="tenant-a")) == good
+    assert server._checked_hashes(body(good, salt="tenant-b")) is None  # another tenant's chain
+    assert server._checked_hashes(body(hash_blocks(ids, 16, model_seed("other")))) is None
+    assert server._checked_hashes(body(good[:-1], salt="tenant-a")) is None
+    tampered = [*good[:-1], good[0]]
+    assert server._checked_hashes(body(tampered, salt="tenant-a")) is None
+    assert server._checked_hashes(body(hash_blocks(ids, 32, seed), block_size=32)) is None
