@@ -126,6 +126,18 @@ def test_repeated_long_prompt_reports_cached_tokens(client, server):
     assert second.usage.prompt_tokens_details.cached_tokens >= (n // 16 - 1) * 16
 
 
+def test_cache_salt_keeps_tenants_apart(client, server):
+    prompt = "Private notes of one tenant. " + LONG_PROMPT[:1200]
+
+    def cached(salt: str) -> int:
+        r = chat(client, server, prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 200  # the same tenant reuses its prefix
+    assert cached("tenant-b") == 0  # another tenant never does, not even the chat template's first block
+
+
 def test_stop_strings_end_the_output_before_them(client, server):
     free = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0)
     text = free.choices[0].text
