@@ -22,6 +22,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -122,7 +123,10 @@ class Ingress:
                 kind="invalid_request_error",
             )
         if messages is not None:
-            ids = apply_chat_template(self.tokenizer, messages)
+            try:
+                ids = apply_chat_template(self.tokenizer, messages)
+            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
+                raise APIError(f"messages: {exc}", param="messages") from exc
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
@@ -177,7 +181,12 @@ class Ingress:
                 yield chunk
         except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
             outcome = "client_error"
-            raise APIError(str(exc).splitlines()[-1].split(": ", 1)[-1], param="prompt") from exc
+            cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
+            raise APIError(str(cause), param="prompt") from exc
+        except Exception as exc:  # a replica died or failed: the client gets a clean 500, not a traceback
+            stream.cancel()
+            log.warning("request %s failed in the engine: %r", prep.shape.id, exc)
+            raise APIError(f"generation failed: {type(getattr(exc, 'cause', None) or exc).__name__}", 500) from exc
         except BaseException:
             outcome = "aborted" if outcome == "error" and n_out else outcome
             stream.cancel()  # the client left or the caller failed: free the engine's blocks now
@@ -220,9 +229,10 @@ class Ingress:
                         yield event(shape.usage_chunk(chunk["usage"]))
                     break
                 chunk = await anext(chunks)
-        except Exception as exc:  # headers are sent: report the failure in the stream, as OpenAI does
-            log.exception("stream %s failed", shape.id)
-            yield event(APIError(f"generation failed: {exc}", status=500).body())
+        except APIError as exc:  # headers are sent: report the failure in the stream, as OpenAI does
+            yield event(exc.body())
+        finally:
+            await chunks.aclose()  # a client that left cancels the engine request now, not at GC time
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ OpenAI HTTP

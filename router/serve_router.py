@@ -9,6 +9,9 @@ and returns replicas ranked best first, one per group, so Ray falls back to the 
 It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
 in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
 information, down to plain least-loaded.
+
+Ray Serve ships this module to routers *by value* (cloudpickle), globals included: module-level state
+must therefore be reached through other modules (``router_metrics.X``), never imported into this one.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+import router.metrics as router_metrics
 from router.baselines import make_policy
-from router.metrics import INDEX_LOOKUP_SECONDS, register_router
 from router.policy import DEFAULT_PREFILL_TOK_S, ReplicaLoad, RouteRequest
 from router.prefix_index import PrefixIndex
 
@@ -68,7 +71,7 @@ class KVAwareRequestRouter(RequestRouter):
         )
         self.policy_name = policy
         self.decisions: Counter[str] = Counter()
-        register_router(self)
+        router_metrics.register_router(self)
         self.report_period_s = report_period_s
         self.predict_ttl_ms = int(predict_ttl_s * 1000)
         self._tasks: set[asyncio.Task] = set()
@@ -147,7 +150,7 @@ class KVAwareRequestRouter(RequestRouter):
             if self.index is None or not req.block_hashes:
                 hits = None if self.index is None else {}
             else:
-                with INDEX_LOOKUP_SECONDS.time():
+                with router_metrics.INDEX_LOOKUP_SECONDS.time():
                     hits = await self.index.lookup(req.block_hashes, list(by_id))
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         loads = [self._load(r) for r in candidate_replicas]

@@ -173,6 +173,27 @@ def test_bad_requests_get_openai_errors(client, server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_client_hanging_up_aborts_the_generation(server):
+    body = {"model": server.model, "prompt": "Go on and on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i == 4:
+                break  # leave mid-stream: closes the connection
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        replicas = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+        if replicas and all(r["num_running"] == 0 and r["kv_usage"] == 0 for r in replicas.values()):
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail(f"the abandoned request still runs: {replicas}")
+    aborted = [
+        line for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+        if line.startswith("kvmesh_requests_total{") and 'api="completions"' in line and 'outcome="aborted"' in line
+    ]  # fmt: skip
+    assert aborted and float(aborted[0].split()[-1]) == 1.0  # cancelled, not run to its 900 tokens
+
+
 def test_grpc_streams_a_generation(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
         stub = kvmesh_pb2_grpc.KVMeshStub(channel)
