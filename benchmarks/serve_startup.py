@@ -12,18 +12,13 @@ side by side on the same machine.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
 from benchmarks.report import median, print_table, write_json
-from cluster.embedded_redis import free_port
+from benchmarks.serve_process import ServeProcess
 
 PROMPTS = [f"Question {i}: name one colour of the sea." for i in range(20)]
 WARMUP = [f"Warm-up {i}: say hello." for i in range(6)]
@@ -44,37 +39,19 @@ def _chat(client: httpx.Client, url: str, model: str, content: str) -> float:
 
 
 def one_run(model: str, replicas: int) -> dict:
-    port, grpc_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkstemp(prefix="kvmesh-serve-", suffix=".log")[1])
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model, "--replicas", str(replicas),
-           "--port", str(port), "--grpc-port", str(grpc_port)]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    ready_s = answer_s = None
+    server = ServeProcess(["--model", model, "--replicas", str(replicas)])
     client = httpx.Client()
     try:
-        while answer_s is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvmesh serve exited:\n{log.read_text()[-2000:]}")
-            if time.perf_counter() - t0 > 300:
-                raise TimeoutError("not ready in 300 s")
-            if ready_s is None and "kvmesh is ready" in log.read_text():
-                ready_s = time.perf_counter() - t0
-            if ready_s is not None:
-                _chat(client, url, model, "hello")
-                answer_s = time.perf_counter() - t0
-            else:
-                time.sleep(0.2)
+        ready_s = server.wait_ready()
+        _chat(client, server.url, model, "hello")
+        answer_s = time.perf_counter() - server.started_at
         for p in WARMUP:
-            _chat(client, url, model, p)
-        ttfts = [_chat(client, url, model, p) for p in PROMPTS]
+            _chat(client, server.url, model, p)
+        ttfts = [_chat(client, server.url, model, p) for p in PROMPTS]
     finally:
         client.close()
         t_stop = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+        code = server.stop()
         stop_s = time.perf_counter() - t_stop
     return {"ready_s": ready_s, "first_answer_s": answer_s, "http_ttft_s": median(ttfts), "stop_s": stop_s,
             "exit_code": code}  # fmt: skip

@@ -8,8 +8,12 @@ offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the
 Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
 router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does.
 
-Cost constants (GPU-class replica, documented here, not measured on a GPU): prefill 20,000 tokens/s, a
-running sequence adds 0.25 ms to a step, a step takes >= 15 ms, 64 batch slots, 16 tokens per block.
+Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
+tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
+block. ``--calibration benchmarks/results/calibration.json`` (written by ``kvmesh bench calibrate``, which
+measures our real engine) uses the measured constants instead, sped up by ``--speedup`` (default: the
+factor that brings the measured prefill rate to the GPU-class 20,000 tokens/s; step costs scale by the
+same factor, so the measured balance between prefill and decode is kept).
 
     python -m benchmarks.simulate --trace ../shared/workloads/mooncake/conversation_trace.jsonl \
         --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
@@ -34,10 +38,26 @@ from router.baselines import make_policy
 from router.policy import ReplicaLoad, RouteRequest
 
 BLOCK_TOKENS = 16
-PREFILL_TOK_S = 20_000.0
-DECODE_TOKEN_S = 0.00025
-MIN_STEP_S = 0.015
-SLOTS = 64
+
+
+@dataclass(frozen=True)
+class Costs:
+    """How fast a simulated replica works."""
+
+    prefill_tok_s: float = 20_000.0
+    decode_token_s: float = 0.00025
+    """Seconds one running sequence adds to a decode step."""
+    min_step_s: float = 0.015
+    """A decode step's base cost: ``step = min_step_s + running * decode_token_s``, as our engine measures."""
+    slots: int = 64
+
+    @classmethod
+    def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
+        """The measured engine, ``speedup`` times faster (default: to the GPU-class prefill rate)."""
+        cal = json.loads(path.read_text())
+        f = speedup or cls.prefill_tok_s / cal["prefill_tok_s"]
+        costs = cls(cal["prefill_tok_s"] * f, cal["decode_token_s"] / f, cal["step_base_s"] / f)
+        return costs, f
 
 
 @dataclass
@@ -58,6 +78,7 @@ class Req:
 class Replica:
     rid: str
     capacity: int
+    costs: Costs
     cache: OrderedDict = field(default_factory=OrderedDict)
     prefill_queue: deque = field(default_factory=deque)
     slot_waiters: deque = field(default_factory=deque)
@@ -84,8 +105,9 @@ class Replica:
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
             self.rid, pending_prefill_tokens=self.queued_tokens, num_running=self.running,
-            num_waiting=len(self.slot_waiters), prefill_tok_s=PREFILL_TOK_S, decode_token_s=DECODE_TOKEN_S,
-            max_num_seqs=SLOTS, step_s=MIN_STEP_S, mean_output_tokens=300.0,
+            num_waiting=len(self.slot_waiters), prefill_tok_s=self.costs.prefill_tok_s,
+            decode_token_s=self.costs.decode_token_s, max_num_seqs=self.costs.slots, step_s=self.costs.min_step_s,
+            mean_output_tokens=300.0, cache_fill=len(self.cache) / self.capacity,
         )  # fmt: skip
 
 
@@ -99,7 +121,7 @@ def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], 
     return rows
 
 
-def lru_hit_rate(rows, capacity: int | None) -> tuple[float, float]:
+def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[float, float]:
     """Block hit rate and prefill seconds of the trace on one LRU of ``capacity`` blocks (None: infinite)."""
     cache: OrderedDict = OrderedDict()
     hit = total = 0
@@ -112,7 +134,7 @@ def lru_hit_rate(rows, capacity: int | None) -> tuple[float, float]:
             n += 1
         hit += n
         total += len(chain)
-        work += (len(chain) - n) * BLOCK_TOKENS / PREFILL_TOK_S
+        work += (len(chain) - n) * BLOCK_TOKENS / prefill_tok_s
         for h in chain:
             cache[h] = None
             cache.move_to_end(h)
@@ -136,9 +158,17 @@ def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float) 
 
 
 def simulate(
-    rows, n: int, capacity: int, policy_name: str, policy_kwargs: dict, processes: int, scale: float, ttl: float
+    rows,
+    n: int,
+    capacity: int,
+    policy_name: str,
+    policy_kwargs: dict,
+    processes: int,
+    scale: float,
+    ttl: float,
+    costs: Costs = Costs(),
 ):
-    replicas = [Replica(f"r{i}", capacity) for i in range(n)]
+    replicas = [Replica(f"r{i}", capacity, costs) for i in range(n)]
     routers = [make_policy(policy_name, **policy_kwargs) for _ in range(processes)]
     uses_index = routers[0].uses_index
     events: list = []
@@ -149,7 +179,7 @@ def simulate(
         heapq.heappush(events, (r.arrival, next(seq), "arrive", i))
 
     def step_s(rep: Replica) -> float:
-        return max(MIN_STEP_S, rep.running * DECODE_TOKEN_S)
+        return costs.min_step_s + rep.running * costs.decode_token_s
 
     def start_prefill(rep: Replica, now: float) -> None:
         if rep.prefill_busy or not rep.prefill_queue:
@@ -159,7 +189,7 @@ def simulate(
         r.hits = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
         uncached = r.tokens - r.hits * BLOCK_TOKENS
         rep.prefill_busy = True
-        done = now + uncached / PREFILL_TOK_S
+        done = now + uncached / costs.prefill_tok_s
         heapq.heappush(events, (done, next(seq), "prefilled", i))
 
     while events:
@@ -183,7 +213,7 @@ def simulate(
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])
             rep.queued_tokens += r.tokens - (hits or {}).get(rid, 0) * BLOCK_TOKENS
-            if rep.running < SLOTS:
+            if rep.running < costs.slots:
                 rep.running += 1
                 rep.prefill_queue.append(i)
                 start_prefill(rep, now)
@@ -216,8 +246,10 @@ def simulate(
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trace", type=Path, required=True)
     ap.add_argument("--replicas", type=int, default=16)
     ap.add_argument("--capacity-blocks", type=int, default=3000)
@@ -227,14 +259,19 @@ def main() -> None:
     ap.add_argument("--router-processes", type=int, default=4)
     ap.add_argument("--predict-ttl", type=float, default=10.0, help="predict-on-route TTL, simulated seconds")
     ap.add_argument("--limit", type=int, default=None, help="first N trace rows only")
+    ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
+    ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    costs, speedup = Costs.from_calibration(args.calibration, args.speedup) if args.calibration else (Costs(), None)
+    if speedup:
+        print(f"calibrated costs x{speedup:.1f}: {costs}")
     if not 0 < args.target_load < 2:
         ap.error("--target-load must be in (0, 2)")
     rows = load_trace(args.trace, args.limit)
     span = rows[-1][0] - rows[0][0]
-    pooled, pooled_work = lru_hit_rate(rows, args.replicas * args.capacity_blocks)
-    infinite, _ = lru_hit_rate(rows, None)
+    pooled, pooled_work = lru_hit_rate(rows, args.replicas * args.capacity_blocks, costs.prefill_tok_s)
+    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
     # Prefill is the contended resource: stretch or squeeze time so it is target-load busy on the pooled bound.
     scale = pooled_work / (args.target_load * args.replicas * span)
     runs = [(name, {}) for name in args.routers.split(",") if name]
@@ -244,7 +281,7 @@ def main() -> None:
         label = name + (f"(miss_weight={kw['miss_weight']:g})" if kw else "")
         t0 = time.perf_counter()
         res = simulate(
-            rows, args.replicas, args.capacity_blocks, name, kw, args.router_processes, scale, args.predict_ttl
+            rows, args.replicas, args.capacity_blocks, name, kw, args.router_processes, scale, args.predict_ttl, costs
         )
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res
@@ -256,6 +293,8 @@ def main() -> None:
     print_table(["router", "hit rate", "of pooled", "TTFT mean s", "TTFT p99 s", "imbalance"], table)
     payload = {"requests": len(rows), "replicas": args.replicas, "capacity_blocks": args.capacity_blocks,
                "target_load": args.target_load, "router_processes": args.router_processes,
+               "costs": costs.__dict__, "calibration": str(args.calibration) if args.calibration else None,
+               "speedup": speedup,
                "bounds": {"infinite": infinite, "pooled_lru": pooled}, "routers": results}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2))

@@ -38,7 +38,7 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         deployment=APP_NAME,
         policy=config.policy,
     )
-    return Ingress.bind(engine, dataclasses.asdict(settings))
+    return Ingress.options(num_replicas=config.ingress_replicas).bind(engine, dataclasses.asdict(settings))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         "model": args.model,
         "served_model_name": args.served_model_name,
         "replicas": args.replicas,
+        "ingress_replicas": args.ingress_replicas,
         "policy": args.policy,
         "address": args.address,
         "redis_url": args.redis_url,
@@ -85,6 +86,21 @@ def _status(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(status, indent=2) if args.json else render_status(status))
+    return 0
+
+
+BENCH_COMMANDS = {
+    "run": "benchmarks.bench_run",
+    "simulate": "benchmarks.simulate",
+    "calibrate": "benchmarks.calibrate",
+    "startup": "benchmarks.serve_startup",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(BENCH_COMMANDS[args.bench]).main(args.rest)
     return 0
 
 
@@ -113,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     srv.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
     srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
     srv.add_argument("--redis-url", help="index Redis (default: start an embedded one on a free loopback port)")
@@ -128,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), ...",
+        description="kvmesh bench {run,simulate,calibrate,startup} --help shows each one's options.",
+    )
+    bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
+    bench.set_defaults(func=_bench)
 
     st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")

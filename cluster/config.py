@@ -32,6 +32,8 @@ class ClusterConfig:
     served_model_name: str | None = None
     """The name clients send as ``model`` (default: ``model``)."""
     replicas: int = 2
+    ingress_replicas: int = 1
+    """Ingress replicas; each runs its own router on the engine handle (they share the Redis index)."""
     policy: str = "kv_aware"
     """Routing policy: kv_aware, or a baseline (pow2 = Ray's default, round_robin, session_hash, approx_tree)."""
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -52,8 +54,9 @@ class ClusterConfig:
     object_store_memory: int = 256 << 20
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.replicas < 1 or self.ingress_replicas < 1:
+            raise ValueError(f"replicas and ingress_replicas must be at least 1, got {self.replicas}, "
+                             f"{self.ingress_replicas}")  # fmt: skip
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         for port in (self.http_port, self.grpc_port):

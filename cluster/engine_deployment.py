@@ -34,6 +34,7 @@ class EngineServer:
         config = EngineConfig(**engine)
         self.llm = AsyncLLM.from_config(config)
         self.engine = self.llm.engine
+        self.engine.warm_up()  # measured decode costs for routers from the first request on
         try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
             name, unique = serve.get_replica_context().replica_id.unique_id, True
         except RayServeException:  # outside Serve

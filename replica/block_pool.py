@@ -63,6 +63,11 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     @property
+    def fill(self) -> float:
+        """Fraction of blocks holding anything (pinned or cached): 1.0 means new blocks now evict cached ones."""
+        return 1.0 - len(self._empty) / self.num_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks pinned by requests (evictable cached blocks count as free)."""
         return self.num_used / self.num_blocks

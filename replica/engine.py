@@ -58,22 +58,32 @@ class EngineStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
+    requests_admitted: int
+    """Requests admitted since start (each counted once, however often it was preempted)."""
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens
+    over any window is the ratio of their increments."""
 
 
 class StepRates:
     """Running estimates of this engine's speed, reported to routers to turn queues into seconds.
 
-    ``prefill_tok_s`` comes from steps dominated by prefill, ``decode_token_s`` (seconds one running
-    sequence adds to a step) from pure-decode steps; both are exponential moving averages.
+    ``prefill_tok_s`` comes from steps dominated by prefill (an exponential moving average).
+    ``decode_token_s`` is the *marginal* cost of one more running sequence in a decode step: the slope of
+    ``step_s = base + slope * running`` fitted by exponentially weighted least squares over pure-decode
+    steps. It stays unmeasured (``None``) until steps of different batch sizes were seen; a serving replica
+    runs ``LLMEngine.warm_up`` first, so it reports a measured slope from its first request on.
     """
 
-    def __init__(self, prefill_tok_s: float = 2000.0, decode_token_s: float = 0.005, alpha: float = 0.2) -> None:
-        self.prefill_tok_s = prefill_tok_s
-        self.decode_token_s = decode_token_s
+    def __init__(self, alpha: float = 0.2, decode_alpha: float = 0.05) -> None:
+        self.prefill_tok_s = 2000.0
         self.step_s = 0.02
         self.mean_output_tokens = 128.0
         self.alpha = alpha
-        self.prefill_measured = self.decode_measured = False
+        self.decode_alpha = decode_alpha
+        self.prefill_measured = False
+        self._fit = [0.0] * 5  # weighted sums: 1, x, y, xx, xy (x = running, y = step seconds)
 
     def observe_finished(self, output_tokens: int) -> None:
         self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
@@ -90,11 +100,20 @@ class StepRates:
             )
             self.prefill_measured = True
         elif prefill == 0 and decodes:
-            per = seconds / decodes
-            self.decode_token_s = (
-                per if not self.decode_measured else self.decode_token_s + a * (per - self.decode_token_s)
-            )
-            self.decode_measured = True
+            d = self.decode_alpha
+            terms = (1.0, decodes, seconds, decodes * decodes, decodes * seconds)
+            self._fit = [(1 - d) * s + d * t for s, t in zip(self._fit, terms, strict=True)]
+
+    @property
+    def decode_token_s(self) -> float | None:
+        w, sx, sy, sxx, sxy = self._fit
+        if w == 0:
+            return None
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var < 0.25:  # batch sizes barely varied: base and slope cannot be told apart yet
+            return None
+        return min(max((sxy / w - mx * my) / var, 0.0), my)
 
 
 def _pick_device(name: str | None) -> torch.device:
@@ -256,6 +275,32 @@ class LLMEngine:
             for sink in self.kv_event_sinks:
                 sink(events)
 
+    def warm_up(self, batch: int = 8, steps: int = 4) -> None:
+        """Decode a few dummy steps at two batch sizes before serving.
+
+        Routers weigh a replica's decode batch by its marginal cost per sequence, which a replica can only
+        measure from steps of different sizes; without this, a fresh replica would report nothing until
+        traffic happened to vary its batch, and routers would guess. It also warms the kernels, so the
+        first user does not pay for it. Leaves no trace: blocks, cache and counters are reset.
+        """
+        n = max(2, min(batch, self.scheduler.max_num_seqs))
+        params = SamplingParams(max_tokens=2 * steps + 2, temperature=0, ignore_eos=True)
+        vocab = self.loaded.config.vocab_size
+        rids = [
+            self.add_request([(1000 + 97 * i + k) % vocab for k in range(self.block_size)], params, f"warm-up-{i}")
+            for i in range(n)
+        ]
+        self.step()  # prefill all
+        for running in (n, 1):
+            for rid in rids[running:]:
+                self.abort_request(rid)
+            for _ in range(steps):
+                self.step()
+        for rid in rids:
+            self.abort_request(rid)
+        self.reset_prefix_cache()
+        self.scheduler.reset_counters()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); sinks hear ``AllBlocksCleared``."""
         done = self.pool.reset()
@@ -284,9 +329,10 @@ class LLMEngine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "kv_usage": self.pool.usage,
+            "cache_fill": self.pool.fill,
             # Unmeasured rates are left out: the router then assumes what the replica's peers measured.
             "prefill_tok_s": self.rates.prefill_tok_s if self.rates.prefill_measured else None,
-            "decode_token_s": self.rates.decode_token_s if self.rates.decode_measured else None,
+            "decode_token_s": self.rates.decode_token_s,
             "step_s": self.rates.step_s,
             "mean_output_tokens": self.rates.mean_output_tokens,
             "max_num_seqs": self.scheduler.max_num_seqs,
@@ -303,4 +349,7 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=self.pool.num_cached_free,
+            requests_admitted=s.requests_admitted,
+            prompt_tokens=s.prompt_tokens_queried,
+            cached_prompt_tokens=s.prompt_tokens_hit,
         )

@@ -40,6 +40,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
+        self.requests_admitted = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -83,11 +84,15 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 self.prompt_tokens_queried += req.num_tokens
                 self.prompt_tokens_hit += num_hit
+                self.requests_admitted += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def reset_counters(self) -> None:
+        self.num_preemptions = self.prompt_tokens_queried = self.prompt_tokens_hit = self.requests_admitted = 0
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

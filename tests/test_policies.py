@@ -141,3 +141,46 @@ def test_make_policy_by_name():
     assert make_policy("pow2").name == "pow2"
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")
+
+
+def test_kv_aware_spreads_new_conversations_while_caches_have_room():
+    """With decode_weight on, a short shared system prompt is not worth herding onto its holder while
+    blocks are empty (a miss costs only its own prefill) and the holder's decode batch would slow the
+    newcomer down; once caches are full, copying the prefix evicts others and the holder keeps it."""
+    policy = KVAwarePolicy(decode_weight=1.0)
+    req = request(list(range(480)))  # 30 blocks; the first 8 are the shared system prompt
+    reps = replicas(4, decode_token_s=0.01, mean_output_tokens=32)
+    reps[0].num_running = 4  # the holder already runs four conversations
+    hits = {"r0": 8, "r1": 0, "r2": 0, "r3": 0}
+    for r in reps:
+        r.cache_fill = 0.1
+    assert policy.rank(req, reps, hits).ranked[0] != "r0"
+    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] == "r0"  # the default optimises TTFT alone
+    for r in reps:
+        r.cache_fill = 1.0
+        r.decode_token_s = 0.0  # decode steps that do not grow with the batch (a GPU below saturation)
+    assert policy.rank(req, reps, hits).ranked[0] == "r0"
+
+
+def test_kv_aware_keeps_a_conversation_with_its_history_despite_a_busier_replica():
+    req = request(list(range(960)))  # 60 blocks of history held by r0
+    reps = replicas(2, decode_token_s=0.01, mean_output_tokens=32)
+    reps[0].num_running, reps[0].cache_fill, reps[1].cache_fill = 1, 0.1, 0.1
+    assert KVAwarePolicy(decode_weight=1.0).rank(req, reps, {"r0": 58, "r1": 0}).ranked[0] == "r0"
+
+
+def test_decode_cost_is_the_fitted_slope_not_the_average():
+    from replica.engine import StepRates
+
+    class Step:
+        def __init__(self, n: int) -> None:
+            self.num_new_tokens = n
+
+    rates = StepRates()
+    for _ in range(50):
+        rates.observe([Step(1)] * 4, 0.080 + 4 * 0.005)
+    assert rates.decode_token_s is None  # one batch size only: base and slope not separable
+    for _ in range(200):
+        for running in (1, 8, 16):
+            rates.observe([Step(1)] * running, 0.080 + running * 0.005)
+    assert rates.decode_token_s == pytest.approx(0.005, rel=0.05)

@@ -4,21 +4,16 @@ SIGTERM, after which none of its processes may remain. The shutdown test runs la
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
 import openai
-import psutil
 import pytest
 
-from cluster.embedded_redis import free_port
+from benchmarks.serve_process import ServeProcess
 from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -26,63 +21,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
 
 
-class Server:
-    def __init__(self, model_dir: Path, log: Path) -> None:
-        self.http, self.grpc = free_port(), free_port()
-        self.model = str(model_dir)
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env["RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"] = "0.5"
-        cmd = [
-            sys.executable, "-m", "cluster.cli", "serve", "--model", self.model, "--replicas", "2",
-            "--port", str(self.http), "--grpc-port", str(self.grpc), "--threads", "1", "--max-num-seqs", "8",
-        ]  # fmt: skip
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        self.descendants: set[int] = set()
-        self.url = f"http://127.0.0.1:{self.http}"
-
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"kvmesh serve exited:\n{self.log.read_text()[-3000:]}"
-            self.remember_processes()
-            if "kvmesh is ready" in self.log.read_text():
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"kvmesh serve not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
-
-    def remember_processes(self) -> None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self.descendants |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-
-    def alive_descendants(self) -> list[str]:
-        alive = []
-        for pid in self.descendants:
-            try:
-                p = psutil.Process(pid)
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(f"{pid} {' '.join(p.cmdline())[:80]}")
-            except psutil.NoSuchProcess:
-                pass
-        return alive
-
-    def kill_everything(self) -> None:
-        """Teardown after a failed test: stop what is left, by the ids we recorded."""
-        self.remember_processes()
-        for pid in [self.proc.pid, *self.descendants]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = Server(tiny_llama_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
-        srv.wait_ready()
+    args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--max-num-seqs", "8"]
+    with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
+        srv.model = str(tiny_llama_dir)
+        srv.wait_ready(timeout_s=180)
         yield srv
-    finally:
-        if srv.proc.poll() is None or srv.alive_descendants():
-            srv.kill_everything()
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +183,7 @@ def test_sigterm_shuts_everything_down(server):
     """Must run last: it stops the module's server."""
     server.remember_processes()
     assert len(server.descendants) >= 5  # Ray's processes, the replicas, Redis
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=90) == 0, server.log.read_text()[-3000:]
+    assert server.stop(timeout_s=90) == 0, server.tail()
     deadline = time.monotonic() + 20
     while server.alive_descendants() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -3,7 +3,7 @@ round robin and stay within the pooled-LRU bound."""
 
 import json
 
-from benchmarks.simulate import load_trace, lru_hit_rate, simulate
+from benchmarks.simulate import Costs, load_trace, lru_hit_rate, simulate
 
 
 def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
@@ -16,10 +16,19 @@ def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     trace = load_trace(path, None)
-    pooled, work = lru_hit_rate(trace, 4 * 200)
+    pooled, work = lru_hit_rate(trace, 4 * 200, Costs().prefill_tok_s)
     scale = work / (0.7 * 4 * (trace[-1][0] - trace[0][0]))
     ours = simulate(trace, 4, 200, "kv_aware", {}, 2, scale, 10.0)
     rr = simulate(trace, 4, 200, "round_robin", {}, 2, scale, 10.0)
     assert ours["hit_rate"] > 1.5 * rr["hit_rate"]
     assert ours["hit_rate"] <= pooled + 1e-9
     assert ours["ttft_mean_s"] < rr["ttft_mean_s"]
+
+
+def test_calibrated_costs_keep_the_measured_balance(tmp_path):
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps({"prefill_tok_s": 1000.0, "step_base_s": 0.03, "decode_token_s": 0.002}))
+    costs, speedup = Costs.from_calibration(cal)
+    assert speedup == 20.0 and costs.prefill_tok_s == 20_000.0  # brought to the GPU-class prefill rate
+    assert costs.min_step_s == 0.03 / 20 and costs.decode_token_s == 0.002 / 20
+    assert Costs.from_calibration(cal, speedup=2.0)[0].prefill_tok_s == 2000.0

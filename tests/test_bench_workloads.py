@@ -1,0 +1,65 @@
+"""Benchmark building blocks: seeded workloads, trace replay keeping prefix structure, the pooled bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.bench_run import pooled_bound
+from benchmarks.workloads import block_tokens_for, mooncake_trace, multi_turn_chat, shared_prefix
+
+
+def test_workloads_are_reproducible_from_their_seed():
+    assert multi_turn_chat(seed=3) == multi_turn_chat(seed=3)
+    assert multi_turn_chat(seed=3) != multi_turn_chat(seed=4)
+    assert shared_prefix(seed=1) == shared_prefix(seed=1)
+
+
+def test_multi_turn_chat_shape():
+    sessions = multi_turn_chat(seed=0, conversations=5, turns=3, rate=2.0, context_tokens=50)
+    assert len(sessions) == 5 and all(len(s.steps) == 3 for s in sessions)
+    assert len({s.system for s in sessions}) == 1  # one system prompt shared by every conversation
+    assert all("document for case" in s.steps[0].text for s in sessions)
+    assert all("document" not in step.text for s in sessions for step in s.steps[1:])
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] > 0
+
+
+def test_shared_prefix_groups():
+    sessions = shared_prefix(seed=0, groups=3, prompts_per_group=4)
+    assert len(sessions) == 12
+    by_group = {}
+    for s in sessions:
+        by_group.setdefault(s.labels["group"], set()).add(s.system)
+    assert len(by_group) == 3 and all(len(systems) == 1 for systems in by_group.values())
+
+
+def test_trace_replay_keeps_prefix_structure(tmp_path: Path):
+    rows = [
+        {"timestamp": 1000, "input_length": 1024, "output_length": 512, "hash_ids": [7, 8]},
+        {"timestamp": 3000, "input_length": 1500, "output_length": 100, "hash_ids": [7, 8, 9]},
+        {"timestamp": 5000, "input_length": 400, "output_length": 10, "hash_ids": [10]},
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    sessions = mooncake_trace(trace, block_tokens=16, speed=2.0, max_output_tokens=8)
+    a, b, c = (s.steps[0] for s in sessions)
+    assert len(a.token_ids) == 32 and b.token_ids[:32] == a.token_ids and c.token_ids[:16] != a.token_ids[:16]
+    assert [s.start_s for s in sessions] == [0.0, 1.0, 2.0]
+    assert (a.max_tokens, b.max_tokens, c.max_tokens) == (8, 3, 1)  # 512*16/512=16 -> cap 8; 100/32 -> 3
+    assert block_tokens_for(7, 16) == block_tokens_for(7, 16) != block_tokens_for(8, 16)
+    assert sessions[0].chat is False
+
+
+def test_pooled_bound_counts_reuse_like_the_engine():
+    a = list(range(100, 164))  # 4 blocks of 16
+    # second request repeats the first: 3 blocks reusable (the last prompt token is always recomputed)
+    assert pooled_bound([(a, []), (a, [])], 16, 100) == (3 * 16) / (2 * 64)
+    # a reply's full blocks are reusable by the next turn that contains it
+    reply = list(range(500, 532))
+    turn2 = a + reply + [1, 2, 3]
+    assert pooled_bound([(a, reply), (turn2, [])], 16, 100) == (6 * 16) / (64 + len(turn2))
+    # capacity bounds it: a one-block pool keeps only the newest chain's last block
+    assert pooled_bound([(a, []), (a, [])], 16, 1) == 0.0
+    # warm-up traffic fills the cache without being counted
+    assert pooled_bound([(a, [])], 16, 100, prefill=[(a, [])]) == (3 * 16) / 64
