@@ -198,6 +198,7 @@ def plot(path: Path, runs: dict[str, dict], bound: float | None) -> None:
     if bound is not None:
         b.axhline(100 * bound, color="tab:red", linestyle="--", label="pooled LRU bound")
         b.legend()
+    b.tick_params(axis="x", labelrotation=20)
     b.set_ylabel("prefix hit rate by tokens (%)")
     b.set_title("Prefix hit rate per router (replicas' counters)")
     fig.tight_layout()

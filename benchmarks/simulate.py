@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                "bounds": {"infinite": infinite, "pooled_lru": pooled}, "routers": results}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2))
-    write_json("simulate", payload)
+    write_json("simulate_calibrated" if args.calibration else "simulate", payload)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -18,6 +19,7 @@ from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
 
 
@@ -153,6 +155,12 @@ def test_grpc_streams_a_generation(server):
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
     assert "".join(c.text for c in chunks) == whole.text
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    target = f"127.0.0.1:{server.grpc}"
+    example = subprocess.run(
+        [sys.executable, str(EXAMPLES / "grpc_client.py"), "--target", target, "--max-tokens", "4", "Hi"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert example.returncode == 0 and "[length:" in example.stdout and "unary Complete" in example.stdout
 
 
 def test_metrics_and_status_show_the_cluster(client, server):
