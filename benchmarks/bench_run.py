@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per replica")
-    ap.add_argument("--json", type=Path, default=None, help="also write results here (default: results/)")
+    ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
     args = ap.parse_args(argv)
 
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> None:
                  "imbalance", "errors"], rows)  # fmt: skip
     payload = {"workload": args.workload, "args": {k: str(v) for k, v in vars(args).items()}, "pooled_bound": bound,
                "routers": runs}  # fmt: skip
-    path = write_json(f"bench_run_{args.workload}", payload)
-    if args.json:
-        args.json.write_text(path.read_text())
+    path = write_json(f"bench_run_{args.workload}", payload, args.json)
     plot(args.png or path.with_suffix(".png"), runs, bound)
 
 

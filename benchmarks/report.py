@@ -64,9 +64,10 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
+    """Write ``payload`` (with the machine) to ``path``, by default ``benchmarks/results/<name>.json``."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     print(f"\nwrote {path}")
     return path

@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                "costs": costs.__dict__, "calibration": str(args.calibration) if args.calibration else None,
                "speedup": speedup,
                "bounds": {"infinite": infinite, "pooled_lru": pooled}, "routers": results}  # fmt: skip
-    if args.json:
-        args.json.write_text(json.dumps(payload, indent=2))
-    write_json("simulate_calibrated" if args.calibration else "simulate", payload)
+    write_json("simulate_calibrated" if args.calibration else "simulate", payload, args.json)
 
 
 if __name__ == "__main__":

@@ -240,9 +240,7 @@ class Ingress:
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         params = body.check()
         messages = [m.render() for m in body.messages]
-        prep = self._prepare(
-            body.model, None, messages, params, "chat", body.cache_salt, body.session_id or body.user
-        )
+        prep = self._prepare(body.model, None, messages, params, "chat", body.cache_salt, body.session_id or body.user)
         return await self._respond(prep, body.stream, body.include_usage)
 
     @app.post("/v1/completions")
