@@ -99,16 +99,15 @@ def sent_token_ids(model: str, sessions: list[Session], results: list[Result]) -
 
     tok = load_tokenizer(resolve_model_dir(model))
     by_id = {s.session_id: s for s in sessions}
+    histories: dict[str, list[dict]] = {}  # a session's steps are sent in order, each after the last reply
     out = []
     for r in sorted((r for r in results if r.error is None), key=lambda r: r.sent_at):
         session, step = by_id[r.session_id], by_id[r.session_id].steps[r.step]
         if session.chat:
-            history = [{"role": "system", "content": session.system}] if session.system else []
-            for prev in sorted((x for x in results if x.session_id == r.session_id and x.step < r.step),
-                               key=lambda x: x.step):  # fmt: skip
-                history += [{"role": "user", "content": session.steps[prev.step].text},
-                            {"role": "assistant", "content": prev.reply}]  # fmt: skip
+            system = [{"role": "system", "content": session.system}] if session.system else []
+            history = histories.setdefault(r.session_id, system)
             prompt = apply_chat_template(tok, [*history, {"role": "user", "content": step.text}])
+            history += [{"role": "user", "content": step.text}, {"role": "assistant", "content": r.reply}]
         else:
             prompt = step.token_ids if step.token_ids is not None else tok.encode(step.text)
         out.append((prompt, tok.encode(r.reply, add_special_tokens=False)))
@@ -123,7 +122,7 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
     admitted = _delta(before, after, "requests_admitted")
     prompt = sum(_delta(before, after, "prompt_tokens").values())
     cached = sum(_delta(before, after, "cached_prompt_tokens").values())
-    counts = [n for n in admitted.values()]
+    counts = list(admitted.values())
 
     def pct(a: np.ndarray, q: float) -> float | None:
         return float(np.percentile(a, q)) if a.size else None

@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from cluster.status import format_table
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -56,12 +58,7 @@ def _fmt(c) -> str:
 
 
 def print_table(headers: list[str], rows: list[list]) -> None:
-    cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    print("\n".join(format_table(headers, [[_fmt(c) for c in row] for row in rows], rule=True)))
 
 
 def write_json(name: str, payload: dict, path: Path | None = None) -> Path:

@@ -34,6 +34,7 @@ from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
+    sampling_params,
     usage,
 )
 from cluster.proto import kvmesh_pb2
@@ -296,13 +297,10 @@ class Ingress:
 
     # ------------------------------------------------------------------ gRPC (see cluster/proto/kvmesh.proto)
     def _grpc_prepare(self, request: kvmesh_pb2.GenerateRequest) -> Prepared:
-        kwargs = {f: getattr(request, f) for f in ("max_tokens", "temperature", "top_p", "seed") if request.HasField(f)}
-        if request.HasField("top_k"):
-            kwargs["top_k"] = max(request.top_k, 0)
-        try:
-            params = SamplingParams(**kwargs, stop=list(request.stop))
-        except ValueError as exc:
-            raise APIError(str(exc)) from exc
+        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        params = sampling_params(
+            **{f: getattr(request, f) for f in optional if request.HasField(f)}, stop=list(request.stop)
+        )
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
         return self._prepare(
             request.model, request.prompt, messages, params, "grpc", request.cache_salt or None, request.session_id

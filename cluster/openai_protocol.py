@@ -33,6 +33,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def sampling_params(top_k: int | None = None, stop: str | list[str] | None = None, **fields) -> SamplingParams:
+    """``SamplingParams`` from API fields (HTTP and gRPC alike): fields left out or None keep their defaults
+    (except ``max_tokens=None``: no limit), ``top_k`` -1 means off (vLLM's convention), and an out-of-range
+    value becomes a 400 naming the field."""
+    fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    try:
+        return SamplingParams(
+            **fields,
+            top_k=0 if top_k in (None, -1) else top_k,
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+        )
+    except ValueError as exc:
+        raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -57,18 +72,10 @@ class _Request(BaseModel):
             raise APIError("only n=1 is supported", param="n")
         if self.logprobs:
             raise APIError("logprobs are not supported", param="logprobs")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k in (None, -1) else self.top_k,  # -1: vLLM's "disabled"
-                seed=self.seed,
-                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                ignore_eos=self.ignore_eos,
-            )
-        except ValueError as exc:
-            raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+        return sampling_params(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+        )  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
@@ -151,9 +158,8 @@ class ResponseShape:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict], usage_: dict | None) -> dict:
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        out["usage"] = usage_
-        return out
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage_}  # fmt: skip
 
     def whole(self, text: str, finish_reason: str | None, usage_: dict) -> dict:
         if self.chat:

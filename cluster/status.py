@@ -15,9 +15,12 @@ def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
         raise ConnectionError(f"no kvmesh cluster answers at {url}: {exc}") from None
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+def format_table(headers: list[str], rows: list[list[str]], rule: bool = False) -> list[str]:
+    """Left-aligned columns two spaces apart (``rule``: a dashed line under the headers); shared with the
+    benchmarks' tables."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [headers, *rows]]
+    lines = [headers, *([["-" * w for w in widths]] if rule else []), *rows]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines]
 
 
 def render_status(status: dict) -> str:
@@ -40,12 +43,12 @@ def render_status(status: dict) -> str:
         ]
         for rid, r in sorted(status["replicas"].items())
     ]
-    out += _table(["REPLICA", "KV USED", "HIT RATE", "RUNNING", "WAITING", "PREEMPTED", "INDEXED"], rows)
+    out += format_table(["REPLICA", "KV USED", "HIT RATE", "RUNNING", "WAITING", "PREEMPTED", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
     out.append("")
     decisions = [[d["policy"], d["reason"], str(d["count"])] for d in status.get("decisions", [])]
-    out += _table(["POLICY", "ROUTING REASON", "DECISIONS"], decisions)
+    out += format_table(["POLICY", "ROUTING REASON", "DECISIONS"], decisions)
     if not decisions:
         out.append("(no routing decisions yet)")
     return "\n".join(out)
