@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from ray import serve
@@ -28,6 +29,8 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         policy_kwargs=config.policy_kwargs,
         stats_period_s=config.stats_period_s,
         max_ongoing_requests=config.max_ongoing_requests,
+        autoscaling=config.autoscaling_config(),
+        drain_timeout_s=config.drain_timeout_s,
     )
     settings = IngressSettings(
         model=config.model,
@@ -41,9 +44,15 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
     return Ingress.options(num_replicas=config.ingress_replicas).bind(engine, dataclasses.asdict(settings))
 
 
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
+"""Where ``app_builder`` finds the index Redis when ``args`` do not name it: on Kubernetes the URL, with its
+password, comes from a Secret as this environment variable instead of sitting in the RayService spec."""
+
+
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Ray Serve's application-builder entry point; ``args`` must name ``redis_url`` (no embedded Redis)."""
-    config = build_config(overrides=dict(args))
+    """Ray Serve's application-builder entry point: ``args`` are ``ClusterConfig`` fields; the Redis URL is
+    ``args["redis_url"]`` or ``$KVMESH_REDIS_URL`` (no embedded Redis here)."""
+    config = build_config(overrides={"redis_url": os.environ.get(REDIS_URL_ENV), **dict(args)})
     if not config.redis_url:
-        raise ValueError("redis_url is required when deploying from a Serve config file")
+        raise ValueError(f"redis_url is required when deploying from a Serve config file (args or ${REDIS_URL_ENV})")
     return build_app(config, config.redis_url)

@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "torch_threads": args.threads,
     }
+    autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
     overrides = {
         "model": args.model,
         "served_model_name": args.served_model_name,
@@ -72,7 +73,13 @@ def _serve(args: argparse.Namespace) -> int:
         "http_port": args.port,
         "grpc_port": args.grpc_port,
         "max_ongoing_requests": args.max_ongoing_requests,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "scaling_policy": args.scaling_policy,
+        "target_kv_util": args.target_kv_util,
+        "drain_timeout_s": args.drain_timeout_s,
         "engine": {k: v for k, v in engine.items() if v is not None},
+        "autoscaling": {k: v for k, v in autoscaling.items() if v is not None},
     }
     return run_until_signalled(build_config(args.config, overrides))
 
@@ -94,6 +101,7 @@ BENCH_COMMANDS = {
     "simulate": "benchmarks.simulate",
     "calibrate": "benchmarks.calibrate",
     "startup": "benchmarks.serve_startup",
+    "autoscale": "benchmarks.autoscale",
 }
 
 
@@ -129,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
     srv.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    srv.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas (default 1)")
+    srv.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas (default: no autoscaling)")
+    srv.add_argument("--target-kv-util", type=float, help="autoscaling: KV demand per replica to aim for (0.7)")
+    srv.add_argument("--scaling-policy", help="autoscaling signal: kv_pressure (default) or ongoing_requests (Ray's)")
+    srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
+    srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
+    srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
     srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
@@ -149,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), ...",
-        description="kvmesh bench {run,simulate,calibrate,startup} --help shows each one's options.",
+        description="kvmesh bench {run,simulate,calibrate,startup,autoscale} --help shows each one's options.",
     )
     bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")

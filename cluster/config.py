@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscaling import autoscaling_config
 from replica.config import EngineConfig
 from replica.model_files import DEFAULT_MODEL
 from router.baselines import POLICIES
@@ -32,6 +33,18 @@ class ClusterConfig:
     served_model_name: str | None = None
     """The name clients send as ``model`` (default: ``model``)."""
     replicas: int = 2
+    """Engine replicas (the starting count when autoscaling)."""
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    """Autoscale the engine replicas between ``min_replicas`` and this; ``None`` keeps ``replicas`` fixed."""
+    scaling_policy: str = "kv_pressure"
+    """``kv_pressure`` (KV demand near ``target_kv_util``) or ``ongoing_requests`` (Ray Serve's default)."""
+    target_kv_util: float = 0.7
+    """KV demand per replica the autoscaler aims for, as a share of its pool."""
+    autoscaling: dict[str, Any] = field(default_factory=dict)
+    """Further Ray ``AutoscalingConfig`` fields (upscale_delay_s, downscale_delay_s, metrics_interval_s, ...)."""
+    drain_timeout_s: float = 60.0
+    """How long a replica being removed may take to finish its in-flight streams."""
     ingress_replicas: int = 1
     """Ingress replicas; each runs its own router on the engine handle (they share the Redis index)."""
     policy: str = "kv_aware"
@@ -63,6 +76,9 @@ class ClusterConfig:
             if not 0 < port < 65536:
                 raise ValueError(f"port {port} is out of range")
         self.engine_config()  # raises ValueError on bad engine settings
+        self.autoscaling_config()  # and on bad autoscaling settings
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     @property
     def name(self) -> str:
@@ -74,12 +90,21 @@ class ClusterConfig:
         except TypeError as exc:
             raise ValueError(f"engine: {exc}") from None
 
+    def autoscaling_config(self) -> dict[str, Any] | None:
+        """Ray's ``autoscaling_config`` for the engine deployment, or ``None`` for a fixed size."""
+        if self.max_replicas is None:
+            return None
+        return autoscaling_config(
+            self.min_replicas, self.max_replicas, self.replicas, self.scaling_policy, self.target_kv_util,
+            self.autoscaling,
+        )  # fmt: skip
+
     def engine_settings(self) -> dict[str, Any]:
-        """Engine settings for each replica. Threads default to an equal share of the cores, so replicas
-        sharing a machine do not oversubscribe it."""
+        """Engine settings for each replica. Threads default to an equal share of the cores among the most
+        replicas there can be, so replicas sharing a machine do not oversubscribe it."""
         settings = {"model": self.model, **self.engine}
         if settings.get("torch_threads") is None and settings.get("device") in (None, "cpu"):
-            settings["torch_threads"] = max(1, (os.cpu_count() or 1) // self.replicas)
+            settings["torch_threads"] = max(1, (os.cpu_count() or 1) // max(self.replicas, self.max_replicas or 0))
         return settings
 
 
@@ -91,7 +116,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
-    """Defaults <- YAML file <- overrides (flags; ``None`` values mean "not given"). Engine keys merge."""
+    """Defaults <- YAML file <- overrides (flags; ``None`` values mean "not given"). Engine and autoscaling
+    keys merge."""
     values = load_yaml(file) if file else {}
     known = {f.name for f in dataclasses.fields(ClusterConfig)}
     unknown = sorted(set(values) - known)
@@ -100,8 +126,8 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     for key, value in (overrides or {}).items():
         if value is None:
             continue
-        if key == "engine":
-            values["engine"] = {**(values.get("engine") or {}), **value}
+        if key in ("engine", "autoscaling"):
+            values[key] = {**(values.get(key) or {}), **value}
         else:
             values[key] = value
     return ClusterConfig(**values)

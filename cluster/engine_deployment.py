@@ -52,6 +52,7 @@ class EngineServer:
             ).start()
             self.engine.kv_event_sinks.append(self.publisher.publish)
         self.index_id = self.publisher.replica_id if self.publisher else name
+        self._preemptions_seen = 0
 
     async def generate(self, body: dict) -> AsyncIterator[dict]:
         """Stream one request: ``body`` has ``prompt_token_ids``, optional ``block_hashes``, ``params``
@@ -95,6 +96,14 @@ class EngineServer:
         """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
         return dataclasses.asdict(self.engine.stats())
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """KV pressure for the autoscaler (``cluster/autoscaling.py``); preemptions since the last report."""
+        report = self.engine.kv_pressure()
+        total = report.pop("num_preemptions")
+        report["preemptions"] = total - self._preemptions_seen
+        self._preemptions_seen = total
+        return report
+
     def record_routing_stats(self) -> dict:
         return {**self.engine.load_report(), "index_id": self.index_id, "reported_at": time.time()}
 
@@ -112,8 +121,15 @@ def engine_deployment(
     policy_kwargs: dict | None = None,
     stats_period_s: float = 1.0,
     max_ongoing_requests: int = 64,
+    autoscaling: dict | None = None,
+    drain_timeout_s: float = 60.0,
 ) -> serve.Application:
-    """The engine deployment with the KV-aware router (or a baseline policy) on its handles."""
+    """The engine deployment with the KV-aware router (or a baseline policy) on its handles.
+
+    ``autoscaling`` (from ``cluster.autoscaling.autoscaling_config``) replaces the fixed ``num_replicas``.
+    A replica being removed (scale-down, redeploy, shutdown) gets ``drain_timeout_s`` to finish its streams:
+    Ray stops routing to it at once and waits for them before its destructor clears its index entries.
+    """
     model_id = EngineConfig(**engine).model
     ray_pow2 = policy == "pow2"
     router = RequestRouterConfig(
@@ -131,11 +147,14 @@ def engine_deployment(
         request_routing_stats_period_s=stats_period_s,
         request_routing_stats_timeout_s=max(stats_period_s, 1.0),
     )
+    sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     return serve.deployment(
         EngineServer,
         name="engine",
-        num_replicas=num_replicas,
+        **sizing,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=drain_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
         max_ongoing_requests=max_ongoing_requests,
         request_router_config=router,
         health_check_period_s=2.0,

@@ -338,6 +338,22 @@ class LLMEngine:
             "max_num_seqs": self.scheduler.max_num_seqs,
         }
 
+    def kv_pressure(self) -> dict[str, int]:
+        """KV demand for the autoscaler: blocks pinned by running requests (cached-but-evictable blocks are
+        free capacity, not demand), blocks the waiting requests' prompts will need, the pool size, the queue
+        and the preemption counter. Read from the event loop while a step may run in the engine thread:
+        the queues are copied first (one C-level call each), never iterated live."""
+        size = self.block_size
+        waiting, running = tuple(self.scheduler.waiting), tuple(self.scheduler.running)
+        return {
+            "kv_used_blocks": self.pool.num_used,
+            "kv_waiting_blocks": sum(-(-r.num_tokens // size) for r in waiting),
+            "kv_total_blocks": self.num_blocks,
+            "num_waiting": len(waiting),
+            "num_running": len(running),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

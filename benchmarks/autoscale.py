@@ -1,0 +1,228 @@
+"""Autoscaling under a KV-pressure step: KV-pressure autoscaling vs Ray Serve's request-count default.
+
+    kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2,ongoing_requests:8 \\
+        --rate 0.6 --base-s 40 --step-s 90 --repeats 2 --json benchmarks/results/autoscale.json
+
+The same load runs against a fresh ``kvmesh serve`` per scaling policy (same model, engine limits, bounds,
+metric intervals and delays; only the policy differs). Requests arrive open loop (Poisson, same seed) at
+a steady rate; for ``--base-s`` their prompts are short, then for ``--step-s`` they are long: the request
+rate hardly changes but each request needs many more KV blocks, the shift agent and long-context traffic
+makes. ``ongoing_requests:T`` is Ray's default policy with ``target_ongoing_requests=T`` (Ray's default T
+is 2). Measured per policy: time from the step to the first request served by a replica that did not
+exist before it, TTFT p50/p99 of the requests sent during the step, failed requests, peak replicas and
+replica-seconds (what the capacity cost). The replica count is read from ``/status`` twice a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+from benchmarks.load_client import Result, run_sessions
+from benchmarks.report import print_table, write_json
+from benchmarks.serve_process import ServeProcess
+from benchmarks.workloads import Session, Step
+
+POLICIES = "kv_pressure,ongoing_requests:2,ongoing_requests:8"
+
+
+def step_workload(seed: int, rate: float, base_s: float, step_s: float, short: int, long: int,
+                  max_tokens: int, vocab: int = 49152) -> list[Session]:  # fmt: skip
+    """Poisson arrivals at ``rate``; prompts of ``short`` tokens before ``base_s``, ``long`` after (±10%).
+    Token ids are random, so no request reuses another's prefix: only KV demand changes at the step."""
+    rng = random.Random(seed)
+    sessions, t = [], rng.expovariate(rate)
+    while t < base_s + step_s:
+        n = long if t >= base_s else short
+        n = rng.randint(int(0.9 * n), int(1.1 * n))
+        ids = [rng.randrange(1000, vocab - 1) for _ in range(n)]
+        sessions.append(Session(f"s{len(sessions)}", t, [Step(token_ids=ids, max_tokens=max_tokens)], chat=False,
+                                labels={"phase": "step" if t >= base_s else "base"}))  # fmt: skip
+        t += rng.expovariate(rate)
+    return sessions
+
+
+async def _watch(url: str, t_start: list[float], stop: asyncio.Event, timeline: list) -> None:
+    """Every 0.5 s: the replicas with a live heartbeat and how many requests each admitted so far."""
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while not stop.is_set():
+            try:
+                replicas = (await client.get("/status")).json()["replicas"]
+                t = time.perf_counter() - t_start[0] if t_start else 0.0
+                timeline.append((t, {rid: r.get("requests_admitted", 0) for rid, r in replicas.items()}))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def _drive(url: str, model: str, sessions: list[Session], timeout_s: float) -> tuple[list[Result], list]:
+    timeline: list = []
+    stop, t_start = asyncio.Event(), [time.perf_counter()]
+    watcher = asyncio.create_task(_watch(url, t_start, stop, timeline))
+    try:
+        results, _ = await run_sessions(url, model, sessions, progress_label="load", timeout_s=timeout_s)
+    finally:
+        stop.set()
+        await watcher
+    return results, timeline
+
+
+def summarise(results: list[Result], timeline: list, sessions: list[Session], base_s: float) -> dict:
+    phase = {s.session_id: s.labels["phase"] for s in sessions}
+    step = [r for r in results if phase[r.session_id] == "step"]
+    ttft = [r.ttft_s for r in step if r.ttft_s is not None]
+    base = [r.ttft_s for r in results if phase[r.session_id] == "base" and r.ttft_s is not None]
+    before = {rid for t, reps in timeline if t <= base_s for rid in reps}
+    new_serving = next((t for t, reps in timeline if t > base_s and any(n > 0 for rid, n in reps.items()
+                                                                        if rid not in before)), None)  # fmt: skip
+    counts = [(t, len(reps)) for t, reps in timeline]
+
+    def replica_s(lo: float, hi: float) -> float:
+        spans = itertools.pairwise(counts)
+        return sum(n * (min(t1, hi) - max(t0, lo)) for (t0, n), (t1, _) in spans if t1 > lo and t0 < hi)
+
+    return {
+        "requests": len(results),
+        "errors": sum(r.error is not None for r in results),
+        "step_requests": len(step),
+        "ttft_step_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+        "ttft_step_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+        "ttft_base_p50_s": statistics.median(base) if base else None,
+        "new_replica_serving_after_s": None if new_serving is None else new_serving - base_s,
+        "replicas_before_step": len(before),
+        "peak_replicas": max((n for _, n in counts), default=0),
+        "replica_seconds_base": replica_s(0.0, base_s),
+        "replica_seconds": replica_s(0.0, float("inf")),
+        "replica_timeline": counts,
+        "ttft_timeline": [(r.sent_at, r.ttft_s) for r in results if r.ttft_s is not None],
+    }
+
+
+def serve_config(args: argparse.Namespace, policy: str) -> dict:
+    name, _, target = policy.partition(":")
+    autoscaling = {"metrics_interval_s": args.metrics_interval_s, "look_back_period_s": args.look_back_s,
+                   "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}  # fmt: skip
+    if name == "ongoing_requests":
+        autoscaling["target_ongoing_requests"] = float(target or 2)
+    return {
+        "model": args.model, "replicas": 1, "min_replicas": 1, "max_replicas": args.max_replicas,
+        "scaling_policy": name, "target_kv_util": args.target_kv_util, "autoscaling": autoscaling,
+        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "torch_threads": 1},
+    }  # fmt: skip
+
+
+def run_policy(args: argparse.Namespace, policy: str, sessions: list[Session], log_dir: Path) -> dict:
+    config = log_dir / f"{policy.replace(':', '-')}.yaml"
+    config.write_text(yaml.safe_dump(serve_config(args, policy)))
+    print(f"\n== {policy}: starting kvmesh serve", file=sys.stderr, flush=True)
+    with ServeProcess(["--config", str(config)], log=log_dir / f"{policy.replace(':', '-')}.log") as server:
+        ready_s = server.wait_ready()
+        warm = [Session(f"w{i}", 0.0, [Step(token_ids=[1000 + i] * args.short, max_tokens=4)], chat=False)
+                for i in range(2)]  # fmt: skip
+        asyncio.run(run_sessions(server.url, args.model, warm, concurrency=1))
+        results, timeline = asyncio.run(_drive(server.url, args.model, sessions, args.timeout_s))
+    out = summarise(results, timeline, sessions, args.base_s)
+    out["ready_s"] = ready_s
+    return out
+
+
+def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for policy, run in runs.items():
+        t, n = zip(*run["replica_timeline"], strict=True) if run["replica_timeline"] else ((), ())
+        top.step(t, n, where="post", label=policy)
+        sent, ttft = zip(*run["ttft_timeline"], strict=True) if run["ttft_timeline"] else ((), ())
+        bottom.scatter(sent, ttft, s=8, label=policy)
+    for ax in (top, bottom):
+        ax.axvline(base_s, color="grey", linestyle="--", linewidth=1)
+    top.set_ylabel("replicas serving")
+    bottom.set_ylabel("TTFT (s)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("seconds since the load started (dashed: long prompts begin)")
+    top.legend()
+    top.set_title("KV-pressure step: replicas and TTFT by scaling policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="kvmesh bench autoscale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--policies", default=POLICIES, help="kv_pressure and/or ongoing_requests:<target>")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rate", type=float, default=0.6, help="request arrivals per second (Poisson)")
+    ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
+    ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts")
+    ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
+    ap.add_argument("--long", type=int, default=700, help="prompt tokens during the step")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-replicas", type=int, default=3)
+    ap.add_argument("--num-kv-blocks", type=int, default=48, help="KV pool per replica (16-token blocks)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--target-kv-util", type=float, default=0.7)
+    ap.add_argument("--metrics-interval-s", type=float, default=1.0)
+    ap.add_argument("--look-back-s", type=float, default=5.0)
+    ap.add_argument("--upscale-delay-s", type=float, default=3.0)
+    ap.add_argument("--downscale-delay-s", type=float, default=60.0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per policy (alternating); medians reported")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
+    ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
+    args = ap.parse_args(argv)
+
+    policies = [p for p in args.policies.split(",") if p]
+    sessions = step_workload(args.seed, args.rate, args.base_s, args.step_s, args.short, args.long, args.max_tokens)
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
+    print(f"{len(sessions)} requests over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for _ in range(args.repeats):
+        for policy in policies:
+            runs[policy].append(run_policy(args, policy, sessions, log_dir))
+
+    def med(policy: str, key: str):
+        values = [r[key] for r in runs[policy] if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    keys = ("new_replica_serving_after_s", "ttft_step_p50_s", "ttft_step_p99_s", "ttft_base_p50_s", "errors",
+            "peak_replicas", "replica_seconds_base", "replica_seconds")  # fmt: skip
+    summary = {p: {k: med(p, k) for k in keys} for p in policies}
+    ref = summary[policies[0]]["ttft_step_p99_s"]
+    print_table(
+        ["policy", "new replica serving after (s)", "TTFT p50 step (s)", "TTFT p99 step (s)", "p99 vs first",
+         "TTFT p50 base (s)", "errors", "peak replicas", "replica-s base", "replica-s"],
+        [[p, s["new_replica_serving_after_s"] if s["new_replica_serving_after_s"] is not None else "never",
+          s["ttft_step_p50_s"], s["ttft_step_p99_s"],
+          f"{s['ttft_step_p99_s'] / ref:.2f}x" if ref and s["ttft_step_p99_s"] else "-",
+          s["ttft_base_p50_s"], s["errors"], s["peak_replicas"], s["replica_seconds_base"], s["replica_seconds"]]
+         for p, s in summary.items()],
+    )  # fmt: skip
+    path = write_json("autoscale", {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                    "runs": runs}, args.json)  # fmt: skip
+    plot({p: r[-1] for p, r in runs.items()}, args.base_s, args.png or path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
