@@ -176,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
     ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts")
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
-    ap.add_argument("--long", type=int, default=700, help="prompt tokens during the step")
+    ap.add_argument("--long", type=int, default=640, help="prompt tokens during the step")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-replicas", type=int, default=3)
-    ap.add_argument("--num-kv-blocks", type=int, default=48, help="KV pool per replica (16-token blocks)")
+    ap.add_argument("--num-kv-blocks", type=int, default=48,
+                    help="KV pool per replica (16-token blocks); must hold 1.1 x --long + --max-tokens")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--target-kv-util", type=float, default=0.7)
     ap.add_argument("--metrics-interval-s", type=float, default=1.0)
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     policies = [p for p in args.policies.split(",") if p]
+    if int(1.1 * args.long) + args.max_tokens > 16 * args.num_kv_blocks:
+        ap.error("the longest prompt plus --max-tokens must fit one replica's KV pool (--num-kv-blocks)")
     sessions = step_workload(args.seed, args.rate, args.base_s, args.step_s, args.short, args.long, args.max_tokens)
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
     print(f"{len(sessions)} requests over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)

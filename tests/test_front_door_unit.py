@@ -65,6 +65,32 @@ def test_config_layers_defaults_file_and_flags(tmp_path: Path):
     assert build_config().replicas == ClusterConfig().replicas
 
 
+def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
+    file = tmp_path / "cluster.yaml"
+    file.write_text("replicas: 2\nmax_replicas: 6\nautoscaling:\n  downscale_delay_s: 120\n  upscale_delay_s: 9\n")
+    config = build_config(file, {"target_kv_util": 0.5, "autoscaling": {"upscale_delay_s": 2}})
+    scaling = config.autoscaling_config()
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (1, 6, 2)
+    assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 120)
+    assert scaling["policy"]["policy_kwargs"] == {"target_kv_util": 0.5}
+    # Threads are shared among the most replicas there can be, so a scaled-out machine is not oversubscribed.
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    assert config.engine_settings()["torch_threads"] == 2
+    assert build_config().autoscaling_config() is None  # no max_replicas: a fixed size
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        build_config(overrides={"min_replicas": 3, "max_replicas": 2})
+
+
+def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
+    from cluster.app import REDIS_URL_ENV, app_builder
+
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+    with pytest.raises(ValueError, match=REDIS_URL_ENV):
+        app_builder({"replicas": 1})
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:secret@kvmesh-redis:6379/0")
+    assert app_builder({"replicas": 1, "max_replicas": 2}) is not None
+
+
 @pytest.mark.parametrize(
     "text, message",
     [("replica: 2\n", "unknown settings"), ("policy: magic\n", "unknown policy"), ("replicas: 0\n", "at least 1"),
