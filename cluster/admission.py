@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 API_KEYS_ENV = "KVMESH_API_KEYS"
 """Comma-separated API keys, added to the configured ones (on Kubernetes: from a Secret)."""
@@ -81,11 +81,19 @@ class InflightLimit:
 class Admission:
     """The front door's limits, as one object the ingress builds and the middleware consults."""
 
-    def __init__(self, key_digests: Iterable[str] = (), max_inflight: int = 0, max_body_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        key_digests: Iterable[str] = (),
+        max_inflight: int = 0,
+        max_body_bytes: int = 0,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         # The configured keys arrive as digests; keys from this process's environment (a Secret) are added.
         self.keys = ApiKeys([bytes.fromhex(d) for d in key_digests] + [_digest(k) for k in api_keys()])
         self.inflight = InflightLimit(max_inflight)
         self.max_body_bytes = max_body_bytes
+        self.on_refused = on_refused
+        """Called with the reason (``unauthenticated``, ``too_large``, ``over_capacity``) of each refusal."""
 
 
 def key_digests(keys: Iterable[str]) -> list[str]:
@@ -97,6 +105,9 @@ PROTECTED_PREFIXES = ("/v1/", "/status")
 """Paths that need a key when keys are configured; ``/health`` and ``/metrics`` stay open for probes and
 Prometheus (they reveal no prompt or reply)."""
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+REASONS = {401: "unauthenticated", 413: "too_large", 429: "over_capacity"}
 
 
 def _error(status: int, message: str, code: str, kind: str, headers: dict[str, str] | None = None):
@@ -144,6 +155,8 @@ class AdmissionMiddleware:
                 finally:
                     guard.inflight.release()
         if refusal is not None:
+            if guard.on_refused is not None:
+                guard.on_refused(REASONS[refusal[0]["status"]])
             for message in refusal:
                 await send(message)
             return None

@@ -13,6 +13,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.admission import key_digests
 from cluster.config import APP_NAME, ClusterConfig, build_config
 from cluster.engine_deployment import engine_deployment
 from cluster.ingress import Ingress, IngressSettings
@@ -29,6 +30,7 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         policy_kwargs=config.policy_kwargs,
         stats_period_s=config.stats_period_s,
         max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
     )
@@ -40,8 +42,15 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         redis_url=redis_url,
         deployment=APP_NAME,
         policy=config.policy,
+        api_key_digests=key_digests(config.api_keys),
+        max_inflight_requests=config.max_inflight_requests,
+        max_request_bytes=config.max_request_bytes,
     )
-    return Ingress.options(num_replicas=config.ingress_replicas).bind(engine, dataclasses.asdict(settings))
+    # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
+    ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
+    return Ingress.options(num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing).bind(
+        engine, dataclasses.asdict(settings)
+    )
 
 
 REDIS_URL_ENV = "KVMESH_REDIS_URL"

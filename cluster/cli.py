@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -73,6 +74,10 @@ def _serve(args: argparse.Namespace) -> int:
         "http_port": args.port,
         "grpc_port": args.grpc_port,
         "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "max_inflight_requests": args.max_inflight_requests,
+        "max_request_bytes": args.max_request_bytes,
+        "api_keys": args.api_key or None,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "scaling_policy": args.scaling_policy,
@@ -88,7 +93,7 @@ def _status(args: argparse.Namespace) -> int:
     from cluster.status import fetch_status, render_status
 
     try:
-        status = fetch_status(args.url)
+        status = fetch_status(args.url, api_key=args.api_key or os.environ.get("KVMESH_API_KEY"))
     except ConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -102,6 +107,7 @@ BENCH_COMMANDS = {
     "calibrate": "benchmarks.calibrate",
     "startup": "benchmarks.serve_startup",
     "autoscale": "benchmarks.autoscale",
+    "soak": "benchmarks.soak",
 }
 
 
@@ -152,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
     srv.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
     srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
+    srv.add_argument("--max-queued-requests", type=int,
+                     help="requests a router holds for busy replicas; more get 503 (default 256, -1 unbounded)")
+    srv.add_argument("--max-inflight-requests", type=int,
+                     help="generations one ingress replica runs at once; more get 429 (default 1024, 0 unbounded)")
+    srv.add_argument("--max-request-bytes", type=int, help="largest request body (default 8 MiB)")
+    srv.add_argument("--api-key", action="append",
+                     help="require this Bearer key (repeatable; also $KVMESH_API_KEYS, comma-separated)")
     srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
     srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
@@ -164,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), ...",
-        description="kvmesh bench {run,simulate,calibrate,startup,autoscale} --help shows each one's options.",
+        description="kvmesh bench {run,simulate,calibrate,startup,autoscale,soak} --help shows each one's options.",
     )
     bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
@@ -173,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")
     st.add_argument("--json", action="store_true", help="print the raw status document")
+    st.add_argument("--api-key", help="the cluster's API key, if it requires one (default: $KVMESH_API_KEY)")
     st.set_defaults(func=_status)
     return parser
 

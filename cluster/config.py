@@ -61,6 +61,15 @@ class ClusterConfig:
     grpc_port: int = DEFAULT_GRPC_PORT
     max_ongoing_requests: int = 64
     """Requests one engine replica accepts at once; more wait in the router's queue."""
+    max_queued_requests: int = 256
+    """Requests each router may hold waiting for a replica; beyond it, 503 with Retry-After (-1: no bound)."""
+    max_inflight_requests: int = 1024
+    """Generations one ingress replica handles at once; beyond it, 429 with Retry-After (0: no bound)."""
+    max_request_bytes: int = 8 << 20
+    """Largest request body accepted (413 beyond it)."""
+    api_keys: list[str] = field(default_factory=list)
+    """Bearer keys required on /v1 and /status (HTTP) and on gRPC; also read from ``$KVMESH_API_KEYS``.
+    Empty: no authentication. The ingress is given their SHA-256 digests, never the keys."""
     stats_period_s: float = 1.0
     num_cpus: int | None = None
     """CPUs of a locally started Ray (default: this machine's)."""
@@ -77,6 +86,8 @@ class ClusterConfig:
                 raise ValueError(f"port {port} is out of range")
         self.engine_config()  # raises ValueError on bad engine settings
         self.autoscaling_config()  # and on bad autoscaling settings
+        if self.max_queued_requests < -1 or self.max_inflight_requests < 0 or self.max_request_bytes < 1:
+            raise ValueError("max_queued_requests >= -1, max_inflight_requests >= 0 and max_request_bytes >= 1")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

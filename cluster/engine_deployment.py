@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -94,7 +95,7 @@ class EngineServer:
 
     def status(self) -> dict:
         """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
-        return dataclasses.asdict(self.engine.stats())
+        return {**dataclasses.asdict(self.engine.stats()), "pid": os.getpid()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """KV pressure for the autoscaler (``cluster/autoscaling.py``); preemptions since the last report."""
@@ -121,6 +122,7 @@ def engine_deployment(
     policy_kwargs: dict | None = None,
     stats_period_s: float = 1.0,
     max_ongoing_requests: int = 64,
+    max_queued_requests: int = -1,
     autoscaling: dict | None = None,
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
@@ -156,6 +158,7 @@ def engine_deployment(
         graceful_shutdown_timeout_s=drain_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
         max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
         request_router_config=router,
         health_check_period_s=2.0,
     ).bind(engine, redis_url, deployment)

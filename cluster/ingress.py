@@ -5,18 +5,21 @@ ONCE, then calls the engine deployment's handle with a dict carrying all of it: 
 handle (in this process) reads the hashes to pick a replica, and the replica reuses them for its prefix
 cache. Errors found before the first token are answered with a proper status (400, 404); once a stream has
 started, a failure ends it with an error event. A client that hangs up cancels the engine request, which
-frees its blocks.
+frees its blocks. A replica that dies before a request's first token costs nothing: the request is sent
+again to another replica. Admission (``cluster/admission.py``) refuses unauthenticated, oversized and
+over-capacity requests before any of this work; a full engine queue is a 503 with ``Retry-After``.
 
 This module must not import torch (the ingress process stays small): it uses the tokenizer alone. It has
 no ``from __future__ import annotations``: FastAPI must see the request models' real classes on the methods
 that Ray Serve rebinds, or it takes the bodies for query parameters.
 """
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from fastapi import FastAPI, Request
@@ -25,10 +28,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from redis.exceptions import RedisError
 
 from cluster import metrics
+from cluster.admission import RETRY_AFTER_S, Admission, AdmissionMiddleware
 from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -48,10 +54,18 @@ log = logging.getLogger(__name__)
 
 app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster", version="1")
 
+_admission: Admission | None = None
+"""This process's ingress limits, set by ``Ingress.__init__`` (one ingress per replica process)."""
+app.add_middleware(AdmissionMiddleware, admission=lambda: _admission)
+
+REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
+"""What a handle raises when the replica serving a call died or became unreachable."""
+SWEEP_PERIOD_S = 1.0
+
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -74,6 +88,9 @@ class IngressSettings:
     redis_url: str | None = None
     deployment: str = "kvmesh"
     policy: str = "kv_aware"
+    api_key_digests: list[str] = field(default_factory=list)
+    max_inflight_requests: int = 0
+    max_request_bytes: int = 0
 
 
 @dataclass
@@ -91,7 +108,14 @@ class Prepared:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
+        global _admission
         self.settings = IngressSettings(**settings)
+        self.admission = _admission = Admission(
+            self.settings.api_key_digests,
+            self.settings.max_inflight_requests,
+            self.settings.max_request_bytes,
+            on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
+        )
         self.engine = engine.options(method_name="generate", stream=True)
         model_dir = resolve_model_dir(self.settings.model)
         self.tokenizer = load_tokenizer(model_dir)
@@ -103,6 +127,17 @@ class Ingress:
             if self.settings.redis_url
             else None
         )
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if self.index else None
+
+    async def _sweep(self) -> None:
+        """Purge crashed replicas' index entries once their heartbeat expired, with or without traffic."""
+        while True:
+            await asyncio.sleep(SWEEP_PERIOD_S)
+            try:
+                for rid in await self.index.sweep():
+                    log.warning("replica %s stopped beating: its index entries were removed", rid)
+            except (RedisError, OSError) as exc:  # Redis down: routing already degrades; try next tick
+                log.debug("index sweep failed: %r", exc)
 
     # ------------------------------------------------------------------ shared by HTTP and gRPC
     def _prepare(
@@ -162,35 +197,57 @@ class Ingress:
     async def _run(self, prep: Prepared) -> AsyncIterator[dict]:
         """Engine chunks of one request, with its metrics recorded; the last one carries ``usage``.
 
-        Engine-side validation errors surface as ``APIError`` before anything is yielded."""
+        Engine-side validation errors surface as ``APIError`` before anything is yielded. A replica that
+        fails before the first token is replaced by one retry (the router no longer offers a dead replica);
+        after the first token the stream ends with an error naming the cause."""
         model = self.settings.served_model_name
         t0 = time.perf_counter()
-        stream = self.engine.remote(prep.body)
         last, n_out, outcome, cached = t0, 0, "error", 0
+        stream = None
         try:
-            async for chunk in stream:
-                now = time.perf_counter()
-                if n_out == 0:
-                    metrics.TTFT.labels(model).observe(now - t0)
-                elif chunk["token_ids"]:
-                    metrics.INTER_TOKEN.labels(model).observe((now - last) / len(chunk["token_ids"]))
-                last, n_out = now, n_out + len(chunk["token_ids"])
-                cached = chunk["num_cached_tokens"]
-                if chunk["finish_reason"] is not None:
-                    outcome = "ok"
-                    chunk["usage"] = usage(len(prep.ids), n_out, cached)
-                yield chunk
+            for attempt in (1, 2):
+                stream = self.engine.remote(prep.body)
+                try:
+                    async for chunk in stream:
+                        now = time.perf_counter()
+                        if n_out == 0:
+                            metrics.TTFT.labels(model).observe(now - t0)
+                        elif chunk["token_ids"]:
+                            metrics.INTER_TOKEN.labels(model).observe((now - last) / len(chunk["token_ids"]))
+                        last, n_out = now, n_out + len(chunk["token_ids"])
+                        cached = chunk["num_cached_tokens"]
+                        if chunk["finish_reason"] is not None:
+                            outcome = "ok"
+                            chunk["usage"] = usage(len(prep.ids), n_out, cached)
+                        yield chunk
+                    break
+                except REPLICA_FAILURES as exc:
+                    if n_out or attempt == 2:
+                        raise
+                    metrics.RETRIES.labels(model).inc()
+                    log.warning("request %s: its replica failed before the first token (%r); retrying",
+                                prep.shape.id, exc)  # fmt: skip
+        except BackPressureError as exc:
+            outcome = "rejected"
+            raise APIError("Every replica is busy and the queue is full; retry shortly", 503, code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc  # fmt: skip
         except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
             outcome = "client_error"
             cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
             raise APIError(str(cause), param="prompt") from exc
-        except Exception as exc:  # a replica died or failed: the client gets a clean 500, not a traceback
+        except REPLICA_FAILURES as exc:
+            log.warning("request %s: its replica failed after %d tokens: %r", prep.shape.id, n_out, exc)
+            raise APIError(f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens;"
+                           " retry the request", 503, code="replica_failed",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc  # fmt: skip
+        except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
             stream.cancel()
             log.warning("request %s failed in the engine: %r", prep.shape.id, exc)
             raise APIError(f"generation failed: {type(getattr(exc, 'cause', None) or exc).__name__}", 500) from exc
         except BaseException:
             outcome = "aborted" if outcome == "error" and n_out else outcome
-            stream.cancel()  # the client left or the caller failed: free the engine's blocks now
+            if stream is not None:
+                stream.cancel()  # the client left or the caller failed: free the engine's blocks now
             raise
         finally:
             metrics.REQUESTS.labels(model, prep.api, outcome).inc()
@@ -206,12 +263,15 @@ class Ingress:
             first = await anext(chunks)  # errors before the first token get a real status code
         except StopAsyncIteration:
             raise APIError("the engine ended the request without output", status=500) from None
+        headers = {"x-kvmesh-replica": first["replica"]}  # which replica served it: for debugging and tests
         if not stream:
             text, last = first["text"], first
             async for chunk in chunks:
                 text, last = text + chunk["text"], chunk
-            return JSONResponse(prep.shape.whole(text, last["finish_reason"], last["usage"]))
-        return StreamingResponse(self._sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream")
+            return JSONResponse(prep.shape.whole(text, last["finish_reason"], last["usage"]), headers=headers)
+        return StreamingResponse(
+            self._sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream", headers=headers
+        )
 
     @staticmethod
     async def _sse(shape: ResponseShape, first: dict, chunks: AsyncIterator[dict], include_usage: bool):
@@ -306,11 +366,26 @@ class Ingress:
             request.model, request.prompt, messages, params, "grpc", request.cache_salt or None, request.session_id
         )
 
+    def _grpc_admit(self, grpc_context) -> None:
+        """gRPC's admission: the same API keys (``authorization`` metadata) and in-flight limit as HTTP."""
+        metadata = {k.lower(): v for k, v in (grpc_context.invocation_metadata() or ())}
+        if not self.admission.keys.allows(metadata.get("authorization")):
+            metrics.REFUSED.labels("unauthenticated").inc()
+            raise APIError("Invalid or missing API key (metadata authorization: Bearer <key>)", 401,
+                           code="invalid_api_key")  # fmt: skip
+        if not self.admission.inflight.acquire():
+            metrics.REFUSED.labels("over_capacity").inc()
+            raise APIError("The server is at capacity; retry shortly", 429, code="rate_limit_exceeded")
+
     @staticmethod
     def _grpc_error(grpc_context, exc: APIError) -> APIError:
-        code = {404: grpc.StatusCode.NOT_FOUND, 400: grpc.StatusCode.INVALID_ARGUMENT}.get(
-            exc.status, grpc.StatusCode.INTERNAL
-        )
+        code = {
+            400: grpc.StatusCode.INVALID_ARGUMENT,
+            401: grpc.StatusCode.UNAUTHENTICATED,
+            404: grpc.StatusCode.NOT_FOUND,
+            429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+            503: grpc.StatusCode.UNAVAILABLE,
+        }.get(exc.status, grpc.StatusCode.INTERNAL)
         grpc_context.set_code(code)
         grpc_context.set_details(exc.message)
         return exc
@@ -326,6 +401,10 @@ class Ingress:
 
     async def Generate(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> AsyncIterator:
         try:
+            self._grpc_admit(grpc_context)
+        except APIError as exc:
+            raise self._grpc_error(grpc_context, exc) from None
+        try:
             async for chunk in self._run(self._grpc_prepare(request)):
                 done = chunk["finish_reason"] is not None
                 yield kvmesh_pb2.GenerateChunk(
@@ -335,8 +414,14 @@ class Ingress:
                 )
         except APIError as exc:
             raise self._grpc_error(grpc_context, exc) from None
+        finally:
+            self.admission.inflight.release()
 
     async def Complete(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> kvmesh_pb2.Completion:
+        try:
+            self._grpc_admit(grpc_context)
+        except APIError as exc:
+            raise self._grpc_error(grpc_context, exc) from None
         try:
             prep = self._grpc_prepare(request)
             text, last = "", None
@@ -344,6 +429,8 @@ class Ingress:
                 text, last = text + chunk["text"], chunk
         except APIError as exc:
             raise self._grpc_error(grpc_context, exc) from None
+        finally:
+            self.admission.inflight.release()
         return kvmesh_pb2.Completion(
             id=prep.shape.id, text=text, finish_reason=last["finish_reason"], usage=self._grpc_usage(last)
         )

@@ -32,6 +32,9 @@ PROMPT_TOKENS = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished reque
 CACHED_TOKENS = Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a replica's prefix cache.", ["model"])
 GENERATED_TOKENS = Counter("kvmesh_generation_tokens", "Output tokens generated.", ["model"])
 REQUESTS = Counter("kvmesh_requests", "Requests answered, by API and outcome.", ["model", "api", "outcome"])
+RETRIES = Counter("kvmesh_request_retries", "Requests sent again because their replica failed before any token.",
+                  ["model"])  # fmt: skip
+REFUSED = Counter("kvmesh_requests_refused", "Requests refused at the door (401, 413, 429).", ["reason"])
 
 _GAUGES = {
     "kv_usage": ("kvmesh_replica_kv_usage_ratio", "Share of the replica's KV blocks held by running requests."),

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.sampling_params import SamplingParams
 
@@ -21,13 +21,20 @@ class APIError(Exception):
     """An error the client caused or must handle, rendered in OpenAI's error format."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None, kind: str = ""
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         )
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -95,6 +102,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # OpenAI allows null only for assistant turns
+            raise ValueError(f"content is required for a {self.role} message")
+        return self
 
     def render(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else ""

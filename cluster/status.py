@@ -7,10 +7,16 @@ import urllib.error
 import urllib.request
 
 
-def fetch_status(url: str, timeout_s: float = 5.0) -> dict:
+def fetch_status(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url.rstrip("/") + "/status", headers=headers)
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise ConnectionError(f"{url} wants an API key: pass --api-key or set $KVMESH_API_KEY") from None
+        raise ConnectionError(f"{url}/status answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConnectionError(f"no kvmesh cluster answers at {url}: {exc}") from None
 

@@ -29,7 +29,8 @@ import xxhash
 from router.hashing import BlockHash
 
 KEY_BYTES = 8
-DEFAULT_HEARTBEAT_TTL_S = 5.0
+DEFAULT_HEARTBEAT_TTL_S = 3.0
+"""A replica beats every TTL/5; one silent for a whole TTL is dead to lookups and is purged."""
 
 
 def index_prefix(deployment: str, model: str) -> str:

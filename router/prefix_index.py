@@ -120,6 +120,19 @@ class PrefixIndex:
             return {"ok": False, "error": repr(exc)}
         return {"ok": True, "ping_ms": round(1000 * rtt, 3), "used_memory": memory.get("used_memory_human")}
 
+    async def sweep(self) -> list[str]:
+        """Purge every registered replica whose heartbeat expired (a crash, a lost node); returns their ids.
+
+        Lookups purge the dead they meet, but only on traffic; the ingress also sweeps once a second so a
+        dead incarnation leaves the index within the heartbeat TTL plus a second, traffic or not. Raises
+        ``RedisError`` when Redis is unreachable (the caller retries on its next tick)."""
+        ids = [k.decode() for k in await self.client.hkeys(self.prefix + "reg")]
+        if not ids:
+            return []
+        beats = await self.client.mget([f"{self.prefix}hb:{rid}" for rid in ids])
+        dead = [rid for rid, beat in zip(ids, beats, strict=True) if beat is None]
+        return [rid for rid in dead if await self.purge_replica(rid)]
+
     def _start_purge(self, replica_id: str) -> None:
         if replica_id in self._purging:
             return

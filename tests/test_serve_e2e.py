@@ -20,12 +20,16 @@ from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+KEY = "e2e-secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
 LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--max-num-seqs", "8"]
+    args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--max-num-seqs", "8",
+            "--api-key", KEY, "--max-request-bytes", str(1 << 20)]  # fmt: skip
     with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
         srv.wait_ready(timeout_s=180)
@@ -34,7 +38,7 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def chat(client, server, content: str, **kw):
@@ -114,21 +118,77 @@ def test_bad_requests_get_openai_errors(client, server):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert missing.value.body["code"] == "model_not_found"
-    raw = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    raw = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=AUTH, timeout=10)
     assert raw.status_code == 400 and "error" in raw.json()
     assert [m.id for m in client.models.list().data] == [server.model]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def _chat(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the served model added, expected status)
+    (CHAT, b"{not json", 400), (CHAT, b"", 400), (CHAT, b"[]", 400), (CHAT, b'"a string"', 400),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),  # invalid UTF-8
+    (CHAT, {}, 400), (CHAT, {"messages": "hi"}, 400), (CHAT, {"messages": []}, 400),
+    (CHAT, {"messages": [{"content": "no role"}]}, 400),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400), (CHAT, {"messages": [{"role": "user"}]}, 400),
+    (CHAT, _chat(max_tokens=-1), 400), (CHAT, _chat(max_tokens=0), 400), (CHAT, _chat(max_tokens=10**9), 400),
+    (CHAT, _chat(max_tokens="ten"), 400), (CHAT, _chat(max_completion_tokens=-5), 400),
+    (CHAT, _chat(temperature=-0.5), 400), (CHAT, _chat(temperature="hot"), 400), (CHAT, _chat(top_p=0), 400),
+    (CHAT, _chat(top_p=1.5), 400), (CHAT, _chat(top_k=-5), 400), (CHAT, _chat(n=2), 400),
+    (CHAT, _chat(logprobs=True), 400), (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    (CHAT, _chat(stop=5), 400), (CHAT, _chat(stop=[""]), 400), (CHAT, _chat(seed="abc"), 400),
+    (CHAT, _chat(cache_salt=123), 400), (CHAT, _chat(session_id={"a": 1}), 400),
+    (CHAT, _chat(model="no-such-model"), 404), (CHAT, _chat(model=None), 400),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 1500}]}, 400),  # longer than the context
+    (COMP, {}, 400), (COMP, {"prompt": ""}, 400), (COMP, {"prompt": [10**9]}, 400), (COMP, {"prompt": {"a": 1}}, 400),
+    (COMP, {"prompt": [[1, 2], [3, 4]]}, 400), (COMP, {"prompt": "x", "max_tokens": -3}, 400),
+    (COMP, b"x" * ((1 << 20) + 1), 413),  # over --max-request-bytes
+]  # fmt: skip
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(client, server):
+    assert len(MALFORMED) >= 30
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        for path, body, expected in MALFORMED:
+            if isinstance(body, dict) and "model" not in body:
+                body = {"model": server.model, **body}  # so each case fails for its own reason, not the model
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = http.post(path, **kw)
+            assert r.status_code == expected, (path, body if not isinstance(body, bytes) else body[:60], r.text[:300])
+            error = r.json()["error"]
+            assert error["message"] and error["type"], r.text
+        assert http.get(CHAT).status_code == 405 and http.post("/v1/nope", json={}).status_code == 404
+    assert chat(client, server, "still there?", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_api_keys_are_required_on_the_api_but_not_on_probes(server):
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(server.url + "/status", headers=headers, timeout=30).status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+    no_key = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", server.url],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert no_key.returncode == 1 and "API key" in no_key.stderr
+
+
 def test_client_hanging_up_aborts_the_generation(server):
     body = {"model": server.model, "prompt": "Go on and on", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=30) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i == 4:
                 break  # leave mid-stream: closes the connection
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        replicas = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+        replicas = httpx.get(server.url + "/status", headers=AUTH, timeout=10).json()["replicas"]
         if replicas and all(r["num_running"] == 0 and r["kv_usage"] == 0 for r in replicas.values()):
             break
         time.sleep(0.25)
@@ -147,17 +207,21 @@ def test_grpc_streams_a_generation(server):
         request = kvmesh_pb2.GenerateRequest(
             messages=[kvmesh_pb2.ChatMessage(role="user", content="Stream please")], max_tokens=10, temperature=0
         )
-        chunks = list(stub.Generate(request, timeout=60))
-        whole = stub.Complete(request, timeout=60)
+        chunks = list(stub.Generate(request, timeout=60, metadata=GRPC_AUTH))
+        whole = stub.Complete(request, timeout=60, metadata=GRPC_AUTH)
         with pytest.raises(grpc.RpcError) as bad:
-            stub.Complete(kvmesh_pb2.GenerateRequest(prompt="x", temperature=-1), timeout=60)
+            stub.Complete(kvmesh_pb2.GenerateRequest(prompt="x", temperature=-1), timeout=60, metadata=GRPC_AUTH)
+        with pytest.raises(grpc.RpcError) as no_key:
+            stub.Complete(request, timeout=60)
     assert len(chunks) == 10 and chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
     assert "".join(c.text for c in chunks) == whole.text
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
     target = f"127.0.0.1:{server.grpc}"
     example = subprocess.run(
-        [sys.executable, str(EXAMPLES / "grpc_client.py"), "--target", target, "--max-tokens", "4", "Hi"],
+        [sys.executable, str(EXAMPLES / "grpc_client.py"), "--target", target, "--max-tokens", "4", "--api-key", KEY,
+         "Hi"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert example.returncode == 0 and "[length:" in example.stdout and "unary Complete" in example.stdout
@@ -178,7 +242,7 @@ def test_metrics_and_status_show_the_cluster(client, server):
     assert text.count("kvmesh_replica_kv_usage_ratio{") == 2
 
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "status", "--url", server.url],
+        [sys.executable, "-m", "cluster.cli", "status", "--url", server.url, "--api-key", KEY],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     lines = out.splitlines()
