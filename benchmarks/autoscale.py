@@ -1,7 +1,7 @@
 """Autoscaling under a KV-pressure step: KV-pressure autoscaling vs Ray Serve's request-count default.
 
     kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2,ongoing_requests:8 \\
-        --rate 0.6 --base-s 40 --step-s 90 --repeats 2 --json benchmarks/results/autoscale.json
+        --rate 0.4 --base-s 40 --step-s 90 --repeats 2 --json benchmarks/results/autoscale.json
 
 The same load runs against a fresh ``kvmesh serve`` per scaling policy (same model, engine limits, bounds,
 metric intervals and delays; only the policy differs). Requests arrive open loop (Poisson, same seed) at
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--policies", default=POLICIES, help="kv_pressure and/or ongoing_requests:<target>")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--rate", type=float, default=0.6, help="request arrivals per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=0.4, help="request arrivals per second (Poisson)")
     ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
     ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts")
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")

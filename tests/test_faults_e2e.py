@@ -137,6 +137,9 @@ def test_killed_replica_fails_only_its_started_streams_and_is_replaced(server, r
                     10, 0.1)  # fmt: skip
     forgot_s = time.monotonic() - t_kill
     assert gone and forgot_s <= 5.5, f"dead replica still in the index after {forgot_s:.1f} s"
+    retried = [ln for ln in server.http_client.get("/metrics").text.splitlines()
+               if ln.startswith("kvmesh_request_retries_total")]  # fmt: skip
+    print(f"index forgot the killed replica {forgot_s:.1f} s after the kill; {retried}")
     replaced = wait_for(lambda: (p := replica_pids(server)) and len(p) == 2 and victim not in p and p, 120, 1.0)
     assert replaced, "Serve did not replace the killed replica"
     assert all(complete(server, f"After the crash {i}").status_code == 200 for i in range(4))
@@ -159,6 +162,8 @@ def test_overload_is_refused_with_retry_after_never_a_hang(server):
     codes = [c for c, _, _, _ in results]
     assert set(codes) <= {200, 429, 503}, codes
     assert codes.count(200) >= 4 and (codes.count(429) + codes.count(503)) >= 8, codes
+    print(f"burst of 24: {codes.count(200)} completed, {codes.count(429)} x 429, {codes.count(503)} x 503, "
+          f"slowest refusal {max((e for c, _, e, _ in results if c != 200), default=0):.3f} s")
     for code, retry_after, elapsed, body_ in results:
         if code != 200:
             assert retry_after == "1" and body_["error"]["type"] in ("rate_limit_error", "service_unavailable")
