@@ -31,6 +31,7 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         stats_period_s=config.stats_period_s,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
+        ray_actor_options=config.engine_actor_options,
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
     )

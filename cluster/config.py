@@ -52,6 +52,10 @@ class ClusterConfig:
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     """``EngineConfig`` fields (block_size, max_num_seqs, kv_cache_bytes, max_model_len, device, ...)."""
+    engine_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    """Ray actor options of each engine replica (``num_cpus``, ``num_gpus``, ``resources``, ...). No CPUs by
+    default, so several replicas share a laptop; on a cluster, claim a GPU (or CPUs) per replica so replicas
+    land on worker nodes and the Ray autoscaler adds nodes for those that do not fit."""
     address: str | None = None
     """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one."""
     redis_url: str | None = None

@@ -123,6 +123,7 @@ def engine_deployment(
     stats_period_s: float = 1.0,
     max_ongoing_requests: int = 64,
     max_queued_requests: int = -1,
+    ray_actor_options: dict | None = None,
     autoscaling: dict | None = None,
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
@@ -154,7 +155,7 @@ def engine_deployment(
         EngineServer,
         name="engine",
         **sizing,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=ray_actor_options or {"num_cpus": 0},
         graceful_shutdown_timeout_s=drain_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
         max_ongoing_requests=max_ongoing_requests,

@@ -76,8 +76,7 @@ def app_config(overlay: str) -> dict:
 
 
 def engine_actor_options(overlay: str) -> dict:
-    (engine,) = [d for d in app_config(overlay).get("deployments", []) if d["name"] == "engine"]
-    return engine["ray_actor_options"]
+    return app_config(overlay)["args"]["engine_actor_options"]
 
 
 def ray_groups(overlay: str) -> list[dict]:
@@ -220,6 +219,8 @@ def test_app_args_are_cluster_config_fields_that_build_the_app(overlay, monkeypa
     overridden = {d["name"] for d in app_config(overlay).get("deployments", [])}
     assert overridden <= set(deployments), "Ray rejects overrides of deployments the app does not have"
     scaling = deployments["engine"]._deployment_config.autoscaling_config
+    actor_options = deployments["engine"]._replica_config.ray_actor_options
+    assert all(actor_options[k] == v for k, v in engine_actor_options(overlay).items()), actor_options
     assert (scaling.min_replicas, scaling.max_replicas) == (config.min_replicas, config.max_replicas)
 
 
@@ -228,8 +229,8 @@ def test_engine_replicas_stay_off_the_head_and_fit_the_worker_group(overlay):
     head, *workers = ray_groups(overlay)
     assert head["rayStartParams"]["num-cpus"] == "0"
     options = engine_actor_options(overlay)
-    # The code deploys engine replicas with num_cpus 0 (they could land on the head and never make the Ray
-    # autoscaler add a pod); the override must claim a resource the head does not have.
+    # With the default (num_cpus 0) replicas could land on the head and never make the Ray autoscaler add a
+    # pod: the manifests must claim a resource the head does not have.
     assert options.get("num_cpus", 0) > 0 or options.get("num_gpus", 0) > 0
     (worker,) = workers
     limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]

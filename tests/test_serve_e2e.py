@@ -166,6 +166,22 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(clien
     assert chat(client, server, "still there?", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_fuzzing_the_api_from_its_openapi_schema_finds_no_server_error(server, tmp_path):
+    """Schemathesis generates valid and invalid requests for every operation of the published OpenAPI
+    schema (bounded: examples per operation and a time budget); no answer may be a 5xx."""
+    report = tmp_path / "junit.xml"
+    run = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
+         "--checks", "not_a_server_error", "--max-examples", "25", "--max-time", "90", "--workers", "2",
+         "--phases", "examples,coverage,fuzzing", "--generation-deterministic", "--request-timeout", "60",
+         "-H", f"Authorization: Bearer {KEY}", "--report", "junit", "--report-junit-path", str(report)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "/v1/chat/completions" in run.stdout and "/v1/completions" in run.stdout, run.stdout[-2000:]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_api_keys_are_required_on_the_api_but_not_on_probes(server):
     body = {"model": server.model, "prompt": "hi", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
