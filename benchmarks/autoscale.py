@@ -7,7 +7,9 @@ The same load runs against a fresh ``kvmesh serve`` per scaling policy (same mod
 metric intervals and delays; only the policy differs). Requests arrive open loop (Poisson, same seed) at
 a steady rate; for ``--base-s`` their prompts are short, then for ``--step-s`` they are long: the request
 rate hardly changes but each request needs many more KV blocks, the shift agent and long-context traffic
-makes. ``ongoing_requests:T`` is Ray's default policy with ``target_ongoing_requests=T`` (Ray's default T
+makes. ``--concurrency C`` runs it closed loop instead: C clients, each sending its next request when
+the previous one is answered (agents), so the number of requests in flight stays C while their KV
+demand steps up. ``ongoing_requests:T`` is Ray's default policy with ``target_ongoing_requests=T`` (Ray's default T
 is 2). Measured per policy: time from the step to the first request served by a replica that did not
 exist before it, TTFT p50/p99 of the requests sent during the step, failed requests, peak replicas and
 replica-seconds (what the capacity cost). The replica count is read from ``/status`` twice a second.
@@ -30,7 +32,7 @@ import httpx
 import numpy as np
 import yaml
 
-from benchmarks.load_client import Result, run_sessions
+from benchmarks.load_client import Result, run_closed_loop, run_sessions
 from benchmarks.report import print_table, write_json
 from benchmarks.serve_process import ServeProcess
 from benchmarks.workloads import Session, Step
@@ -38,20 +40,34 @@ from benchmarks.workloads import Session, Step
 POLICIES = "kv_pressure,ongoing_requests:2,ongoing_requests:8"
 
 
-def step_workload(seed: int, rate: float, base_s: float, step_s: float, short: int, long: int,
-                  max_tokens: int, vocab: int = 49152) -> list[Session]:  # fmt: skip
-    """Poisson arrivals at ``rate``; prompts of ``short`` tokens before ``base_s``, ``long`` after (±10%).
-    Token ids are random, so no request reuses another's prefix: only KV demand changes at the step."""
-    rng = random.Random(seed)
-    sessions, t = [], rng.expovariate(rate)
-    while t < base_s + step_s:
-        n = long if t >= base_s else short
-        n = rng.randint(int(0.9 * n), int(1.1 * n))
-        ids = [rng.randrange(1000, vocab - 1) for _ in range(n)]
-        sessions.append(Session(f"s{len(sessions)}", t, [Step(token_ids=ids, max_tokens=max_tokens)], chat=False,
-                                labels={"phase": "step" if t >= base_s else "base"}))  # fmt: skip
-        t += rng.expovariate(rate)
-    return sessions
+class StepPrompts:
+    """Prompts of ``short`` tokens before ``base_s`` and ``long`` ones after (±10%), for sessions created at
+    time ``t``. Token ids are random, so no request reuses another's prefix: only KV demand changes."""
+
+    def __init__(self, seed: int, args: argparse.Namespace, vocab: int = 49152) -> None:
+        self.rng, self.args, self.vocab = random.Random(seed), args, vocab
+        self.sessions: list[Session] = []
+
+    def __call__(self, t: float) -> Session | None:
+        a = self.args
+        if t >= a.base_s + a.step_s:
+            return None
+        n = a.long if t >= a.base_s else a.short
+        n = self.rng.randint(int(0.9 * n), int(1.1 * n))
+        ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
+        session = Session(f"s{len(self.sessions)}", t, [Step(token_ids=ids, max_tokens=a.max_tokens)], chat=False,
+                          labels={"phase": "step" if t >= a.base_s else "base"})  # fmt: skip
+        self.sessions.append(session)
+        return session
+
+
+def step_workload(seed: int, args: argparse.Namespace) -> list[Session]:
+    """Open loop: Poisson arrivals at ``args.rate`` over the base and the step."""
+    prompts, rng = StepPrompts(seed, args), random.Random(seed + 1)
+    t = rng.expovariate(args.rate)
+    while prompts(t) is not None:
+        t += rng.expovariate(args.rate)
+    return prompts.sessions
 
 
 async def _watch(url: str, t_start: list[float], stop: asyncio.Event, timeline: list) -> None:
@@ -68,16 +84,22 @@ async def _watch(url: str, t_start: list[float], stop: asyncio.Event, timeline: 
                 await asyncio.wait_for(stop.wait(), 0.5)
 
 
-async def _drive(url: str, model: str, sessions: list[Session], timeout_s: float) -> tuple[list[Result], list]:
+async def _drive(url: str, model: str, args: argparse.Namespace) -> tuple[list[Result], list, list[Session]]:
     timeline: list = []
     stop, t_start = asyncio.Event(), [time.perf_counter()]
     watcher = asyncio.create_task(_watch(url, t_start, stop, timeline))
     try:
-        results, _ = await run_sessions(url, model, sessions, progress_label="load", timeout_s=timeout_s)
+        if args.concurrency:
+            prompts = StepPrompts(args.seed, args)
+            results, _ = await run_closed_loop(url, model, prompts, args.concurrency, "load", args.timeout_s)
+            sessions = prompts.sessions
+        else:
+            sessions = step_workload(args.seed, args)
+            results, _ = await run_sessions(url, model, sessions, progress_label="load", timeout_s=args.timeout_s)
     finally:
         stop.set()
         await watcher
-    return results, timeline
+    return results, timeline, sessions
 
 
 def summarise(results: list[Result], timeline: list, sessions: list[Session], base_s: float) -> dict:
@@ -124,7 +146,7 @@ def serve_config(args: argparse.Namespace, policy: str) -> dict:
     }  # fmt: skip
 
 
-def run_policy(args: argparse.Namespace, policy: str, sessions: list[Session], log_dir: Path) -> dict:
+def run_policy(args: argparse.Namespace, policy: str, log_dir: Path) -> dict:
     config = log_dir / f"{policy.replace(':', '-')}.yaml"
     config.write_text(yaml.safe_dump(serve_config(args, policy)))
     print(f"\n== {policy}: starting kvmesh serve", file=sys.stderr, flush=True)
@@ -133,7 +155,7 @@ def run_policy(args: argparse.Namespace, policy: str, sessions: list[Session], l
         warm = [Session(f"w{i}", 0.0, [Step(token_ids=[1000 + i] * args.short, max_tokens=4)], chat=False)
                 for i in range(2)]  # fmt: skip
         asyncio.run(run_sessions(server.url, args.model, warm, concurrency=1))
-        results, timeline = asyncio.run(_drive(server.url, args.model, sessions, args.timeout_s))
+        results, timeline, sessions = asyncio.run(_drive(server.url, args.model, args))
     out = summarise(results, timeline, sessions, args.base_s)
     out["ready_s"] = ready_s
     return out
@@ -173,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=POLICIES, help="kv_pressure and/or ongoing_requests:<target>")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rate", type=float, default=0.4, help="request arrivals per second (Poisson)")
+    ap.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients instead")
     ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
     ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts")
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
@@ -197,13 +220,13 @@ def main(argv: list[str] | None = None) -> None:
     policies = [p for p in args.policies.split(",") if p]
     if int(1.1 * args.long) + args.max_tokens > 16 * args.num_kv_blocks:
         ap.error("the longest prompt plus --max-tokens must fit one replica's KV pool (--num-kv-blocks)")
-    sessions = step_workload(args.seed, args.rate, args.base_s, args.step_s, args.short, args.long, args.max_tokens)
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
-    print(f"{len(sessions)} requests over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)
+    load = f"{args.concurrency} clients" if args.concurrency else f"{args.rate} req/s"
+    print(f"{load} over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for _ in range(args.repeats):
         for policy in policies:
-            runs[policy].append(run_policy(args, policy, sessions, log_dir))
+            runs[policy].append(run_policy(args, policy, log_dir))
 
     def med(policy: str, key: str):
         values = [r[key] for r in runs[policy] if r[key] is not None]

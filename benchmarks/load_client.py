@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -92,6 +93,38 @@ async def _session(client, model, session: Session, t_start: float, results: lis
         results.append(r)
         if session.chat:
             history += [{"role": "user", "content": step.text}, {"role": "assistant", "content": r.reply}]
+
+
+async def run_closed_loop(
+    url: str,
+    model: str,
+    next_session: Callable[[float], Session | None],
+    concurrency: int,
+    progress_label: str = "",
+    timeout_s: float = 600.0,
+) -> tuple[list[Result], float]:
+    """Closed loop driven by the clock: each of ``concurrency`` clients asks ``next_session(elapsed_s)`` for its
+    next session and sends it as soon as its previous one ended; ``None`` stops that client. Like agents
+    that wait for each answer, the offered load adapts to the server, so what changes over time is what the
+    requests are, not how many are in flight."""
+    results: list[Result] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        t_start = time.perf_counter()
+
+        async def worker() -> None:
+            while (session := next_session(time.perf_counter() - t_start)) is not None:
+                await _session(client, model, session, t_start, results, wait_for_start=False)
+
+        tasks = {asyncio.create_task(worker()) for _ in range(concurrency)}
+        pending = tasks
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=5.0)
+            if progress_label:
+                errors = sum(r.error is not None for r in results)
+                print(f"  [{progress_label}] {time.perf_counter() - t_start:6.1f} s: {len(results)} requests"
+                      f"{f', {errors} errors' if errors else ''}", file=sys.stderr, flush=True)  # fmt: skip
+        return results, time.perf_counter() - t_start
 
 
 async def run_sessions(
