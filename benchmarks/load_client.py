@@ -27,6 +27,7 @@ class Result:
     sent_at: float
     ttft_s: float | None = None
     e2e_s: float | None = None
+    """Send to last byte; for a failed request, send to the failure (a refusal's latency)."""
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -88,6 +89,7 @@ async def _session(client, model, session: Session, t_start: float, results: lis
             r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         except Exception as exc:  # recorded, and the session stops: its history is broken
             r.error = f"{type(exc).__name__}: {exc}"[:300]
+            r.e2e_s = time.perf_counter() - t_start - r.sent_at  # how long until the failure or refusal
             results.append(r)
             return
         results.append(r)
