@@ -119,8 +119,25 @@ class ClusterConfig:
         replicas there can be, so replicas sharing a machine do not oversubscribe it."""
         settings = {"model": self.model, **self.engine}
         if settings.get("torch_threads") is None and settings.get("device") in (None, "cpu"):
-            settings["torch_threads"] = max(1, (os.cpu_count() or 1) // max(self.replicas, self.max_replicas or 0))
+            settings["torch_threads"] = max(1, available_cpus() // max(self.replicas, self.max_replicas or 0))
         return settings
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cpus(cgroup_cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """Cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota. In a Kubernetes pod
+    ``os.cpu_count()`` is the node's core count while the pod's CPU limit is the quota; sizing threads from
+    the node would oversubscribe the pod."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = cgroup_cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

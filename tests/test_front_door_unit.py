@@ -3,6 +3,7 @@ and the ingress's promises (no torch; hashes the replica accepts only when they 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,11 +75,22 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
     assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 120)
     assert scaling["policy"]["policy_kwargs"] == {"target_kv_util": 0.5}
     # Threads are shared among the most replicas there can be, so a scaled-out machine is not oversubscribed.
-    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    monkeypatch.setattr("cluster.config.available_cpus", lambda: 12)
     assert config.engine_settings()["torch_threads"] == 2
     assert build_config().autoscaling_config() is None  # no max_replicas: a fixed size
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
         build_config(overrides={"min_replicas": 3, "max_replicas": 2})
+
+
+def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Path):
+    from cluster.config import available_cpus
+
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")  # a pod limited to 2.5 CPUs
+    assert available_cpus(cpu_max) == min(3, len(os.sched_getaffinity(0)))
+    cpu_max.write_text("max 100000\n")  # no limit
+    assert available_cpus(cpu_max) == len(os.sched_getaffinity(0))
+    assert available_cpus(tmp_path / "missing") == len(os.sched_getaffinity(0))
 
 
 def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
