@@ -117,7 +117,7 @@ class Ingress:
             on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
         )
         self.engine = engine.options(method_name="generate", stream=True)
-        model_dir = resolve_model_dir(self.settings.model)
+        model_dir = resolve_model_dir(self.settings.model, weights=False)  # tokenizer and config only
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = self.settings.max_model_len or max_context(model_dir)
         self.seed = model_seed(self.settings.model)

@@ -79,8 +79,11 @@ def _dequantized_dir(gguf: Path) -> Path:
     return target
 
 
-def resolve_model_dir(model: str) -> Path:
-    """A Hugging Face model directory for ``model`` (alias, directory, .gguf file or hub id)."""
+def resolve_model_dir(model: str, weights: bool = True) -> Path:
+    """A Hugging Face model directory for ``model`` (alias, directory, .gguf file or hub id).
+
+    ``weights=False`` is for the ingress, which needs the tokenizer and config only: from the hub it then
+    fetches no ``*.safetensors`` (gigabytes on a head node that never runs the model)."""
     if model in MODEL_ALIASES:
         return _dequantized_dir(_alias_gguf(model))
     path = Path(model).expanduser()
@@ -94,7 +97,8 @@ def resolve_model_dir(model: str) -> Path:
         raise FileNotFoundError(f"model {model!r}: not a directory, .gguf file or known alias {list(MODEL_ALIASES)}")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    patterns = ["*.json", "*.jinja", "tokenizer*", *(["*.safetensors"] if weights else [])]
+    return Path(snapshot_download(model, allow_patterns=patterns))
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -171,3 +171,17 @@ def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
     tampered = [*good[:-1], good[0]]
     assert server._checked_hashes(body(tampered, salt="tenant-a")) is None
     assert server._checked_hashes(body(hash_blocks(ids, 32, seed), block_size=32)) is None
+
+
+def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path):
+    import huggingface_hub
+
+    from replica.model_files import resolve_model_dir
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns)
+                        or str(tmp_path))  # fmt: skip
+    resolve_model_dir("org/some-model", weights=False)
+    resolve_model_dir("org/some-model")
+    assert "*.safetensors" not in asked[0] and "tokenizer*" in asked[0] and "*.json" in asked[0]
+    assert "*.safetensors" in asked[1]
