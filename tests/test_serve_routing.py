@@ -47,7 +47,9 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
     handle, model = engine_handle
 
     async def conversation(c: int):
-        history = [1000 + c] * 5 + list(range(2000 + 400 * c, 2000 + 400 * c + 300))  # system + context
+        # A 600-token context: re-reading it elsewhere must clearly cost more than the queueing noise of
+        # replicas sharing two busy cores, or the router is right to move a conversation.
+        history = [1000 + c] * 5 + list(range(2000 + 1000 * c, 2000 + 1000 * c + 600))  # system + context
         homes, cached = [], []
         for turn in range(4):
             reply, hit, replica = await call(handle, model, history, max_tokens=12)
