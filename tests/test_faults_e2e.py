@@ -100,7 +100,8 @@ def test_redis_down_and_back_loses_no_request_and_the_index_is_rebuilt(server, r
 
     assert wait_for(rebuilt, 10), "index not rebuilt within 10 s of Redis returning"
     rebuilt_s = time.monotonic() - t0
-    assert len(replica_pids(server)) == 2
+    # Status reports ride on the heartbeats: both replicas report again within a beat or two.
+    assert wait_for(lambda: len(replica_pids(server)) == 2, 5), "replicas do not report after Redis returned"
     assert complete(server, prompts[0]).status_code == 200
     client.close()
     print(f"index rebuilt {rebuilt_s:.1f} s after Redis returned")
