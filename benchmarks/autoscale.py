@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from benchmarks.load_client import Result, run_closed_loop, run_sessions
-from benchmarks.report import print_table, write_json
+from benchmarks.report import print_table, pyplot, save_figure, write_json
 from benchmarks.serve_process import ServeProcess
 from benchmarks.workloads import Session, Step
 
@@ -162,13 +162,8 @@ def run_policy(args: argparse.Namespace, policy: str, log_dir: Path) -> dict:
 
 
 def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     for policy, run in runs.items():
@@ -184,9 +179,7 @@ def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
     bottom.set_xlabel("seconds since the load started (dashed: long prompts begin)")
     top.legend()
     top.set_title("KV-pressure step: replicas and TTFT by scaling policy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

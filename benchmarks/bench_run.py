@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 from benchmarks.load_client import Result, run_sessions
-from benchmarks.report import print_table, write_json
+from benchmarks.report import print_table, pyplot, save_figure, write_json
 from benchmarks.serve_process import ServeProcess
 from benchmarks.workloads import Session, mooncake_trace, multi_turn_chat, shared_prefix
 
@@ -174,13 +174,8 @@ def run_router(
 
 
 def plot(path: Path, runs: dict[str, dict], bound: float | None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[dev]'): no PNG", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, s in runs.items():
@@ -200,9 +195,7 @@ def plot(path: Path, runs: dict[str, dict], bound: float | None) -> None:
     b.tick_params(axis="x", labelrotation=20)
     b.set_ylabel("prefix hit rate by tokens (%)")
     b.set_title("Prefix hit rate per router (replicas' counters)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +60,25 @@ def _fmt(c) -> str:
 
 def print_table(headers: list[str], rows: list[list]) -> None:
     print("\n".join(format_table(headers, [[_fmt(c) for c in row] for row in rows], rule=True)))
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a note) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[dev]'): no PNG", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def write_json(name: str, payload: dict, path: Path | None = None) -> Path:

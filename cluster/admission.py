@@ -15,6 +15,8 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
+from cluster.openai_protocol import APIError
+
 API_KEYS_ENV = "KVMESH_API_KEYS"
 """Comma-separated API keys, added to the configured ones (on Kubernetes: from a Secret)."""
 
@@ -111,7 +113,8 @@ REASONS = {401: "unauthenticated", 413: "too_large", 429: "over_capacity"}
 
 
 def _error(status: int, message: str, code: str, kind: str, headers: dict[str, str] | None = None):
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    """The ASGI messages of a refusal, in the same OpenAI error format as every other API error."""
+    body = json.dumps(APIError(message, status, code=code, kind=kind).body()).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     return [{"type": "http.response.start", "status": status, "headers": head},
