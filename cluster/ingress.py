@@ -61,6 +61,8 @@ app.add_middleware(AdmissionMiddleware, admission=lambda: _admission)
 REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 """What a handle raises when the replica serving a call died or became unreachable."""
 SWEEP_PERIOD_S = 1.0
+RETRY_ATTEMPTS, RETRY_BACKOFF_S = 3, 0.25
+"""A request whose replica dies before its first token is sent up to twice more, after 0.25 s then 0.5 s."""
 
 
 @app.exception_handler(APIError)
@@ -198,14 +200,14 @@ class Ingress:
         """Engine chunks of one request, with its metrics recorded; the last one carries ``usage``.
 
         Engine-side validation errors surface as ``APIError`` before anything is yielded. A replica that
-        fails before the first token is replaced by one retry (the router no longer offers a dead replica);
+        fails before the first token is sent again (up to twice, with a short back-off for routers to drop it);
         after the first token the stream ends with an error naming the cause."""
         model = self.settings.served_model_name
         t0 = time.perf_counter()
         last, n_out, outcome, cached = t0, 0, "error", 0
         stream = None
         try:
-            for attempt in (1, 2):
+            for attempt in range(1, RETRY_ATTEMPTS + 1):
                 stream = self.engine.remote(prep.body)
                 try:
                     async for chunk in stream:
@@ -222,11 +224,14 @@ class Ingress:
                         yield chunk
                     break
                 except REPLICA_FAILURES as exc:
-                    if n_out or attempt == 2:
+                    if n_out or attempt == RETRY_ATTEMPTS:
                         raise
                     metrics.RETRIES.labels(model).inc()
                     log.warning("request %s: its replica failed before the first token (%r); retrying",
                                 prep.shape.id, exc)  # fmt: skip
+                    # Routers learn of a death through Serve's long poll; until then a retry may be offered
+                    # the same dead replica, so back off a little before each new attempt.
+                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
         except BackPressureError as exc:
             outcome = "rejected"
             raise APIError("Every replica is busy and the queue is full; retry shortly", 503, code="overloaded",
