@@ -17,24 +17,23 @@ ARG TORCH_VERSION
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 
 # GPU: torch's default Linux wheels carry the CUDA runtime (nvidia-* packages) and Triton; the driver comes
-# from the node (NVIDIA GPU operator), so no CUDA base image is needed. Triton compiles a small launcher
-# with the C compiler when kvmesh's kernels first run.
+# from the node (NVIDIA GPU operator), so no CUDA base image is needed.
 FROM ${PYTHON_IMAGE} AS base-gpu
 ARG TORCH_VERSION
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 FROM base-${FLAVOR}
 # wget: KubeRay's readiness probes of RayService worker pods call it (`wget ... | grep success`).
+# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kernels/cpu_decode.py);
+# on GPUs, Triton compiles a small launcher with the C compiler when kvmesh's kernels first run.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget \
+    && apt-get install -y --no-install-recommends wget g++ \
     && rm -rf /var/lib/apt/lists/*
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     KVMESH_CACHE_DIR=/var/cache/kvmesh \
-    HF_HOME=/var/cache/kvmesh/huggingface
+    HF_HOME=/var/cache/kvmesh/huggingface \
+    TORCH_EXTENSIONS_DIR=/var/cache/kvmesh/torch_extensions
 
 WORKDIR /opt/kvmesh
 COPY pyproject.toml README.md ./

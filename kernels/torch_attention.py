@@ -1,9 +1,11 @@
 """The vectorized torch path of paged attention, used on CPU (and as a fallback anywhere).
 
-Decode sequences (one query each) are sorted by context length and split into a few length buckets; each
-bucket's blocks are gathered into one padded ``[batch, kv_heads, context, head_dim]`` view and a single
-fused SDPA call with a length mask does the rest. Bucketing keeps padding (wasted gather and attention
-work) low when short and long conversations decode together. Prefill/extend sequences carry many queries
+On the CPU, decode sequences (one query each) go to the compiled kernel of ``cpu_decode.py``, which reads
+the paged cache in place. Elsewhere, or where it cannot be built, they are sorted by context length and
+split into a few length buckets; each bucket's blocks are gathered into one padded
+``[batch, kv_heads, context, head_dim]`` view and a single fused SDPA call with a length mask does the
+rest. Bucketing keeps padding (wasted gather and attention work) low when short and long conversations
+decode together. Prefill/extend sequences carry many queries
 and a causal mask offset by their cached prefix; they are few per step (the token budget bounds them), so
 each gets one SDPA call over its gathered context. There are no per-token Python loops.
 
@@ -18,6 +20,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode import DTYPES, paged_decode_kernel
 from kernels.metadata import AttentionMetadata
 
 _workspace = threading.local()
@@ -83,6 +86,12 @@ def paged_attention_torch(
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = meta.query_start_loc.tolist()
     decode = [i for i, n in enumerate(qlens) if n == 1]
+    kernel = paged_decode_kernel() if decode and q.device.type == "cpu" and q.dtype in DTYPES else None
+    if kernel is not None:
+        rows = torch.tensor(decode, dtype=torch.int64)
+        tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        kernel(out, q.contiguous(), k_cache, v_cache, tables, lens, starts_t, rows, scale)
+        decode = []
     for bucket in _length_buckets(decode, slens) if decode else []:
         rows = torch.tensor(bucket, device=q.device)
         tok = meta.query_start_loc[rows].long()

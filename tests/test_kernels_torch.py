@@ -5,13 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.torch_attention
+from kernels.cpu_decode import paged_decode_kernel
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
 from tests.kernel_cases import check_against_reference
 
 
+def test_cpu_decode_kernel_builds():
+    """CI has a compiler: the kernel must build, so a broken build can't hide behind the gather fallback."""
+    assert paged_decode_kernel() is not None
+
+
 @pytest.mark.parametrize("case", range(12))
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_torch_path_matches_reference(case, dtype, tol):
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("decode", ["kernel", "gather"])
+def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
+    """Both CPU decode routes (the compiled kernel and the gather fallback) against float64."""
+    if decode == "gather":
+        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
     seed = case * 7919 + (dtype == torch.float16)
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
 

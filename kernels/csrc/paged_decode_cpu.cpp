@@ -1,0 +1,119 @@
+// Paged decode attention on the CPU, reading K/V straight out of the paged cache.
+//
+// Why a compiled kernel: in torch, attention over scattered blocks must first gather them into a contiguous
+// tensor, which copies every cached K and V byte once more than attention itself reads them; on a CPU that
+// copy costs as much as the attention. Here each (sequence, KV head) task walks its block table and reads
+// each cached row once: scores for the whole GQA group, an exact softmax, then the weighted sum of V.
+//
+// Layouts (the engine's): q/out [tokens, heads, head_dim]; k/v cache [blocks, block_size, kv_heads,
+// head_dim]; block_tables [batch, max_blocks] int32; seq_lens [batch] int32; query_start_loc [batch + 1]
+// int32; rows: int64 indices of the decode sequences (query length 1) to compute. Accumulates in float.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float w, const T* v, float* acc, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
+}
+
+template <typename T>
+void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   const at::Tensor& rows, double scale) {
+  const int64_t heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d, table_width = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  const int64_t q_stride0 = q.stride(0), o_stride0 = out.stride(0);
+  const int64_t tasks = rows.numel() * kv_heads;
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (const auto task : c10::irange(begin, end)) {
+      const int64_t seq = row_ids[task / kv_heads], h = task % kv_heads;
+      const int64_t len = lens[seq], token = starts[seq];
+      const int32_t* table = tables + seq * table_width;
+      for (const auto g : c10::irange(group)) {
+        const T* src = qp + token * q_stride0 + (h * group + g) * d;
+        for (const auto i : c10::irange(d)) qf[g * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+      }
+      scores.resize(group * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* krow = kp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
+        for (const auto g : c10::irange(group)) scores[g * len + t] = dot(qf.data() + g * d, krow, d);
+      }
+      for (const auto g : c10::irange(group)) {
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - m));
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vrow = vp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
+        for (const auto g : c10::irange(group)) axpy(scores[g * len + t], vrow, acc.data() + g * d, d);
+      }
+      for (const auto g : c10::irange(group)) {
+        T* dst = op + token * o_stride0 + (h * group + g) * d;
+        for (const auto i : c10::irange(d)) dst[i] = static_cast<T>(acc[g * d + i]);
+      }
+    }
+  });
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                  const at::Tensor& rows, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is the CPU kernel");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
+              "q/out must be [tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k/v caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && rows.scalar_type() == at::kLong,
+              "block_tables/seq_lens/query_start_loc must be int32 and rows int64");
+  const auto tables = block_tables.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(out, q, k_cache, v_cache, tables, seq_lens.contiguous(), query_start_loc.contiguous(),
+                            rows.contiguous(), scale);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvmesh_cpu, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor rows, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
