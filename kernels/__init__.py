@@ -45,11 +45,17 @@ def _impls(backend: str) -> tuple[Callable, Callable]:
     return store_kv_torch, paged_attention_torch
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write new K/V ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips)."""
-    _impls(attention_backend(key.device))[0](key, value, k_cache, v_cache, slot_mapping)
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Write new K/V ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips).
+
+    ``k_scale``/``v_scale``: a quantized cache's scales (``kernels/quant.py``), None for a plain cache.
+    """
+    _impls(attention_backend(key.device))[0](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+) -> torch.Tensor:
     """Causal attention of the batch's new queries over their cached prefixes and themselves."""
-    return _impls(attention_backend(q.device))[1](q, k_cache, v_cache, meta, scale)
+    impl = _impls(attention_backend(q.device))[1]
+    return impl(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)

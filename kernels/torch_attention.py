@@ -22,20 +22,33 @@ import torch.nn.functional as F
 
 from kernels.cpu_decode import DTYPES, paged_decode_kernel
 from kernels.metadata import AttentionMetadata
+from kernels.quant import as_bytes, dequantize, quantize
 
 _workspace = threading.local()
 
 
 def store_kv_torch(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``key``/``value`` ([tokens, kv_heads, head_dim]) into the paged caches; slot -1 is skipped."""
+    """Write ``key``/``value`` ([tokens, kv_heads, head_dim]) into the paged caches; slot -1 is skipped.
+
+    Quantized caches (``kernels/quant.py``) store scaled values; int8 also writes each token's scales.
+    """
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        stored, token_scales = quantize(x, cache.dtype, scale)
+        as_bytes(cache).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(stored))
+        if token_scales is not None:
+            scale.view(-1, kvh).index_copy_(0, slot_mapping, token_scales)
 
 
 def _scratch(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -51,14 +64,27 @@ def _scratch(name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _gather(name: str, cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[batch, kv_heads, length, head_dim] view of each row's first ``length`` cached tokens."""
+def _gather(
+    name: str,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    length: int,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[batch, kv_heads, length, head_dim] view of each row's first ``length`` cached tokens, in ``dtype``."""
     block_size, kvh, d = cache.shape[1:]
     nb = -(-length // block_size)
+    batch = block_tables.shape[0]
     ids = block_tables[:, :nb].reshape(-1).long()
     out = _scratch(name, ids.numel() * block_size * kvh * d, cache).view(-1, block_size, kvh, d)
-    torch.index_select(cache, 0, ids, out=out)
-    return out.view(block_tables.shape[0], nb * block_size, kvh, d)[:, :length].transpose(1, 2)
+    torch.index_select(as_bytes(cache), 0, ids, out=as_bytes(out))
+    out = out.view(batch, nb * block_size, kvh, d)[:, :length]
+    if cache.dtype != dtype:  # a quantized cache: dequantize what was gathered
+        if scale is not None and scale.dim() == 3:  # per-token scales travel with their slots
+            scale = scale.index_select(0, ids).view(batch, nb * block_size, kvh)[:, :length]
+        out = dequantize(out, scale, dtype)
+    return out.transpose(1, 2)
 
 
 def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
@@ -80,8 +106,13 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``."""
+    """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``.
+
+    ``k_scale``/``v_scale`` are a quantized cache's scales (``kernels/quant.py``); they are dequantized on load.
+    """
     out = torch.empty_like(q) if out is None else out
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     starts = meta.query_start_loc.tolist()
@@ -90,14 +121,14 @@ def paged_attention_torch(
     if kernel is not None:
         rows = torch.tensor(decode, dtype=torch.int64)
         tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        kernel(out, q.contiguous(), k_cache, v_cache, tables, lens, starts_t, rows, scale)
+        kernel(out, q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, starts_t, rows, scale)
         decode = []
     for bucket in _length_buckets(decode, slens) if decode else []:
         rows = torch.tensor(bucket, device=q.device)
         tok = meta.query_start_loc[rows].long()
         length = slens[bucket[0]]
-        k = _gather("k", k_cache, meta.block_tables[rows], length)
-        v = _gather("v", v_cache, meta.block_tables[rows], length)
+        k = _gather("k", k_cache, meta.block_tables[rows], length, k_scale, q.dtype)
+        v = _gather("v", v_cache, meta.block_tables[rows], length, v_scale, q.dtype)
         mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[rows][:, None]
         o = F.scaled_dot_product_attention(
             q[tok].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
@@ -107,8 +138,8 @@ def paged_attention_torch(
         if n <= 1:
             continue
         s, length = starts[i], slens[i]
-        k = _gather("k", k_cache, meta.block_tables[i : i + 1], length)
-        v = _gather("v", v_cache, meta.block_tables[i : i + 1], length)
+        k = _gather("k", k_cache, meta.block_tables[i : i + 1], length, k_scale, q.dtype)
+        v = _gather("v", v_cache, meta.block_tables[i : i + 1], length, v_scale, q.dtype)
         qq = q[s : s + n].transpose(0, 1).unsqueeze(0)
         if n == length:
             o = F.scaled_dot_product_attention(qq, k, v, is_causal=True, scale=scale, enable_gqa=True)

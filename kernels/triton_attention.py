@@ -14,45 +14,84 @@ physical slot through the block table (``table[pos // block_size] * block_size +
 the tile size is independent of the cache's block size (any power of two >= 8 works). Both launch over
 the whole batch and exit early for sequences that belong to the other kernel, so no host-side split of
 the batch is needed. Softmax and accumulation are fp32; fp32 inputs use IEEE-precision dots (no TF32).
+
+Quantized caches (``kernels/quant.py``; ``QUANT`` 1 = fp8 with per-head scales, 2 = int8 with per-slot
+scales) are quantized by the store kernel and dequantized tile by tile as the attention kernels load them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.quant import FP8_DTYPES, INT8_MAX
+
+
+def _quant_mode(cache: torch.Tensor) -> int:
+    return 1 if cache.dtype in FP8_DTYPES else 2 if cache.dtype == torch.int8 else 0
+
+
+@triton.jit
+def _quantize(
+    x, scale_ptr, head, slot_head, QUANT: tl.constexpr, LIMIT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr
+):
+    """``x`` ([1, BLOCK_D], one token's head vector) as the cache stores it; int8 also writes its scale.
+
+    fp8 divides by the head's static scale, saturates, and rounds to the format's grid (``MANT`` mantissa
+    bits, smallest normal exponent ``EMIN``) itself, so the final cast is exact: Triton's interpreter
+    mis-rounds fp32 -> fp8 casts that carry into the exponent (-31.6 became -16), and a few ALU ops are
+    free in this memory-bound kernel. int8 takes ``absmax / 127`` (as float16, the smallest normal at
+    least) and rounds to nearest. Ties round away from zero here, to even in torch: both within rounding.
+    """
+    if QUANT == 1:
+        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr + head), -LIMIT, LIMIT)
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.abs(x) + 1e-30)), EMIN) - MANT)
+        x = tl.floor(x / step + 0.5) * step
+    elif QUANT == 2:
+        s = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 1) / LIMIT, 6.103515625e-05).to(tl.float16)
+        tl.store(scale_ptr + slot_head + tl.arange(0, 1), s)
+        x = tl.clamp(tl.floor(x.to(tl.float32) / s.to(tl.float32)[:, None] + 0.5), -LIMIT, LIMIT)
+    return x
 
 
 @triton.jit
 def _store_kv_kernel(
-    key, value, k_cache, v_cache, slots,
+    key, value, k_cache, v_cache, slots, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr, LIMIT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
 ):  # fmt: skip
+    """One program per (token, KV head): a head's vector is the unit an int8 scale covers."""
     t = tl.program_id(0)
+    h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot >= 0:
-        h = tl.arange(0, BLOCK_H)[:, None]
+        slot_head = slot * tl.num_programs(1) + h  # int8 scales: [blocks, block_size, kv_heads]
         d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        mask = d < HEAD_DIM
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-        k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
-        v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
-        tl.store(k_cache + dst, k, mask=mask)
-        tl.store(v_cache + dst, v, mask=mask)
+        k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        k = _quantize(k, k_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
+        v = _quantize(v, v_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attend(
-    qt, q_pos, k_cache, v_cache, table, seq_len, end, kv_off, scale, stride_cb, stride_cs,
+    qt, q_pos, k_cache, v_cache, k_scale, v_scale, table, seq_len, end, kv_head, num_kv_heads, scale,
+    stride_cb, stride_cs, stride_ch,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over keys ``[0, end)`` of one
     sequence and one KV head, read tile by tile through its block table ``table``; online softmax in fp32."""
+    kv_off = kv_head * stride_ch
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -66,6 +105,15 @@ def _attend(
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if QUANT == 1:
+            k = (k.to(tl.float32) * tl.load(k_scale + kv_head)).to(qt.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale + kv_head)).to(qt.dtype)
+        elif QUANT == 2:
+            sidx = (blk * BLOCK_SIZE + n % BLOCK_SIZE) * num_kv_heads + kv_head
+            ks = tl.load(k_scale + sidx, mask=nmask, other=0.0).to(tl.float32)
+            vs = tl.load(v_scale + sidx, mask=nmask, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * ks[:, None]).to(qt.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(qt.dtype)
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -79,10 +127,10 @@ def _attend(
 
 @triton.jit
 def _decode_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -96,8 +144,9 @@ def _decode_kernel(
         qt = tl.load(q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         q_pos = tl.full([GROUP_P], 0, tl.int32) + seq_len - 1  # the one new token is the last position
         o = _attend(
-            qt, q_pos, k_cache, v_cache, block_tables + seq * stride_bt, seq_len, seq_len, kvh * stride_ch,
-            scale, stride_cb, stride_cs, GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION,
+            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, seq_len,
+            kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
+            GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
         dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
@@ -105,10 +154,10 @@ def _decode_kernel(
 
 @triton.jit
 def _extend_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -124,8 +173,9 @@ def _extend_kernel(
         qt = tl.load(q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qmask, other=0.0)
         end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
         o = _attend(
-            qt, ctx + m, k_cache, v_cache, block_tables + seq * stride_bt, seq_len, end, (head // GROUP) * stride_ch,
-            scale, stride_cb, stride_cs, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION,
+            qt, ctx + m, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, end,
+            head // GROUP, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
         dst = out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
@@ -139,17 +189,26 @@ def _check_cache(cache: torch.Tensor) -> None:
         raise ValueError(f"block size must be a power of two >= 8, got {bs}")
 
 
-def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+def _grid(cache: torch.Tensor) -> dict:
+    """A quantized cache's largest magnitude, mantissa bits and smallest normal exponent (for ``_quantize``)."""
+    if cache.dtype not in FP8_DTYPES:
+        return {"LIMIT": INT8_MAX, "MANT": 0, "EMIN": 0}
+    info = torch.finfo(cache.dtype)
+    return {"LIMIT": info.max, "MANT": -round(math.log2(info.eps)), "EMIN": round(math.log2(info.smallest_normal))}
+
+
+def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     _check_cache(k_cache)
     n, kvh, d = key.shape
     if n == 0:
         return
-    _store_kv_kernel[(n,)](
+    _store_kv_kernel[(n, kvh)](
         key, value, k_cache, v_cache, slot_mapping,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d),
+        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(d),
+        QUANT=_quant_mode(k_cache), **_grid(k_cache),
     )  # fmt: skip
 
 
@@ -160,6 +219,8 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache)
     out = torch.empty_like(q) if out is None else out
@@ -173,7 +234,8 @@ def paged_attention_triton(
     group = heads // kvh
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = (
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, kvh, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
     )  # fmt: skip
@@ -181,12 +243,12 @@ def paged_attention_triton(
     if 1 in meta.query_lens_cpu:
         _decode_kernel[(batch, kvh)](
             *common, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
         )  # fmt: skip
     if meta.max_query_len > 1:
         block_m = 32 if meta.max_query_len >= 32 else 16
         _extend_kernel[(batch, triton.cdiv(meta.max_query_len, block_m), heads)](
             *common, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-            BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision,
+            BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
         )  # fmt: skip
     return out

@@ -74,3 +74,52 @@ def check_against_reference(store_kv, paged_attention, seed: int, case: int, dty
     paged_attention(q.to(dtype), kc_t, vc_t, meta, scale, out=out)
     err = relative_error(out, expected)
     assert err <= tol, f"relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"
+
+
+def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 values of a quantized cache, written out independently of ``kernels.quant``."""
+    return stored.double() * scale.double()[..., None]
+
+
+def check_quantized(store_kv, paged_attention, seed: int, case: int, kv_dtype: str, dtype, tol: float, **shape):
+    """Store into a quantized cache and attend over it with the implementation under test.
+
+    Each stored value must be within rounding of its input (half a step for int8, half an ulp of the fp8
+    format, relative, above its subnormals), and attention must match the float64 reference over the
+    dequantized cache: quantization error is the format's, never the kernel's.
+    """
+    from kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize
+    from kernels.reference import paged_attention_reference
+
+    rng = random.Random(seed)
+    block_size = rng.choice([16, 32])
+    group = [1, 3, 4, 8][case % 4]
+    head_dim = rng.choice([64, 128])
+    kvh = rng.choice([1, 2])
+    meta, q, k, v, kc64, vc64 = random_batch(rng, block_size, kvh, group, head_dim, **shape)
+    storage = KV_CACHE_STORAGE[kv_dtype]
+    caches = []
+    for c in (kc64, vc64):  # stale contents are valid quantized data too
+        head_scale = fp8_scale_from_amax(c.abs().amax((0, 1, 3)), storage) if storage in FP8_DTYPES else None
+        stored, token_scales = quantize(c.view(-1, kvh, head_dim), storage, head_scale)
+        scale = head_scale if token_scales is None else token_scales.view(c.shape[:-1]).clone()
+        caches += [stored.view(c.shape).clone(), scale]
+    kc, ks, vc, vs = caches
+    k_in, v_in = k.to(dtype), v.to(dtype)
+    store_kv(k_in, v_in, kc, vc, meta.slot_mapping, ks, vs)
+    slots = meta.slot_mapping
+    for x, cache, scale in ((k_in, kc, ks), (v_in, vc, vs)):
+        stored = cache.view(-1, kvh, head_dim)[slots]
+        s = scale.view(-1, kvh)[slots].double() if scale.dim() == 3 else scale.double().expand(len(slots), kvh)
+        err = (_dequantized(stored, s) - x.double()).abs()
+        if storage == torch.int8:
+            bound = 0.5001 * s[..., None]
+        else:
+            info = torch.finfo(storage)
+            bound = torch.maximum(x.double().abs() * info.eps / 2, s[..., None] * info.smallest_normal * info.eps)
+        assert bool((err <= bound * 1.001 + 1e-12).all()), f"{kv_dtype}: stored value off by more than rounding"
+    expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, head_dim**-0.5)
+    out = torch.full_like(q, float("nan"), dtype=dtype)
+    paged_attention(q.to(dtype), kc, vc, meta, head_dim**-0.5, out=out, k_scale=ks, v_scale=vs)
+    err = relative_error(out, expected)
+    assert err <= tol, f"{kv_dtype}: relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"

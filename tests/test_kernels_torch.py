@@ -8,7 +8,7 @@ import torch
 import kernels.torch_attention
 from kernels.cpu_decode import paged_decode_kernel
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
-from tests.kernel_cases import check_against_reference
+from tests.kernel_cases import check_against_reference, check_quantized
 
 
 def test_cpu_decode_kernel_builds():
@@ -25,6 +25,17 @@ def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
         monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
     seed = case * 7919 + (dtype == torch.float16)
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("decode", ["kernel", "gather"])
+def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, decode, monkeypatch):
+    if decode == "gather":
+        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
+    seed = 31 * case + len(kv_dtype) + (dtype == torch.float16)
+    check_quantized(store_kv_torch, paged_attention_torch, seed, case, kv_dtype, dtype, tol)
 
 
 def test_store_kv_skips_negative_slots():

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
 from kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
 from replica import LLM, SamplingParams  # noqa: E402
-from tests.kernel_cases import check_against_reference, random_batch, relative_error  # noqa: E402
+from tests.kernel_cases import check_against_reference, check_quantized, random_batch, relative_error  # noqa: E402
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -27,6 +27,16 @@ from tests.kernel_cases import check_against_reference, random_batch, relative_e
 def test_triton_kernels_match_reference(case, dtype, tol):
     seed = 1000 + case * 31 + (dtype == torch.float16)
     check_against_reference(store_kv_triton, paged_attention_triton, seed, case, dtype, tol, max_len=160, max_batch=4)
+
+
+@pytest.mark.parametrize("case", range(2))
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_triton_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol):
+    seed = 2000 + case * 17 + len(kv_dtype) + (dtype == torch.float16)
+    check_quantized(
+        store_kv_triton, paged_attention_triton, seed, case, kv_dtype, dtype, tol, max_len=96, max_batch=3
+    )
 
 
 def test_store_kv_skips_negative_slots_and_touches_nothing_else():

@@ -8,43 +8,73 @@
 // Layouts (the engine's): q/out [tokens, heads, head_dim]; k/v cache [blocks, block_size, kv_heads,
 // head_dim]; block_tables [batch, max_blocks] int32; seq_lens [batch] int32; query_start_loc [batch + 1]
 // int32; rows: int64 indices of the decode sequences (query length 1) to compute. Accumulates in float.
+//
+// Quantized caches (kernels/quant.py) hold int8 or fp8 with scales: none (the cache holds q's dtype), one
+// float per KV head (fp8), or one half per slot and KV head (int8). A scale is constant along head_dim, so
+// it multiplies the finished q.k score and the softmax weight of its V row instead of every element.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t d) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
   return acc;
 }
 
-template <typename T>
-inline void axpy(float w, const T* v, float* acc, int64_t d) {
+template <typename C>
+inline void axpy(float w, const C* v, float* acc, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
 }
 
-template <typename T>
+// The scale of one cached row: 1, per KV head, or per slot and KV head.
+struct Scale {
+  const float* per_head = nullptr;
+  const c10::Half* per_slot = nullptr;
+  int64_t kv_heads = 1;
+
+  explicit Scale(const std::optional<at::Tensor>& t, int64_t kvh) : kv_heads(kvh) {
+    if (!t.has_value()) return;
+    if (t->dim() == 1) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == kvh, "per-head scales must be float [kv_heads]");
+      per_head = t->data_ptr<float>();
+    } else {
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "per-slot scales must be contiguous half");
+      per_slot = t->data_ptr<c10::Half>();
+    }
+  }
+  inline float at(int64_t slot, int64_t h) const {
+    if (per_slot) return static_cast<float>(per_slot[slot * kv_heads + h]);
+    return per_head ? per_head[h] : 1.f;
+  }
+};
+
+template <typename Q, typename C>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                   const at::Tensor& rows, double scale) {
+                   const Scale& k_scale, const Scale& v_scale, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& rows,
+                   double scale) {
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, row_stride = kv_heads * d, table_width = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  const Q* qp = q.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  Q* op = out.data_ptr<Q>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -59,61 +89,87 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       const int64_t len = lens[seq], token = starts[seq];
       const int32_t* table = tables + seq * table_width;
       for (const auto g : c10::irange(group)) {
-        const T* src = qp + token * q_stride0 + (h * group + g) * d;
+        const Q* src = qp + token * q_stride0 + (h * group + g) * d;
         for (const auto i : c10::irange(d)) qf[g * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
       }
       scores.resize(group * len);
       for (int64_t t = 0; t < len; ++t) {
-        const T* krow = kp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
-        for (const auto g : c10::irange(group)) scores[g * len + t] = dot(qf.data() + g * d, krow, d);
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const C* krow = kp + slot * row_stride + h * d;
+        const float ks = k_scale.at(slot, h);
+        for (const auto g : c10::irange(group)) scores[g * len + t] = ks * dot(qf.data() + g * d, krow, d);
       }
       for (const auto g : c10::irange(group)) {
         float* s = scores.data() + g * len;
         const float m = *std::max_element(s, s + len);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - m));
         const float inv = 1.f / total;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = vp + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
-        for (const auto g : c10::irange(group)) axpy(scores[g * len + t], vrow, acc.data() + g * d, d);
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const C* vrow = vp + slot * row_stride + h * d;
+        const float vs = v_scale.at(slot, h);
+        for (const auto g : c10::irange(group)) axpy(vs * scores[g * len + t], vrow, acc.data() + g * d, d);
       }
       for (const auto g : c10::irange(group)) {
-        T* dst = op + token * o_stride0 + (h * group + g) * d;
-        for (const auto i : c10::irange(d)) dst[i] = static_cast<T>(acc[g * d + i]);
+        Q* dst = op + token * o_stride0 + (h * group + g) * d;
+        for (const auto i : c10::irange(d)) dst[i] = static_cast<Q>(acc[g * d + i]);
       }
     }
   });
 }
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                   const at::Tensor& rows, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is the CPU kernel");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1 &&
                   q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
               "q/out must be [tokens, heads, head_dim] with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "k/v caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && rows.scalar_type() == at::kLong,
               "block_tables/seq_lens/query_start_loc must be int32 and rows int64");
-  const auto tables = block_tables.contiguous();
+  const int64_t kvh = k_cache.size(2);
+  const Scale ks(k_scale, kvh), vs(v_scale, kvh);
+  const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const auto starts = query_start_loc.contiguous(), rows_c = rows.contiguous();
+  const auto cache_type = k_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(out, q, k_cache, v_cache, tables, seq_lens.contiguous(), query_start_loc.contiguous(),
-                            rows.contiguous(), scale);
+    using Q = scalar_t;
+    auto run = [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      decode_kernel<Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale);
+    };
+    if (cache_type == q.scalar_type()) {
+      run(Q{});
+    } else if (cache_type == at::kChar) {
+      run(int8_t{});
+    } else if (cache_type == at::kFloat8_e4m3fn) {
+      run(c10::Float8_e4m3fn{});
+    } else if (cache_type == at::kFloat8_e5m2) {
+      run(c10::Float8_e5m2{});
+    } else {
+      TORCH_CHECK(false, "cache dtype ", cache_type, " does not match q's ", q.scalar_type(), " nor int8/fp8");
+    }
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvmesh_cpu, m) {
-  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor rows, float scale) -> ()");
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, "
+        "Tensor? v_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
+        "float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
