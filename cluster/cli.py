@@ -1,4 +1,5 @@
-"""The ``kvmesh`` command: ``serve`` a cluster, show its ``status``, or ``generate`` from one local engine."""
+"""The ``kvmesh`` command: ``serve`` a cluster, show its ``status``, ``generate`` from one local engine, or
+``plan`` a GPU pool by KV memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import sys
 import time
 
+from replica.config import GPU_KV_FRACTION, EngineConfig
+from replica.kv_dtype import MODEL_DTYPE_BYTES
 from replica.model_files import DEFAULT_MODEL
 
 
@@ -101,6 +104,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from cluster.plan import run
+
+    return run(args)
+
+
 BENCH_COMMANDS = {
     "run": "benchmarks.bench_run",
     "simulate": "benchmarks.simulate",
@@ -182,6 +191,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_bench)
+
+    plan = sub.add_parser(
+        "plan",
+        help="size a GPU pool: KV bytes per token, blocks, sequences and replicas for each KV cache dtype",
+        description="Reads the model's config only (no weights). Sizes: 80GiB, 24GB (10^9), 512Mi, or bytes.",
+    )
+    plan.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF model directory, config.json, .gguf or hub id")
+    budget = plan.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--device-memory", help="memory of the GPU each replica runs on, e.g. 80GiB")
+    budget.add_argument("--kv-memory", help="the KV budget of one replica, e.g. 40GiB")
+    plan.add_argument("--memory-fraction", type=float,
+                      help=f"share of the memory the weights leave that goes to KV (default {GPU_KV_FRACTION}, "
+                           "the engine's on GPU)")
+    work = plan.add_mutually_exclusive_group(required=True)
+    work.add_argument("--context-len", type=int, help="tokens per sequence, prompt + output")
+    work.add_argument("--lengths", help="file of sequence lengths: one per line, or JSONL with input_length and "
+                                        "output_length (Mooncake traces)")
+    plan.add_argument("--percentile", type=float, help="size for this percentile of --lengths (default: the mean)")
+    plan.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                      help=f"KV block size in tokens (default {EngineConfig.block_size})")
+    plan.add_argument("--dtype", help=f"model dtype for the `auto` KV dtype: {', '.join(MODEL_DTYPE_BYTES)} "
+                                      "(default: the config's, else bfloat16)")
+    plan.add_argument("--target-concurrency", type=int, help="concurrent sequences the pool must hold")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_plan)
 
     st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")

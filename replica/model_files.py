@@ -6,7 +6,8 @@ users with network access). GGUF models are dequantized by transformers once (~2
 saved as a regular safetensors model directory in the cache, so every later start reads plain tensors.
 
 The ingress imports this module to tokenize and apply chat templates; it must stay free of torch (only a
-first-time GGUF conversion imports it, and ``kvmesh serve`` does that before any replica starts).
+first-time GGUF conversion and reading a GGUF's config import it, and ``kvmesh serve`` converts before any
+replica starts).
 """
 
 from __future__ import annotations
@@ -99,6 +100,31 @@ def resolve_model_dir(model: str, weights: bool = True) -> Path:
 
     patterns = ["*.json", "*.jinja", "tokenizer*", *(["*.safetensors"] if weights else [])]
     return Path(snapshot_download(model, allow_patterns=patterns))
+
+
+def model_config(model: str) -> dict:
+    """``model``'s Hugging Face config as a plain dict, reading no weights: for sizing without a model load.
+
+    Takes what ``resolve_model_dir`` takes, or a ``config.json`` path. A GGUF's config is mapped from its
+    metadata by transformers, the mapping its dequantization uses, so no weights are converted either."""
+    path = Path(model).expanduser()
+    if model in MODEL_ALIASES or path.suffix == ".gguf":
+        gguf = _alias_gguf(model) if model in MODEL_ALIASES else path
+        if not gguf.is_file():
+            raise FileNotFoundError(f"{gguf} does not exist")
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # imports torch
+
+        return load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    file = path if path.suffix == ".json" else resolve_model_dir(model, weights=False) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist")
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not a JSON config: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return config
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

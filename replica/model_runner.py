@@ -6,14 +6,16 @@ import torch
 
 from kernels import AttentionMetadata
 from replica.context import ForwardContext, forward_context
+from replica.kv_dtype import kv_bytes_per_token
 from replica.model_loader import LoadedModel
 from replica.scheduler import ScheduledRequest
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes in this runner's cache (K and V in the model dtype: ``auto``)."""
     attn = loaded.model.layers[0].self_attn
-    per_token = 2 * attn.num_kv_heads * attn.head_dim * dtype.itemsize
-    return per_token * block_size * len(loaded.model.layers)
+    per_token = kv_bytes_per_token(len(loaded.model.layers), attn.num_kv_heads, attn.head_dim, "auto", dtype.itemsize)
+    return per_token * block_size
 
 
 class ModelRunner:

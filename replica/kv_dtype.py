@@ -1,0 +1,70 @@
+"""The KV cache dtypes kvmesh supports and what each costs per token: the one definition of that arithmetic.
+
+The engine sizes its KV pool with ``kv_bytes_per_token`` and ``kvmesh plan`` sizes GPU pools with it, so
+a pool planned on paper and the pool a replica allocates agree to the byte. Layouts, per token, per layer,
+per KV head, for K and for V alike:
+
+- ``auto``: ``head_dim`` elements in the model dtype (2 bytes for fp16/bf16, 4 for fp32).
+- ``fp8_e4m3``, ``fp8_e5m2``: ``head_dim`` bytes. Their scales are static, a few floats per layer and KV
+  head, so they cost nothing per token.
+- ``int8``: ``head_dim`` bytes plus one float16 scale (symmetric, absmax / 127) per token and KV head.
+
+Torch-free, so the planner and the ingress side of the project can use it without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one token's K (or V) vector for one KV head is stored."""
+
+    element_bytes: int | None
+    """Bytes per element; ``None`` means the model dtype's."""
+    scale_bytes: int
+    """Bytes of quantization scale stored with each token's vector (0 where scales are per layer)."""
+
+
+KV_LAYOUTS: dict[str, KVLayout] = {
+    "auto": KVLayout(element_bytes=None, scale_bytes=0),
+    "fp8_e4m3": KVLayout(element_bytes=1, scale_bytes=0),
+    "fp8_e5m2": KVLayout(element_bytes=1, scale_bytes=0),
+    "int8": KVLayout(element_bytes=1, scale_bytes=2),  # one float16 scale per token per KV head
+}
+KV_CACHE_DTYPES: tuple[str, ...] = tuple(KV_LAYOUTS)
+"""``("auto", "fp8_e4m3", "fp8_e5m2", "int8")``"""
+
+MODEL_DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+"""Element size of the model dtypes the engine runs in: what ``auto`` stores K and V in."""
+_MODEL_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+
+
+def model_dtype_name(name: str) -> str:
+    """The canonical name of a model dtype as configs and users spell it (``bf16``, ``torch.float16``, ...)."""
+    key = str(name).lower().removeprefix("torch.")
+    key = _MODEL_DTYPE_ALIASES.get(key, key)
+    if key not in MODEL_DTYPE_BYTES:
+        raise ValueError(f"unknown model dtype {name!r}; valid: {', '.join(MODEL_DTYPE_BYTES)}")
+    return key
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, model_dtype_bytes: int
+) -> int:
+    """Bytes of KV cache one token occupies across all layers: K and V, every KV head, scales included.
+
+    ``model_dtype_bytes`` (the model's element size) only matters for ``auto``."""
+    layout = KV_LAYOUTS.get(kv_cache_dtype)
+    if layout is None:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; valid: {', '.join(KV_CACHE_DTYPES)}")
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    element_bytes = layout.element_bytes
+    if element_bytes is None:
+        if model_dtype_bytes < 1:
+            raise ValueError(f"model_dtype_bytes must be positive, got {model_dtype_bytes}")
+        element_bytes = model_dtype_bytes
+    return 2 * num_layers * num_kv_heads * (head_dim * element_bytes + layout.scale_bytes)
