@@ -11,7 +11,7 @@ import sys
 import time
 
 from replica.config import GPU_KV_FRACTION, EngineConfig
-from replica.kv_dtype import MODEL_DTYPE_BYTES
+from replica.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
 from replica.model_files import DEFAULT_MODEL
 
 
@@ -23,7 +23,10 @@ def _generate(args: argparse.Namespace) -> int:
     )
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, torch_threads=args.threads))
+    config = EngineConfig(
+        model=args.model, device=args.device, torch_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype
+    )
+    engine = LLMEngine(config)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prompt = args.prompt
     ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if not args.raw else engine.tokenize(prompt)
@@ -61,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len,
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "device": args.device,
         "torch_threads": args.threads,
     }
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage (default auto)")
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser(
@@ -179,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     srv.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
     srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
+    srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                     help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8")
     srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     srv.set_defaults(func=_serve)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replica.kv_dtype import KV_CACHE_DTYPES
 from replica.model_files import DEFAULT_MODEL
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -19,6 +20,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Exact pool size; ``None`` sizes it from ``kv_cache_bytes`` (or the free GPU memory)."""
     kv_cache_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales) or ``int8``
+    (per-token scales); fp8 holds twice the tokens of a 16-bit cache in the same bytes (``kernels/quant.py``)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     """Token budget of one step; prompts longer than this are prefilled in chunks."""
@@ -33,6 +37,8 @@ class EngineConfig:
     """Intra-op threads for this engine; set it when several replicas share a machine's cores."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs}")

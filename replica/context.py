@@ -15,10 +15,21 @@ from kernels import AttentionMetadata
 
 
 @dataclass
+class LayerCache:
+    """One layer's paged KV cache: K and V, each [num_blocks, block_size, kv_heads, head_dim], and, for a
+    quantized cache, their scales (``kernels/quant.py``: per KV head for fp8, per slot and KV head for int8)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardContext:
     attn: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (K, V), each [num_blocks, block_size, kv_heads, head_dim]."""
+    kv_caches: list[LayerCache]
+    """One per layer."""
 
 
 _current: ForwardContext | None = None

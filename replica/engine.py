@@ -139,7 +139,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.kv_cache_dtype)
         self.hash_seed = model_seed(self.model_id)
         eos = self.loaded.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -151,11 +151,13 @@ class LLMEngine:
         """Called with each step's KV events (the index publisher); they must not block."""
         self._ids = itertools.count()
         log.info(
-            "engine ready: %s, %d KV blocks of %d tokens on %s", config.model, num_blocks, config.block_size, device
-        )
+            "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
+            config.model, num_blocks, config.block_size, config.kv_cache_dtype, device,
+        )  # fmt: skip
 
     def _blocks_for_budget(self, device: torch.device) -> int:
-        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, next(self.loaded.model.parameters()).dtype)
+        dtype = next(self.loaded.model.parameters()).dtype
+        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, dtype, self.config.kv_cache_dtype)
         budget = self.config.kv_cache_bytes
         if budget is None:
             if device.type == "cuda":

@@ -97,9 +97,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         ctx = get_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        store_kv(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
+        kv = ctx.kv_caches[self.layer_idx]
+        store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale)
+        o = paged_attention(q, kv.k, kv.v, ctx.attn, self.scale, kv.k_scale, kv.v_scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

@@ -58,11 +58,12 @@ def test_block_size_eight_and_odd_head_dim():
     assert relative_error(out, expected) <= 1e-5
 
 
-def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     prompts = [list(range(200, 200 + n)) for n in (5, 23, 40)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "torch")
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
     llm.engine.reset_prefix_cache()

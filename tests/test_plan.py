@@ -77,23 +77,6 @@ def test_kv_bytes_reject_unknown_dtypes_and_empty_shapes():
             kv_bytes_per_token(*shape, "auto", 2)
 
 
-def test_engine_pool_is_sized_by_kv_dtype(tiny_llama_dir):
-    """The engine's bytes per block are kv_dtype's, its tensors really take that much, and the plan agrees."""
-    import torch
-
-    from replica import EngineConfig, LLMEngine
-    from replica.model_runner import kv_bytes_per_block
-
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), kv_cache_bytes=1 << 20, block_size=16))
-    per_block = kv_bytes_per_block(engine.loaded, 16, torch.float32)
-    assert per_block == kv_bytes_per_token(2, 2, 16, "auto", 4) * 16  # 2 layers, 2 KV heads, head dim 64 / 4
-    allocated = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
-    assert allocated == engine.num_blocks * per_block
-    assert engine.num_blocks == (1 << 20) // per_block
-    shape = model_shape(json.loads((tiny_llama_dir / "config.json").read_text()), "float32")
-    assert kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, "auto", 4) * 16 == per_block
-
-
 # ---------------------------------------------------------------- config quirks and sizes
 def test_config_quirks():
     mha = model_shape({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})
