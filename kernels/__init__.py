@@ -54,8 +54,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
 
 
 def paged_attention(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None, window=None
 ) -> torch.Tensor:
-    """Causal attention of the batch's new queries over their cached prefixes and themselves."""
+    """Causal attention of the batch's new queries over their cached prefixes and themselves.
+
+    ``window``: sliding-window attention (each query sees its last ``window`` positions), None for full.
+    """
     impl = _impls(attention_backend(q.device))[1]
-    return impl(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+    return impl(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale, window=window)

@@ -20,7 +20,9 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
             v_cache[slot // block_size, slot % block_size] = value[t]
 
 
-def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
+) -> torch.Tensor:
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     out = torch.zeros_like(q)
@@ -32,7 +34,8 @@ def paged_attention_reference(q, k_cache, v_cache, meta: AttentionMetadata, scal
         k = k_cache[blocks, pos % block_size].repeat_interleave(group, dim=1)  # [length, heads, d]
         v = v_cache[blocks, pos % block_size].repeat_interleave(group, dim=1)
         for j in range(n):
-            visible = length - n + j + 1
-            scores = torch.einsum("hd,lhd->hl", q[starts[i] + j], k[:visible]) * scale
-            out[starts[i] + j] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[:visible])
+            end = length - n + j + 1  # keys [first, end): causal, and the last `window` of them
+            first = max(0, end - window) if window else 0
+            scores = torch.einsum("hd,lhd->hl", q[starts[i] + j], k[first:end]) * scale
+            out[starts[i] + j] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[first:end])
     return out

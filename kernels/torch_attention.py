@@ -108,10 +108,12 @@ def paged_attention_torch(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``.
 
     ``k_scale``/``v_scale`` are a quantized cache's scales (``kernels/quant.py``); they are dequantized on load.
+    ``window``: sliding-window attention, each query sees its last ``window`` positions (itself included).
     """
     out = torch.empty_like(q) if out is None else out
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
@@ -121,7 +123,8 @@ def paged_attention_torch(
     if kernel is not None:
         rows = torch.tensor(decode, dtype=torch.int64)
         tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        kernel(out, q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, starts_t, rows, scale)
+        scales = (k_scale, v_scale)
+        kernel(out, q.contiguous(), k_cache, v_cache, *scales, tables, lens, starts_t, rows, scale, window or 0)
         decode = []
     for bucket in _length_buckets(decode, slens) if decode else []:
         rows = torch.tensor(bucket, device=q.device)
@@ -129,7 +132,8 @@ def paged_attention_torch(
         length = slens[bucket[0]]
         k = _gather("k", k_cache, meta.block_tables[rows], length, k_scale, q.dtype)
         v = _gather("v", v_cache, meta.block_tables[rows], length, v_scale, q.dtype)
-        mask = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[rows][:, None]
+        keys, lens = torch.arange(length, device=q.device)[None, :], meta.seq_lens[rows][:, None]
+        mask = (keys < lens) & (keys >= lens - window) if window else keys < lens
         o = F.scaled_dot_product_attention(
             q[tok].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
         )
@@ -141,11 +145,12 @@ def paged_attention_torch(
         k = _gather("k", k_cache, meta.block_tables[i : i + 1], length, k_scale, q.dtype)
         v = _gather("v", v_cache, meta.block_tables[i : i + 1], length, v_scale, q.dtype)
         qq = q[s : s + n].transpose(0, 1).unsqueeze(0)
-        if n == length:
+        if n == length and not window:
             o = F.scaled_dot_product_attention(qq, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            pos = torch.arange(length - n, length, device=q.device)
-            mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+            pos = torch.arange(length - n, length, device=q.device)[:, None]
+            keys = torch.arange(length, device=q.device)[None, :]
+            mask = (keys <= pos) & (keys > pos - window) if window else keys <= pos
             o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s : s + n] = o[0].transpose(0, 1)
     return out

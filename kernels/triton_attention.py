@@ -30,6 +30,9 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.quant import FP8_DTYPES, INT8_MAX
 
+FULL = 1 << 30
+"""The ``window`` of full attention: further back than any context."""
+
 
 def _quant_mode(cache: torch.Tensor) -> int:
     return 1 if cache.dtype in FP8_DTYPES else 2 if cache.dtype == torch.int8 else 0
@@ -84,21 +87,22 @@ def _store_kv_kernel(
 
 @triton.jit
 def _attend(
-    qt, q_pos, k_cache, v_cache, k_scale, v_scale, table, seq_len, end, kv_head, num_kv_heads, scale,
-    stride_cb, stride_cs, stride_ch,
+    qt, q_pos, k_cache, v_cache, k_scale, v_scale, table, seq_len, start, end, window, kv_head, num_kv_heads,
+    scale, stride_cb, stride_cs, stride_ch,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
-    """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over keys ``[0, end)`` of one
-    sequence and one KV head, read tile by tile through its block table ``table``; online softmax in fp32."""
+    """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over keys ``[start, end)`` of one
+    sequence and one KV head, read tile by tile through its block table ``table``; online softmax in fp32.
+    Keys more than ``window - 1`` positions behind a query are masked (sliding window; huge for full)."""
     kv_off = kv_head * stride_ch
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+    for tile_start in range((start // BLOCK_N) * BLOCK_N, end, BLOCK_N):
+        n = tile_start + tl.arange(0, BLOCK_N)
         nmask = n < seq_len
         blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_off
@@ -115,10 +119,14 @@ def _attend(
             k = (k.to(tl.float32) * ks[:, None]).to(qt.dtype)
             v = (v.to(tl.float32) * vs[:, None]).to(qt.dtype)
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & nmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row may see nothing in a tile yet (a sliding window starts mid-tile): keep its exponents at
+        # exp(-inf) = 0 instead of exp(-inf - -inf) = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -127,7 +135,8 @@ def _attend(
 
 @triton.jit
 def _decode_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, scale,
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
+    scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -143,9 +152,10 @@ def _decode_kernel(
         heads = kvh * GROUP + g
         qt = tl.load(q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         q_pos = tl.full([GROUP_P], 0, tl.int32) + seq_len - 1  # the one new token is the last position
+        start = tl.maximum(seq_len - window, 0)
         o = _attend(
-            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, seq_len,
-            kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
+            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, seq_len,
+            window, kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
             GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
         dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -154,7 +164,8 @@ def _decode_kernel(
 
 @triton.jit
 def _extend_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, scale,
+    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
+    scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
@@ -172,9 +183,10 @@ def _extend_kernel(
         qmask = (m[:, None] < q_len) & (d[None, :] < HEAD_DIM)
         qt = tl.load(q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qmask, other=0.0)
         end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
+        start = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)  # nor its first query further back
         o = _attend(
-            qt, ctx + m, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, end,
-            head // GROUP, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
+            qt, ctx + m, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, end,
+            window, head // GROUP, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
             BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
         dst = out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
@@ -221,6 +233,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache)
     out = torch.empty_like(q) if out is None else out
@@ -235,7 +248,7 @@ def paged_attention_triton(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = (
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, kvh, scale,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, kvh, window or FULL, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
     )  # fmt: skip

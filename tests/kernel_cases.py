@@ -50,11 +50,14 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.double() - expected).norm() / expected.norm())
 
 
-def check_against_reference(store_kv, paged_attention, seed: int, case: int, dtype, tol: float, **shape) -> None:
+def check_against_reference(
+    store_kv, paged_attention, seed: int, case: int, dtype, tol: float, window: int | None = None, **shape
+) -> None:
     """Store a random batch's new K/V and attend with the implementation under test, against float64.
 
     Shapes are fresh per case: block 16/32, GQA ratio 1/3/4/8 by case, 1-2 KV heads, head_dim 64/128. The
     output starts as NaN, so any element the implementation forgets to write fails the comparison.
+    ``window``: sliding-window attention over the same batch.
     """
     from kernels.reference import paged_attention_reference, store_kv_reference
 
@@ -66,12 +69,12 @@ def check_against_reference(store_kv, paged_attention, seed: int, case: int, dty
     scale = head_dim**-0.5
     ref_kc, ref_vc = kc.clone(), vc.clone()
     store_kv_reference(k, v, ref_kc, ref_vc, meta.slot_mapping)
-    expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale)
+    expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale, window)
     kc_t, vc_t = kc.to(dtype), vc.to(dtype)
     store_kv(k.to(dtype), v.to(dtype), kc_t, vc_t, meta.slot_mapping)
     assert torch.equal(kc_t, ref_kc.to(dtype)) and torch.equal(vc_t, ref_vc.to(dtype))
     out = torch.full_like(q, float("nan"), dtype=dtype)
-    paged_attention(q.to(dtype), kc_t, vc_t, meta, scale, out=out)
+    paged_attention(q.to(dtype), kc_t, vc_t, meta, scale, out=out, **({"window": window} if window else {}))
     err = relative_error(out, expected)
     assert err <= tol, f"relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"
 

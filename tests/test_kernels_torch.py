@@ -27,6 +27,16 @@ def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
 
 
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("decode", ["kernel", "gather"])
+def test_sliding_window_matches_reference(case, decode, monkeypatch):
+    """Windows shorter and longer than a block, and longer than some contexts, on mixed batches."""
+    if decode == "gather":
+        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
+    window = [1, 7, 16, 37, 100, 1000][case]
+    check_against_reference(store_kv_torch, paged_attention_torch, 77 + case, case, torch.float32, 1e-5, window)
+
+
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])

@@ -29,6 +29,14 @@ def test_triton_kernels_match_reference(case, dtype, tol):
     check_against_reference(store_kv_triton, paged_attention_triton, seed, case, dtype, tol, max_len=160, max_batch=4)
 
 
+@pytest.mark.parametrize("case", range(4))
+def test_triton_sliding_window_matches_reference(case):
+    window = [1, 9, 40, 500][case]
+    check_against_reference(
+        store_kv_triton, paged_attention_triton, 3000 + case, case, torch.float32, 1e-5, window, max_len=120, max_batch=3
+    )
+
+
 @pytest.mark.parametrize("case", range(2))
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])

@@ -76,3 +76,14 @@ def test_fp8_scales_are_calibrated_per_head_and_reproducible(tiny_llama_dir):
 def test_unknown_kv_cache_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, fp8_e5m2, int8"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_kernels_and_sizing_know_the_same_dtypes():
+    """``kernels/quant.py`` (storage) and ``replica/kv_dtype.py`` (bytes) describe one set of formats."""
+    from kernels.quant import KV_CACHE_STORAGE
+    from replica.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
+
+    assert tuple(KV_CACHE_STORAGE) == KV_CACHE_DTYPES
+    for name, storage in KV_CACHE_STORAGE.items():
+        if storage is not None:
+            assert KV_LAYOUTS[name].element_bytes == storage.itemsize

@@ -7,7 +7,9 @@
 //
 // Layouts (the engine's): q/out [tokens, heads, head_dim]; k/v cache [blocks, block_size, kv_heads,
 // head_dim]; block_tables [batch, max_blocks] int32; seq_lens [batch] int32; query_start_loc [batch + 1]
-// int32; rows: int64 indices of the decode sequences (query length 1) to compute. Accumulates in float.
+// int32; rows: int64 indices of the decode sequences (query length 1) to compute; window: sliding-window
+// size (the query sees its last `window` positions, itself included), 0 for full attention. Accumulates in
+// float.
 //
 // Quantized caches (kernels/quant.py) hold int8 or fp8 with scales: none (the cache holds q's dtype), one
 // float per KV head (fp8), or one half per slot and KV head (int8). A scale is constant along head_dim, so
@@ -67,7 +69,7 @@ template <typename Q, typename C>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const Scale& k_scale, const Scale& v_scale, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& rows,
-                   double scale) {
+                   double scale, int64_t window) {
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, row_stride = kv_heads * d, table_width = block_tables.size(1);
@@ -86,18 +88,20 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     std::vector<float> qf(group * d), acc(group * d), scores;
     for (const auto task : c10::irange(begin, end)) {
       const int64_t seq = row_ids[task / kv_heads], h = task % kv_heads;
-      const int64_t len = lens[seq], token = starts[seq];
+      const int64_t token = starts[seq], first = window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
+      const int64_t len = lens[seq] - first;  // keys [first, first + len): scores[g * len + (t - first)]
       const int32_t* table = tables + seq * table_width;
       for (const auto g : c10::irange(group)) {
         const Q* src = qp + token * q_stride0 + (h * group + g) * d;
         for (const auto i : c10::irange(d)) qf[g * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
       }
       scores.resize(group * len);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* krow = kp + slot * row_stride + h * d;
         const float ks = k_scale.at(slot, h);
-        for (const auto g : c10::irange(group)) scores[g * len + t] = ks * dot(qf.data() + g * d, krow, d);
+        for (const auto g : c10::irange(group)) scores[g * len + i] = ks * dot(qf.data() + g * d, krow, d);
       }
       for (const auto g : c10::irange(group)) {
         float* s = scores.data() + g * len;
@@ -109,11 +113,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t t = first + i;
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* vrow = vp + slot * row_stride + h * d;
         const float vs = v_scale.at(slot, h);
-        for (const auto g : c10::irange(group)) axpy(vs * scores[g * len + t], vrow, acc.data() + g * d, d);
+        for (const auto g : c10::irange(group)) axpy(vs * scores[g * len + i], vrow, acc.data() + g * d, d);
       }
       for (const auto g : c10::irange(group)) {
         Q* dst = op + token * o_stride0 + (h * group + g) * d;
@@ -126,7 +131,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  const at::Tensor& rows, double scale) {
+                  const at::Tensor& rows, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is the CPU kernel");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1 &&
                   q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
@@ -148,7 +153,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     using Q = scalar_t;
     auto run = [&](auto cache_tag) {
       using C = decltype(cache_tag);
-      decode_kernel<Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale);
+      decode_kernel<Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
     };
     if (cache_type == q.scalar_type()) {
       run(Q{});
@@ -169,7 +174,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(kvmesh_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, "
         "Tensor? v_scale, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
-        "float scale) -> ()");
+        "float scale, int window) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

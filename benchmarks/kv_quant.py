@@ -1,0 +1,151 @@
+"""Quantized KV cache: sequences admitted at a fixed KV budget, and what the quantization costs in quality.
+
+1. Concurrency: the same byte budget per dtype (sized to hold ``--fit`` sequences in the model dtype),
+   ``--requests`` requests of ``--prompt`` random tokens + ``--output`` tokens submitted at once, no prefix
+   sharing; reports the pool's blocks and the most sequences running at once. Run for a bf16 model (the
+   GPU case: ``auto`` = 2 bytes, goal fp8 exactly 2x) and the fp32 CPU default (``auto`` = 4 bytes).
+2. Quality (fp32 SmolLM2, the CPU default): a fixed set of chat prompts, ``--max-tokens`` greedy tokens
+   with the full-precision cache; then for each quantized dtype (a) free-running greedy agreement (the
+   share of generated tokens before the first difference, and whole sequences identical) and (b) teacher
+   forced on the full-precision continuation: mean |log p| difference of its tokens and top-1 agreement,
+   from one forward over prompt + continuation through the paged (quantized) cache.
+
+    python -m benchmarks.kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.report import print_table, write_json
+from kernels import AttentionMetadata
+from replica import LLM, SamplingParams
+from replica.context import ForwardContext, forward_context
+from replica.kv_dtype import KV_CACHE_DTYPES
+from replica.model_runner import kv_bytes_per_block
+
+PROMPTS = [
+    "Explain how photosynthesis works in three sentences.",
+    "Write a haiku about the sea.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "List five tips for writing clean Python code.",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a hash table handle collisions?",
+    "Give me a recipe for a simple tomato soup.",
+    "What are the main differences between TCP and UDP?",
+    "Describe the water cycle to a ten-year-old.",
+    "Why is the sky blue?",
+    "Write a short poem about autumn leaves.",
+    "What causes the seasons on Earth?",
+    "Explain what a neural network is in plain words.",
+    "Suggest three names for a bakery and explain each.",
+    "How do vaccines train the immune system?",
+    "What is the difference between weather and climate?",
+]
+
+
+def concurrency(model: str, dtype: str, requests: int, prompt: int, output: int, fit: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, prompt).tolist() for _ in range(requests)]
+    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    probe = LLM(model, num_kv_blocks=1, dtype=dtype).engine
+    budget = fit * -(-(prompt + output) // 16) * kv_bytes_per_block(probe.loaded, 16, probe.runner.dtype)
+    del probe
+    rows = []
+    for kv in KV_CACHE_DTYPES:
+        llm = LLM(model, kv_cache_bytes=budget, dtype=dtype, kv_cache_dtype=kv, max_num_seqs=256)
+        engine = llm.engine
+        for p in prompts:
+            engine.add_request(p, params)
+        peak, t0, done = 0, time.perf_counter(), 0
+        while engine.has_unfinished:
+            done += sum(o.finished for o in engine.step())
+            peak = max(peak, engine.stats().num_running)
+        engine.check_integrity()
+        rows.append({"model_dtype": dtype, "kv_cache_dtype": kv, "budget_bytes": budget,
+                     "blocks": engine.num_blocks, "peak_running": peak, "completed": done,
+                     "preemptions": engine.stats().num_preemptions,
+                     "seconds": time.perf_counter() - t0})  # fmt: skip
+        print(f"  {dtype} {kv}: {engine.num_blocks} blocks, peak {peak} running", flush=True)
+    auto = rows[0]["peak_running"]
+    for r in rows:
+        r["vs_auto"] = r["peak_running"] / auto
+    return rows
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(llm: LLM, tokens: list[int], start: int) -> torch.Tensor:
+    """Log-probs of ``tokens[start:]`` given their prefixes: one forward through the engine's own paged cache."""
+    engine = llm.engine
+    engine.reset_prefix_cache()  # the blocks below are overwritten; nothing cached may point at them
+    runner, n = engine.runner, len(tokens)
+    nb = -(-n // runner.block_size)
+    meta = AttentionMetadata.build([n], [n], [list(range(nb))], runner.block_size, runner.device)
+    ids = torch.tensor(tokens, device=runner.device)
+    rows = torch.arange(start - 1, n - 1, device=runner.device)
+    with forward_context(ForwardContext(meta, runner.kv_caches)):
+        logits = runner.model(ids, torch.arange(n, device=runner.device), rows).float()
+    engine.reset_prefix_cache()
+    return logits.log_softmax(-1)
+
+
+def quality(model: str, max_tokens: int) -> list[dict]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    results, ref_outs, ref_lps = [], [], []
+    for kv in KV_CACHE_DTYPES:  # "auto" first: the reference
+        llm = LLM(model, kv_cache_dtype=kv)
+        chats = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+        outs = [o.token_ids for o in llm.generate(chats, params)]
+        if kv == "auto":
+            ref_outs = outs
+            ref_lps = [teacher_forced_logprobs(llm, c + o, len(c)) for c, o in zip(chats, outs, strict=True)]
+        prefix_share, identical, dlogp, top1 = [], 0, [], []
+        for chat, out, ref_out, ref_lp in zip(chats, outs, ref_outs, ref_lps, strict=True):
+            same = next((i for i, (a, b) in enumerate(zip(out, ref_out, strict=True)) if a != b), len(ref_out))
+            prefix_share.append(same / len(ref_out))
+            identical += same == len(ref_out)
+            lp = ref_lp if kv == "auto" else teacher_forced_logprobs(llm, chat + ref_out, len(chat))
+            target = torch.tensor(ref_out)[:, None]
+            dlogp.append(float((lp.gather(1, target) - ref_lp.gather(1, target)).abs().mean()))
+            top1.append(float((lp.argmax(-1) == target[:, 0]).float().mean()))
+        results.append({"kv_cache_dtype": kv, "prompts": len(chats), "tokens_each": max_tokens,
+                        "greedy_prefix_agreement": float(np.mean(prefix_share)),
+                        "identical_sequences": identical, "mean_abs_logprob_diff": float(np.mean(dlogp)),
+                        "teacher_forced_top1": float(np.mean(top1))})  # fmt: skip
+        print(f"  quality {kv}: done", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--prompt", type=int, default=244, help="with --output 8: 252 tokens = 16 blocks, no growth")
+    ap.add_argument("--output", type=int, default=8)
+    ap.add_argument("--fit", type=int, default=4, help="sequences the budget holds in the model dtype")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    out: dict = {"concurrency": [], "quality": []}
+    for dtype in ("bfloat16", "float32"):
+        out["concurrency"] += concurrency(args.model, dtype, args.requests, args.prompt, args.output, args.fit)
+    print_table(
+        ["model dtype", "KV dtype", "budget MiB", "blocks", "peak running", "vs auto", "preemptions", "s"],
+        [[r["model_dtype"], r["kv_cache_dtype"], r["budget_bytes"] / 2**20, r["blocks"], r["peak_running"],
+          f"{r['vs_auto']:.2f}x", r["preemptions"], r["seconds"]] for r in out["concurrency"]],
+    )  # fmt: skip
+    out["quality"] = quality(args.model, args.max_tokens)
+    print_table(
+        ["KV dtype", "greedy prefix agreement", "identical seqs", "mean |dlogp|", "teacher-forced top-1"],
+        [[r["kv_cache_dtype"], f"{100 * r['greedy_prefix_agreement']:.1f}%",
+          f"{r['identical_sequences']}/{r['prompts']}", f"{r['mean_abs_logprob_diff']:.4f}",
+          f"{100 * r['teacher_forced_top1']:.1f}%"] for r in out["quality"]],
+    )  # fmt: skip
+    write_json("kv_quant", out)
+
+
+if __name__ == "__main__":
+    main()
