@@ -32,9 +32,8 @@ def test_triton_kernels_match_reference(case, dtype, tol):
 @pytest.mark.parametrize("case", range(4))
 def test_triton_sliding_window_matches_reference(case):
     window = [1, 9, 40, 500][case]
-    check_against_reference(
-        store_kv_triton, paged_attention_triton, 3000 + case, case, torch.float32, 1e-5, window, max_len=120, max_batch=3
-    )
+    seed, shape = 3000 + case, {"max_len": 120, "max_batch": 3}
+    check_against_reference(store_kv_triton, paged_attention_triton, seed, case, torch.float32, 1e-5, window, **shape)
 
 
 @pytest.mark.parametrize("case", range(2))
