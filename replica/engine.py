@@ -137,7 +137,9 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        windows = [layer.self_attn.window for layer in self.loaded.model.layers]
+        sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.kv_cache_dtype)
         self.hash_seed = model_seed(self.model_id)
@@ -315,7 +317,7 @@ class LLMEngine:
         owners = set(self.kv.req_blocks)
         running = {r.request_id for r in self.scheduler.running}
         assert owners == running, f"blocks owned by non-running requests: {owners ^ running}"
-        refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks)
+        refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks if b is not None)
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"
 

@@ -1,4 +1,10 @@
-"""Per-request block tables on top of the block pool: prefix hits, slot allocation, caching, freeing."""
+"""Per-request block tables on top of the block pool: prefix hits, slot allocation, caching, freeing.
+
+For a sliding-window model (every layer windowed), blocks that fell entirely behind the window of the
+request's next token are released as it goes, so a long generation holds about ``window / block_size``
+blocks. Their table entries become ``None`` (positions stay aligned; the kernels never read them); the
+released blocks stay cached, so a later request with the same prefix can still hit them.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,15 @@ from replica.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.req_blocks: dict[str, list[Block]] = {}
+        self.sliding_window = sliding_window
+        """The window every layer attends within; None if any layer attends to the whole context."""
+        self.req_blocks: dict[str, list[Block | None]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     def computed_blocks(self, request: Request) -> list[Block]:
@@ -50,7 +60,19 @@ class KVCacheManager:
         self.req_blocks[request.request_id] = blocks + hits + new
         if hits:
             self._num_cached_blocks[request.request_id] = len(hits)
+        self._release_behind_window(request, num_computed)
         return True
+
+    def _release_behind_window(self, request: Request, next_position: int) -> None:
+        """Free the blocks no query from ``next_position`` on can see (all their keys are out of window)."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_blocks[request.request_id]
+        behind = max(0, next_position - self.sliding_window + 1) // self.block_size
+        released = [b for b in blocks[:behind] if b is not None]
+        if released:
+            blocks[:behind] = [None] * behind
+            self.pool.free(reversed(released))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish blocks whose KV is now completely computed (prompt or generated tokens alike)."""
@@ -61,6 +83,8 @@ class KVCacheManager:
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         blocks = self.req_blocks[rid]
         for i in range(start, end):
+            if blocks[i] is None:  # released behind a sliding window (after it was cached)
+                continue
             parent = request.block_hashes[i - 1] if i else None
             self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
         self._num_cached_blocks[rid] = max(start, end)
@@ -69,7 +93,8 @@ class KVCacheManager:
         """Release every block of ``request``, tail first so its tail is evicted before its head."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed([b for b in blocks if b is not None]))
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks[request.request_id]]
+        """The request's block table; released entries read as block 0, which attention masks out."""
+        return [0 if b is None else b.block_id for b in self.req_blocks[request.request_id]]

@@ -1,7 +1,9 @@
 """Our Llama-family forward pass (Llama 2/3, Mistral, Qwen2/3, SmolLM) over a flattened varlen batch.
 
 Inputs are the concatenated new tokens of every scheduled sequence and their positions; attention reads
-and writes the paged KV cache through ``kernels`` using the step's ``ForwardContext``. Numerics follow
+and writes the paged KV cache through ``kernels`` using the step's ``ForwardContext``. Sliding-window
+layers (Mistral, and hybrid configs whose ``layer_types`` mix local and global layers) pass their window
+to the kernels. Numerics follow
 Hugging Face's implementation (fp32 RMSNorm, rotate-half RoPE from transformers' own RoPE initialisers,
 so Llama-3 / linear / YaRN scaling come for free) so greedy output matches it token for token.
 
@@ -20,6 +22,19 @@ from kernels import paged_attention, store_kv
 from replica.context import get_context
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), read as transformers reads the config.
+
+    Configs with ``layer_types`` (Qwen2/3, and hybrids that alternate local and global layers, Gemma-2
+    style) name each layer; Mistral applies ``sliding_window`` to every layer.
+    """
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window if config.model_type == "mistral" else None] * config.num_hidden_layers
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +101,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.window = layer_windows(config)[layer_idx]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -99,7 +115,7 @@ class Attention(nn.Module):
         ctx = get_context()
         kv = ctx.kv_caches[self.layer_idx]
         store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale)
-        o = paged_attention(q, kv.k, kv.v, ctx.attn, self.scale, kv.k_scale, kv.v_scale)
+        o = paged_attention(q, kv.k, kv.v, ctx.attn, self.scale, kv.k_scale, kv.v_scale, self.window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
