@@ -97,10 +97,10 @@ def test_prefix_hits_on_a_windowed_model_replay_exactly(mistral_dir):
     same prefix hits them and generates exactly what a cold engine generates."""
     prompt = list(range(400, 520))
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    cold = LLM(str(mistral_dir), enable_prefix_caching=False).generate([prompt + [7, 8, 9]], params)[0].token_ids
+    cold = LLM(str(mistral_dir), enable_prefix_caching=False).generate([[*prompt, 7, 8, 9]], params)[0].token_ids
     llm = LLM(str(mistral_dir))
-    llm.generate([prompt + [1, 2, 3]], params)
-    warm = llm.generate([prompt + [7, 8, 9]], params)[0]
+    llm.generate([[*prompt, 1, 2, 3]], params)
+    warm = llm.generate([[*prompt, 7, 8, 9]], params)[0]
     assert warm.num_cached_tokens >= 112
     assert warm.token_ids == cold
     llm.engine.check_integrity()
