@@ -33,6 +33,18 @@ class ModelRunner:
             for _ in self.model.layers
         ]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(source, destination)`` in every layer's caches: copy-on-write of forked
+        sequences, done once per step before the forward pass. Each tensor gathers all sources before
+        writing any destination, so a block may be a destination and another copy's source."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.kv_caches:
+            for cache in layer:
+                cache[dst] = cache[src]
+
     def execute(self, batch: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one forward over ``batch``; returns fp32 logits for the requests whose chunk ends their tokens."""
         tokens: list[int] = []
