@@ -58,6 +58,7 @@ def shared_engine(tiny_llama_dir) -> LLMEngine:
 def engine(shared_engine):
     """The module's engine with an empty prefix cache; whatever a test leaves running is aborted after it."""
     assert shared_engine.reset_prefix_cache()
+    shared_engine.pool.reset_peak()
     yield shared_engine
     for rid in list(shared_engine.requests):
         shared_engine.abort_request(rid)
@@ -121,6 +122,8 @@ def test_memory_after_a_fork_grows_only_by_the_copied_partial_block(engine):
         engine.step()
         engine.check_integrity()
     assert pool.num_used == 0
+    # 37 + 39 tokens of KV per child (the last sampled token is never computed): blocks 0-4, of which 0-1 shared.
+    assert pool.peak_used == 2 + 4 * 3
 
 
 def test_a_prompt_of_full_blocks_forks_without_copying(engine):
