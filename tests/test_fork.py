@@ -153,18 +153,21 @@ def test_no_leak_when_forks_finish_or_are_aborted_midway(tiny_llama_dir):
     keep = engine.add_request(PARTIAL, greedy(max_tokens=12, n=3))
     in_prefill = engine.add_request(list(range(300, 360)), greedy(n=4))
     forked = engine.add_request(FULL, greedy(max_tokens=30, n=4))
+    aborted_forked = False
     for step in range(40):
         engine.step()
         engine.check_integrity()
         if step == 1:
             assert engine.requests[in_prefill][0].fork_pending  # still prefilling its 60 tokens in chunks
             assert engine.abort_request(in_prefill)
-        if forked in engine.requests and len(engine.requests[forked]) == 4 and step > 6:
+        if step == 8:
+            assert len(engine.requests[forked]) == 4 and engine.requests[forked][3].output_token_ids
             assert engine.abort_request(forked)  # all four children at once
             assert not engine.abort_request(forked)
+            aborted_forked = True
         if not engine.has_unfinished:
             break
-    assert keep not in engine.requests and not engine.has_unfinished
+    assert aborted_forked and keep not in engine.requests and not engine.has_unfinished
     assert engine.pool.num_used == 0 and engine.pool.num_free == engine.num_blocks
 
 
