@@ -17,6 +17,7 @@ from cluster.admission import key_digests
 from cluster.config import APP_NAME, ClusterConfig, build_config
 from cluster.engine_deployment import engine_deployment
 from cluster.ingress import Ingress, IngressSettings
+from replica.sampling_params import MAX_N
 
 
 def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application:
@@ -40,6 +41,7 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         served_model_name=config.name,
         block_size=engine_cfg.block_size,
         max_model_len=engine_cfg.max_model_len,
+        max_n=min(MAX_N, engine_cfg.max_num_seqs),
         redis_url=redis_url,
         deployment=APP_NAME,
         policy=config.policy,

@@ -57,7 +57,8 @@ class EngineServer:
 
     async def generate(self, body: dict) -> AsyncIterator[dict]:
         """Stream one request: ``body`` has ``prompt_token_ids``, optional ``block_hashes``, ``params``
-        (``SamplingParams`` fields), ``cache_salt`` and ``request_id``. Yields one dict per engine step."""
+        (``SamplingParams`` fields), ``cache_salt`` and ``request_id``. Yields one dict per engine step and
+        sequence (``index``: which of the request's ``n`` sequences)."""
         params = SamplingParams(**(body.get("params") or {}))
         async for out in self.llm.generate(
             body["prompt_token_ids"],
@@ -73,6 +74,7 @@ class EngineServer:
                 "num_cached_tokens": out.num_cached_tokens,
                 "prompt_tokens": len(out.prompt_token_ids),
                 "replica": self.index_id,
+                "index": out.index,
             }
 
     def _checked_hashes(self, body: dict) -> list[bytes] | None:

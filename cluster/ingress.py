@@ -7,7 +7,9 @@ cache. Errors found before the first token are answered with a proper status (40
 started, a failure ends it with an error event. A client that hangs up cancels the engine request, which
 frees its blocks. A replica that dies before a request's first token costs nothing: the request is sent
 again to another replica. Admission (``cluster/admission.py``) refuses unauthenticated, oversized and
-over-capacity requests before any of this work; a full engine queue is a 503 with ``Retry-After``.
+over-capacity requests before any of this work; a full engine queue is a 503 with ``Retry-After``. A request
+for ``n`` choices is one engine call whose chunks carry their choice's ``index``; it is done, and its last
+chunk carries ``usage``, when all ``n`` have finished.
 
 This module must not import torch (the ingress process stays small): it uses the tokenizer alone. It has
 no ``from __future__ import annotations``: FastAPI must see the request models' real classes on the methods
@@ -45,7 +47,7 @@ from cluster.openai_protocol import (
 )
 from cluster.proto import kvmesh_pb2
 from replica.model_files import apply_chat_template, load_tokenizer, max_context, resolve_model_dir
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import MAX_N, SamplingParams
 from router.hashing import first_block_extra, hash_blocks, model_seed
 from router.metrics import decision_counts
 from router.prefix_index import PrefixIndex
@@ -78,6 +80,25 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return JSONResponse(APIError(message, param=".".join(loc) or None).body(), status_code=400)
 
 
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _gather(n: int, chunks: AsyncIterator[dict]) -> tuple[list[str], list[str | None], dict]:
+    """A whole response from a request's chunks: each choice's text and finish reason, and the last chunk
+    (it carries ``usage``)."""
+    texts: list[str] = [""] * n
+    reasons: list[str | None] = [None] * n
+    last: dict = {}
+    async for chunk in chunks:
+        texts[chunk["index"]] += chunk["text"]
+        reasons[chunk["index"]] = chunk["finish_reason"] or reasons[chunk["index"]]
+        last = chunk
+    return texts, reasons, last
+
+
 @dataclass
 class IngressSettings:
     """What the ingress must agree on with the engines (hash seed, block size) and what it serves as."""
@@ -87,6 +108,9 @@ class IngressSettings:
     served_model_name: str
     block_size: int
     max_model_len: int | None = None
+    max_n: int = MAX_N
+    """The most choices a request may ask for: fewer than ``MAX_N`` when a replica runs fewer sequences at once
+    (its ``max_num_seqs``), since a request's choices run together on one replica."""
     redis_url: str | None = None
     deployment: str = "kvmesh"
     policy: str = "kv_aware"
@@ -173,6 +197,9 @@ class Ingress:
                 raise APIError("prompt contains token ids outside the vocabulary", param="prompt")
         if not ids:
             raise APIError("prompt is empty", param="messages" if messages is not None else "prompt")
+        if params.n > self.settings.max_n:
+            raise APIError(f"n must be at most {self.settings.max_n} on this server (a replica's choices run at "
+                           f"once), got {params.n}", param="n")  # fmt: skip
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise APIError(
@@ -183,7 +210,7 @@ class Ingress:
             )
         size = self.settings.block_size
         hashes = hash_blocks(ids, size, self.seed, first_block_extra(cache_salt))
-        shape = ResponseShape(chat=messages is not None, model=self.settings.served_model_name)
+        shape = ResponseShape(chat=messages is not None, model=self.settings.served_model_name, n=params.n)
         body = {
             "request_id": shape.id,
             "prompt_token_ids": ids,
@@ -197,28 +224,32 @@ class Ingress:
         return Prepared(ids, params, body, shape, api)
 
     async def _run(self, prep: Prepared) -> AsyncIterator[dict]:
-        """Engine chunks of one request, with its metrics recorded; the last one carries ``usage``.
+        """Engine chunks of one request (of its ``n`` choices, interleaved), with its metrics recorded; the
+        last one, when every choice has finished, carries ``usage`` (completion tokens summed over choices).
 
         Engine-side validation errors surface as ``APIError`` before anything is yielded. A replica that
         fails before the first token is sent again (up to twice, with a short back-off for routers to drop it);
         after the first token the stream ends with an error naming the cause."""
         model = self.settings.served_model_name
         t0 = time.perf_counter()
-        last, n_out, outcome, cached = t0, 0, "error", 0
+        last, n_out, outcome, cached, unfinished = t0, 0, "error", 0, prep.params.n
+        last_of_choice: dict[int, float] = {}  # inter-token latency is measured within each choice
         stream = None
         try:
             for attempt in range(1, RETRY_ATTEMPTS + 1):
                 stream = self.engine.remote(prep.body)
                 try:
                     async for chunk in stream:
-                        now = time.perf_counter()
+                        now, previous = time.perf_counter(), last_of_choice.get(chunk["index"])
                         if n_out == 0:
                             metrics.TTFT.labels(model).observe(now - t0)
-                        elif chunk["token_ids"]:
-                            metrics.INTER_TOKEN.labels(model).observe((now - last) / len(chunk["token_ids"]))
-                        last, n_out = now, n_out + len(chunk["token_ids"])
+                        elif chunk["token_ids"] and previous is not None:
+                            metrics.INTER_TOKEN.labels(model).observe((now - previous) / len(chunk["token_ids"]))
+                        last = last_of_choice[chunk["index"]] = now
+                        n_out += len(chunk["token_ids"])
                         cached = chunk["num_cached_tokens"]
-                        if chunk["finish_reason"] is not None:
+                        unfinished -= chunk["finish_reason"] is not None
+                        if not unfinished:
                             outcome = "ok"
                             chunk["usage"] = usage(len(prep.ids), n_out, cached)
                         yield chunk
@@ -270,10 +301,8 @@ class Ingress:
             raise APIError("the engine ended the request without output", status=500) from None
         headers = {"x-kvmesh-replica": first["replica"]}  # which replica served it: for debugging and tests
         if not stream:
-            text, last = first["text"], first
-            async for chunk in chunks:
-                text, last = text + chunk["text"], chunk
-            return JSONResponse(prep.shape.whole(text, last["finish_reason"], last["usage"]), headers=headers)
+            texts, reasons, last = await _gather(prep.shape.n, _prepend(first, chunks))
+            return JSONResponse(prep.shape.whole(texts, reasons, last["usage"]), headers=headers)
         return StreamingResponse(
             self._sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream", headers=headers
         )
@@ -284,13 +313,14 @@ class Ingress:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         try:
-            if shape.chat:
-                yield event(shape.chunk("", first=True))
+            if shape.chat:  # each choice opens with the assistant role, as OpenAI streams it
+                for index in range(shape.n):
+                    yield event(shape.chunk("", first=True, index=index))
             chunk = first
             while True:
                 if chunk["text"] or chunk["finish_reason"]:
-                    yield event(shape.chunk(chunk["text"], chunk["finish_reason"]))
-                if chunk["finish_reason"] is not None:
+                    yield event(shape.chunk(chunk["text"], chunk["finish_reason"], index=chunk["index"]))
+                if "usage" in chunk:  # the request's last chunk: every choice has finished
                     if include_usage:
                         yield event(shape.usage_chunk(chunk["usage"]))
                     break
@@ -362,7 +392,7 @@ class Ingress:
 
     # ------------------------------------------------------------------ gRPC (see cluster/proto/kvmesh.proto)
     def _grpc_prepare(self, request: kvmesh_pb2.GenerateRequest) -> Prepared:
-        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
         params = sampling_params(
             **{f: getattr(request, f) for f in optional if request.HasField(f)}, stop=list(request.stop)
         )
@@ -411,11 +441,11 @@ class Ingress:
             raise self._grpc_error(grpc_context, exc) from None
         try:
             async for chunk in self._run(self._grpc_prepare(request)):
-                done = chunk["finish_reason"] is not None
                 yield kvmesh_pb2.GenerateChunk(
                     text=chunk["text"],
                     finish_reason=chunk["finish_reason"] or "",
-                    usage=self._grpc_usage(chunk) if done else None,
+                    usage=self._grpc_usage(chunk) if "usage" in chunk else None,
+                    index=chunk["index"],
                 )
         except APIError as exc:
             raise self._grpc_error(grpc_context, exc) from None
@@ -429,13 +459,15 @@ class Ingress:
             raise self._grpc_error(grpc_context, exc) from None
         try:
             prep = self._grpc_prepare(request)
-            text, last = "", None
-            async for chunk in self._run(prep):
-                text, last = text + chunk["text"], chunk
+            texts, reasons, last = await _gather(prep.shape.n, self._run(prep))
         except APIError as exc:
             raise self._grpc_error(grpc_context, exc) from None
         finally:
             self.admission.inflight.release()
+        choices = [
+            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r)
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
         return kvmesh_pb2.Completion(
-            id=prep.shape.id, text=text, finish_reason=last["finish_reason"], usage=self._grpc_usage(last)
+            id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=self._grpc_usage(last), choices=choices
         )

@@ -3,7 +3,11 @@
 Request models check types (FastAPI publishes them as the OpenAPI schema); value ranges are checked once,
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
 vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working; a field
-we cannot honour is refused only when it asks for something (``n > 1``, ``logprobs: true``, tools).
+we cannot honour is refused only when it asks for something (``logprobs: true``, tools).
+
+``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
+its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
+``usage`` counts the prompt once and the completion tokens of all choices.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import MAX_N, SamplingParams
 
 
 class APIError(Exception):
@@ -65,7 +69,7 @@ class _Request(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, description=f"Choices to generate from the prompt, 1 to {MAX_N}.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -75,13 +79,11 @@ class _Request(BaseModel):
     ignore_eos: bool = False
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise APIError("only n=1 is supported", param="n")
         if self.logprobs:
             raise APIError("logprobs are not supported", param="logprobs")
         return sampling_params(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos, n=self.n,
         )  # fmt: skip
 
     @property
@@ -163,10 +165,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class ResponseShape:
-    """Builds the response objects of one request, chat or text completion, whole or as stream chunks."""
+    """Builds the response objects of one request, chat or text completion, whole or as stream chunks, for
+    its ``n`` choices (``index`` 0..n-1)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, n: int = 1) -> None:
+        self.chat, self.model, self.n = chat, model, n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -174,22 +177,21 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 "usage": usage_}  # fmt: skip
 
-    def whole(self, text: str, finish_reason: str | None, usage_: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice |= {"finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice], usage_)
+    def whole(self, texts: list[str], finish_reasons: list[str | None], usage_: dict) -> dict:
+        choices = []
+        for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True)):
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": index, **body, "finish_reason": reason, "logprobs": None})
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage_)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False, index: int = 0) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice |= {"finish_reason": finish_reason, "logprobs": None}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], None)
 

@@ -40,8 +40,11 @@ class AsyncLLM:
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs, one per step; leaving the iteration early aborts the request."""
+        """Stream a request's outputs, one per sequence per step; leaving the iteration early aborts the
+        request. With ``params.n > 1`` the sequences' outputs interleave (``RequestOutput.index``) and the
+        stream ends once all ``n`` have finished."""
         request_id = request_id or f"async-{next(self._ids)}"
+        unfinished = (params or SamplingParams()).n
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -55,7 +58,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                unfinished -= item.finished
+                if not unfinished:
                     finished = True
                     return
         finally:

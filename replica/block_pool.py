@@ -47,6 +47,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, Block] = OrderedDict()
         self._by_hash: dict[BlockHash, dict[int, Block]] = {}
         self._events: list[KVEvent] = []
+        self.peak_used = 0
+        """High-water mark of ``num_used`` since creation or ``reset_peak()``: the most a workload pinned,
+        including blocks held only within a step (sequences that finish in it free theirs at its end)."""
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -72,6 +75,9 @@ class BlockPool:
         """Fraction of blocks pinned by requests (evictable cached blocks count as free)."""
         return self.num_used / self.num_blocks
 
+    def reset_peak(self) -> None:
+        self.peak_used = self.num_used
+
     # ------------------------------------------------------------------ allocation
     def allocate(self, n: int) -> list[Block]:
         if n > self.num_free:
@@ -85,6 +91,7 @@ class BlockPool:
                 self._drop_hash(block)
             block.ref_count = 1
             out.append(block)
+        self.peak_used = max(self.peak_used, self.num_used)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -93,6 +100,7 @@ class BlockPool:
             if block.ref_count == 0:
                 del self._evictable[block.block_id]
             block.ref_count += 1
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def free(self, blocks: Iterable[Block]) -> None:
         """Drop one reference on each block, in the given order (pass a request's blocks tail-first)."""

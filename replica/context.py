@@ -24,6 +24,10 @@ class LayerCache:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    def per_block(self) -> list[torch.Tensor]:
+        """The tensors indexed by block id (K, V, and int8's per-slot scales): what a block copy moves."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None and t.dim() > 1]
+
 
 @dataclass
 class ForwardContext:

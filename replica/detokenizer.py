@@ -21,12 +21,17 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stop = stop or []
         self._include_stop = include_stop_str_in_output
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._emitted = 0
         self.text = ""
+
+    def fresh(self) -> IncrementalDetokenizer:
+        """A new detokenizer with the same settings, for another sequence of the same request."""
+        return IncrementalDetokenizer(self._tokenizer, self._skip_special_tokens, self._stop, self._include_stop)
 
     def push(self, token_id: int) -> bool:
         """Append one generated token; True when the text now ends at a stop string."""

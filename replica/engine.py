@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step. ``text``/``token_ids`` are cumulative; ``delta_*`` are this step's."""
+    """One sequence's state after a step. ``text``/``token_ids`` are cumulative; ``delta_*`` are this step's.
+
+    A request with ``n > 1`` reports each of its sequences separately, under the same ``request_id`` with
+    its ``index`` (0..n-1), so streaming stays one flat list of outputs per step; the request is done when
+    all ``n`` have ``finished``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -40,6 +44,7 @@ class RequestOutput:
     delta_token_ids: list[int]
     num_cached_tokens: int
     finish_reason: str | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -147,7 +152,8 @@ class LLMEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, list[Request]] = {}
+        """Each live request's unfinished sequences (one, or up to ``n`` once forked)."""
         self.rates = StepRates()
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
         """Called with each step's KV events (the index publisher); they must not block."""
@@ -201,6 +207,9 @@ class LLMEngine:
             )
         if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
             raise ValueError("prompt contains token ids outside the vocabulary")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than this engine runs at once (max_num_seqs "
+                             f"{self.scheduler.max_num_seqs})")  # fmt: skip
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -219,16 +228,17 @@ class LLMEngine:
             first_block_extra(cache_salt),
             block_hashes,
         )
-        self.requests[request_id] = req
+        self.requests[request_id] = [req]
         self.scheduler.add(req)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks at once; False if it is unknown or already finished."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        """Stop a request (all its sequences) and free its blocks at once; False if unknown or finished."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
             return False
-        self.scheduler.finish(req, "abort")
+        for req in seqs:
+            self.scheduler.finish(req, "abort")
         return True
 
     @property
@@ -237,27 +247,52 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that produced output or ended."""
+        """Schedule, run the model once, sample, and report every sequence that produced output or ended.
+
+        Copy-on-write block copies queued by the scheduling run before the forward pass. A request with
+        ``n > 1`` whose prompt this step completes is forked here: its one row of logits is sampled once
+        per sequence, each with its own generator, and its sequences share the prompt's blocks."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         t0 = time.perf_counter()
+        self.runner.copy_blocks(self.kv.take_copies())
         logits = self.runner.execute(batch, [self.kv.block_ids(sr.request) for sr in batch])
         sampling = [sr.request for sr in batch if sr.samples]
         for sr in batch:
             sr.request.num_computed_tokens += sr.num_new_tokens
             self.kv.cache_full_blocks(sr.request)
+        seqs: list[Request] = []
+        rows: list[int] = []
+        for row, req in enumerate(sampling):
+            family = self._fork(req) if req.fork_pending else [req]
+            seqs += family
+            rows += [row] * len(family)
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         outputs = []
-        for req, token in zip(sampling, sample(logits, sampling), strict=True):
+        for req, token in zip(seqs, sample(logits, seqs), strict=True):
             req.append_token(token)
             if req.finish_reason:
                 self.rates.observe_finished(len(req.output_token_ids))
-                self.scheduler.finish(req, req.finish_reason)
-                del self.requests[req.request_id]
+                self._retire(req)
             outputs.append(self._output(req, [token]))
         self._flush_events()
         self.rates.observe(batch, time.perf_counter() - t0)
         return outputs
+
+    def _fork(self, req: Request) -> list[Request]:
+        family = self.scheduler.fork(req)
+        self.requests[req.request_id] = list(family)
+        return family
+
+    def _retire(self, req: Request) -> None:
+        """A sequence stopped: free its blocks; the request ends with its last sequence."""
+        self.scheduler.finish(req, req.finish_reason)
+        seqs = self.requests[req.request_id]
+        seqs.remove(req)
+        if not seqs:
+            del self.requests[req.request_id]
 
     def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         finished = req.finish_reason is not None
@@ -270,6 +305,7 @@ class LLMEngine:
             delta_token_ids=new_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             finish_reason=req.finish_reason,
+            index=req.index,
         )
 
     # ------------------------------------------------------------------ observability
@@ -312,11 +348,14 @@ class LLMEngine:
         return done
 
     def check_integrity(self) -> None:
-        """Assert the pool's accounting and that exactly the live requests own blocks."""
+        """Assert the pool's accounting, that exactly the running sequences own blocks, and that every block's
+        reference count is the number of sequences holding it (shared prompt blocks of forks included)."""
         self.pool.check_integrity()
         owners = set(self.kv.req_blocks)
-        running = {r.request_id for r in self.scheduler.running}
-        assert owners == running, f"blocks owned by non-running requests: {owners ^ running}"
+        running = set(self.scheduler.running)
+        assert owners == running, f"blocks owned by non-running sequences: {[r.request_id for r in owners ^ running]}"
+        live = {r for seqs in self.requests.values() for r in seqs}
+        assert running <= live, "a running sequence belongs to no live request"
         refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks if b is not None)
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"

@@ -1,7 +1,17 @@
-"""Per-request block tables on top of the block pool: prefix hits, slot allocation, caching, freeing.
+"""Per-sequence block tables on top of the block pool: prefix hits, slot allocation, forks, caching, freeing.
 
-For a sliding-window model (every layer windowed), blocks that fell entirely behind the window of the
-request's next token are released as it goes, so a long generation holds about ``window / block_size``
+Forks share blocks copy-on-write. A forked sequence (``n > 1``, see ``Request.fork``) starts with its
+parent's whole table, every block referenced once more. Only one block of a sequence can ever be written:
+the one holding its next slot. Full blocks are read-only, and blocks past the computed tokens were allocated
+for this sequence alone. So before a sequence writes, ``allocate`` looks at that one block: when others
+share it (``ref_count > 1``, only ever a fork's partly filled last prompt block), the sequence gets a fresh
+block in its place and a ``(source, destination)`` block copy is queued. The engine applies the step's
+copies to the KV tensors before the forward pass (``take_copies``), reading every source before writing any
+destination, so a source freed and handed out again during the same ``schedule()`` still holds its content.
+The last sibling to write finds the block no longer shared and writes in place: n sequences copy n - 1 times.
+
+For a sliding-window model (every layer windowed), blocks that fell entirely behind the window of a
+sequence's next token are released as it goes, so a long generation holds about ``window / block_size``
 blocks. Their table entries become ``None`` (positions stay aligned; the kernels never read them); the
 released blocks stay cached, so a later request with the same prefix can still hit them.
 """
@@ -21,8 +31,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         """The window every layer attends within; None if any layer attends to the whole context."""
-        self.req_blocks: dict[str, list[Block | None]] = {}
-        self._num_cached_blocks: dict[str, int] = {}
+        # Keyed by the sequence itself: the n sequences of a forked request share its request id.
+        self.req_blocks: dict[Request, list[Block | None]] = {}
+        self._num_cached_blocks: dict[Request, int] = {}
+        self._copies: list[tuple[int, int]] = []
 
     def computed_blocks(self, request: Request) -> list[Block]:
         """Leading blocks of ``request`` already in the cache, stopping at the first miss.
@@ -45,21 +57,29 @@ class KVCacheManager:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens; False (no change) if the pool is short.
 
         ``hits`` are prefix-cache blocks for a request being admitted; they are pinned here, and the
-        caller advances ``num_computed_tokens`` past them.
+        caller advances ``num_computed_tokens`` past them. A shared block about to be written is replaced
+        by a private copy (copy-on-write), which costs one block more.
         """
         hits = hits or []
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = self.req_blocks.get(request, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
+        write_at = request.num_computed_tokens // self.block_size
+        copy_on_write = write_at < len(blocks) and blocks[write_at].ref_count > 1
         # Hits sitting in the LRU free queue stop being allocatable once pinned.
         pinned_free = sum(1 for b in hits if b.ref_count == 0)
-        if needed + pinned_free > self.pool.num_free:
+        if needed + pinned_free + copy_on_write > self.pool.num_free:
             return False
         self.pool.touch(hits)
+        if copy_on_write:
+            shared, (own,) = blocks[write_at], self.pool.allocate(1)
+            self._copies.append((shared.block_id, own.block_id))
+            self.pool.free([shared])  # the siblings keep it
+            blocks[write_at] = own
         new = self.pool.allocate(max(needed, 0))
-        self.req_blocks[request.request_id] = blocks + hits + new
+        self.req_blocks[request] = blocks + hits + new
         if hits:
-            self._num_cached_blocks[request.request_id] = len(hits)
+            self._num_cached_blocks[request] = len(hits)
         self._release_behind_window(request, num_computed)
         return True
 
@@ -67,34 +87,46 @@ class KVCacheManager:
         """Free the blocks no query from ``next_position`` on can see (all their keys are out of window)."""
         if self.sliding_window is None:
             return
-        blocks = self.req_blocks[request.request_id]
+        blocks = self.req_blocks[request]
         behind = max(0, next_position - self.sliding_window + 1) // self.block_size
         released = [b for b in blocks[:behind] if b is not None]
         if released:
             blocks[:behind] = [None] * behind
             self.pool.free(reversed(released))
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` every block of ``parent`` (one more reference each; no block is allocated)."""
+        blocks = self.req_blocks[parent]
+        self.pool.touch([b for b in blocks if b is not None])
+        self.req_blocks[child] = list(blocks)
+        if parent in self._num_cached_blocks:  # the shared full blocks are published already
+            self._num_cached_blocks[child] = self._num_cached_blocks[parent]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The ``(source, destination)`` block copies queued since the last call, for the model runner."""
+        copies, self._copies = self._copies, []
+        return copies
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish blocks whose KV is now completely computed (prompt or generated tokens alike)."""
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
-        start = self._num_cached_blocks.get(rid, 0)
+        start = self._num_cached_blocks.get(request, 0)
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        blocks = self.req_blocks[rid]
+        blocks = self.req_blocks[request]
         for i in range(start, end):
             if blocks[i] is None:  # released behind a sliding window (after it was cached)
                 continue
             parent = request.block_hashes[i - 1] if i else None
             self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
-        self._num_cached_blocks[rid] = max(start, end)
+        self._num_cached_blocks[request] = max(start, end)
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``, tail first so its tail is evicted before its head."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
+        blocks = self.req_blocks.pop(request, [])
+        self._num_cached_blocks.pop(request, None)
         self.pool.free(reversed([b for b in blocks if b is not None]))
 
     def block_ids(self, request: Request) -> list[int]:
-        """The request's block table; released entries read as block 0, which attention masks out."""
-        return [0 if b is None else b.block_id for b in self.req_blocks[request.request_id]]
+        """The sequence's block table; released entries read as block 0, which attention masks out."""
+        return [0 if b is None else b.block_id for b in self.req_blocks[request]]

@@ -46,19 +46,21 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Final outputs in the order of ``prompts`` (a single prompt may be passed bare)."""
+        """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
+        params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        wanted = [(rid, i) for rid, sp in zip(ids, param_list, strict=True) for i in range(sp.n)]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        while len(final) < len(wanted):
             for out in self.engine.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[out.request_id, out.index] = out
+        return [final[key] for key in wanted]
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata
-from kernels.quant import FP8_DTYPES, fp8_scale_from_amax, storage_dtype
+from kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
 from replica.context import ForwardContext, LayerCache, forward_context
 from replica.kv_dtype import kv_bytes_per_token
 from replica.model_loader import LoadedModel
@@ -72,6 +72,18 @@ class ModelRunner:
             for scale, values in ((layer.k_scale, tmp.k), (layer.v_scale, tmp.v)):
                 amax = values.flatten(0, 1)[:n].abs().amax(dim=(0, 2))
                 scale.copy_(fp8_scale_from_amax(amax, storage))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(source, destination)`` in every layer's caches: copy-on-write of forked
+        sequences, done once per step before the forward pass. Each tensor gathers all sources before
+        writing any destination, so a block may be a destination and another copy's source."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.kv_caches:
+            for tensor in map(as_bytes, layer.per_block()):
+                tensor[dst] = tensor[src]
 
     def execute(self, batch: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
         """Run one forward over ``batch``; returns fp32 logits for the requests whose chunk ends their tokens."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 
 import torch
@@ -23,6 +24,10 @@ class Request:
     ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler advances it, and resets
     it to zero on preemption (recompute). ``block_hashes`` covers every full block of prompt + output and
     grows as tokens are appended, so generated text is cacheable for the next chat turn too.
+
+    A request with ``params.n > 1`` is one sequence until its prompt is prefilled (``fork_pending``); then
+    the engine forks it into ``n`` sequences (``fork``), itself being sequence 0. Each sequence is a
+    ``Request`` of its own with the same ``request_id`` and its ``index``.
     """
 
     def __init__(
@@ -51,9 +56,9 @@ class Request:
         limit = max_total_tokens - prompt_len
         self.max_new_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.index = 0
+        self.fork_pending = params.n > 1
+        self.generator = self._seeded_generator()
         self._block_size = block_size
         self._hash_seed = hash_seed
         self._hash_extra = hash_extra
@@ -77,6 +82,33 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_seqs(self) -> int:
+        """Running slots this request takes: ``n`` until it forks (its children's seats are reserved at
+        admission), then one per sequence."""
+        return self.params.n if self.fork_pending else 1
+
+    # ------------------------------------------------------------------ parallel sampling
+    def _seeded_generator(self) -> torch.Generator | None:
+        seed = self.params.seed
+        # Modulo 2**64: torch's seed range, read as two's complement, so any seed keeps its meaning.
+        return None if seed is None else torch.Generator().manual_seed((seed + self.index) % 2**64)
+
+    def fork(self, index: int) -> Request:
+        """Sequence ``index`` of this request: same tokens, progress and hashes, its own random generator
+        (``seed + index``) and detokenizer. Only before the first output token: the detokenizer's decode
+        state cannot be copied, so the child starts a fresh one. Blocks are shared by the KV manager."""
+        if self.output_token_ids:
+            raise RuntimeError("a request is forked when its prompt is prefilled, before any output")
+        child = copy.copy(self)  # immutable parts (prompt, params, stop ids) are shared
+        child.index = index
+        child.fork_pending = False
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.detokenizer = self.detokenizer.fresh()
+        child.generator = child._seeded_generator()
+        return child
 
     # ------------------------------------------------------------------ progress
     def _extend_hashes(self) -> None:

@@ -6,6 +6,10 @@ chunked and mixed with decodes. When the pool cannot give a running request a bl
 request is preempted (its blocks freed, its progress reset, to be recomputed later, often from the prefix
 cache). Waiting requests are admitted only in steps that preempted nothing, so a preempted request is not
 immediately displaced by a newcomer and the step loop cannot thrash.
+
+A request with ``n > 1`` is admitted as one sequence holding ``n`` seats of ``max_num_seqs``; once its
+prompt is prefilled the engine calls ``fork`` and its children take the reserved seats. A forked sequence is
+scheduled, preempted and recomputed on its own like any request.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class Scheduler:
             break
         if preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = sum(r.num_seqs for r in self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].num_seqs <= self.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
@@ -87,9 +92,23 @@ class Scheduler:
                 self.requests_admitted += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            seats += req.num_seqs
             out.append(ScheduledRequest(req, n))
             budget -= n
         return out
+
+    def fork(self, parent: Request) -> list[Request]:
+        """Split ``parent``, whose prompt is now computed, into its ``n`` sequences (``parent`` is sequence 0).
+
+        The children share all of the parent's blocks and run right after it, in admission order, so the
+        newest-first preemption order is unchanged. Returns the sequences in index order."""
+        children = [parent.fork(i) for i in range(1, parent.params.n)]
+        parent.fork_pending = False
+        for child in children:
+            self.kv.fork(parent, child)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return [parent, *children]
 
     def reset_counters(self) -> None:
         self.num_preemptions = self.prompt_tokens_queried = self.prompt_tokens_hit = self.requests_admitted = 0

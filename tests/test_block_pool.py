@@ -137,3 +137,18 @@ def test_caching_disabled_never_publishes():
     (b,) = pool.allocate(1)
     pool.cache_block(b, H[0], None)
     assert b.block_hash is None and pool.lookup(H[0]) is None and pool.take_events() == []
+
+
+def test_peak_used_is_the_high_water_mark_of_pinned_blocks():
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    cache(pool, a, H[:3])
+    pool.touch([a[0]])  # a second owner: still 3 blocks pinned
+    b = pool.allocate(2)
+    pool.free(reversed(b))
+    assert pool.peak_used == 5 and pool.num_used == 3
+    pool.free(reversed(a))
+    pool.reset_peak()
+    assert pool.peak_used == 1
+    pool.touch([pool.lookup(H[1])])  # a prefix hit pins a cached block again
+    assert pool.peak_used == 2

@@ -1,4 +1,4 @@
-"""Random add / step / abort sequences against a real (tiny) engine: accounting never breaks."""
+"""Random add / step / abort sequences (forks included) against a real (tiny) engine: accounting never breaks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ ops = st.lists(
             st.integers(0, 2),  # which shared prefix
             st.integers(1, 40),  # unique suffix length
             st.integers(1, 12),  # max_tokens
+            st.integers(1, 3),  # n: parallel sampling forks share blocks copy-on-write
         ),
         st.tuples(st.just("step")),
         st.tuples(st.just("abort"), st.integers(0, 50)),
@@ -72,7 +73,8 @@ def test_random_workloads_keep_integrity(engine, ops):
         if op[0] == "add":
             counter += 1
             prompt = prefixes[op[1]] + [1000 + counter * 50 + i for i in range(op[2])]
-            added.append(engine.add_request(prompt, SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True)))
+            params = SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True, n=op[4])
+            added.append(engine.add_request(prompt, params))
         elif op[0] == "step":
             engine.step()
         elif op[0] == "abort" and added:

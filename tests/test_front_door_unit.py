@@ -35,7 +35,7 @@ def test_chat_request_translates_to_sampling_params():
 
 @pytest.mark.parametrize(
     "fields, param",
-    [({"n": 2}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    [({"n": 0}, "n"), ({"n": 17}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
      ({"logprobs": True}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop")],
 )  # fmt: skip
 def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
@@ -44,6 +44,50 @@ def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
         req.check()
     assert err.value.status == 400 and err.value.param == param
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
+    import asyncio
+
+    from cluster.ingress import _gather
+    from cluster.openai_protocol import ResponseShape, usage
+
+    assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
+    chat = ResponseShape(chat=True, model="m", n=3)
+    whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage(5, 9, 0))
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "a", "stop"), (1, "b", "length"), (2, "c", "stop")]  # fmt: skip
+    assert whole["usage"]["total_tokens"] == 14
+    assert chat.chunk("x", index=2)["choices"][0] == {"index": 2, "delta": {"content": "x"}, "finish_reason": None,
+                                                        "logprobs": None}  # fmt: skip
+    text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage(1, 2, 0))
+    assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
+
+    async def chunks():
+        for index, piece, reason in [(1, "b", None), (0, "a", None), (1, "B", "stop"), (0, "A", "length")]:
+            yield {"index": index, "text": piece, "finish_reason": reason}
+
+    texts, reasons, last = asyncio.run(_gather(2, chunks()))
+    assert (texts, reasons, last["text"]) == (["aA", "bB"], ["length", "stop"], "A")
+
+
+def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
+    import asyncio
+
+    from cluster.engine_deployment import EngineServer
+
+    server = EngineServer({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    body = {"prompt_token_ids": list(range(100, 137)), "params": {"max_tokens": 4, "temperature": 0, "n": 3}}
+
+    async def collect():
+        return [chunk async for chunk in server.generate(body)]
+
+    chunks = asyncio.run(collect())
+    assert sorted(c["index"] for c in chunks) == [0] * 4 + [1] * 4 + [2] * 4
+    assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1, 2]
+    assert chunks[-1]["finish_reason"] == "length"
+    server.engine.check_integrity()
+    assert server.engine.pool.num_used == 0
 
 
 def test_completion_prompt_forms():

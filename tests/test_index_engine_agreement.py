@@ -55,7 +55,7 @@ def test_index_mirrors_engine(wired, redis_server, ops):
             prompt = prefixes[op[1]] + [5000 + len(engine.requests) * 37 + i for i in range(op[2])]
             rid = engine.add_request(prompt, SamplingParams(max_tokens=op[3], temperature=0, ignore_eos=True))
             added.append(rid)
-            chains.append(engine.requests[rid].block_hashes)
+            chains.append(engine.requests[rid][0].block_hashes)
         elif op[0] == "step":
             for _ in range(op[1]):
                 engine.step()

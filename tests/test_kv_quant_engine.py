@@ -39,7 +39,7 @@ def test_pool_holds_what_the_dtype_saves(tiny_llama_dir, dtype):
             t.numel() * t.element_size()
             for layer in engine.runner.kv_caches
             for t in (layer.k, layer.v, layer.k_scale, layer.v_scale)
-            if t is not None and t.dim() > 1  # per-slot tensors; fp8's per-head scales are a few floats
+            if t is not None and t.dim() > 1  # per-slot tensors; fp8 per-head scales are a few floats
         )
         assert allocated == engine.num_blocks * per_block
         blocks[kv] = engine.num_blocks
@@ -87,3 +87,17 @@ def test_kernels_and_sizing_know_the_same_dtypes():
     for name, storage in KV_CACHE_STORAGE.items():
         if storage is not None:
             assert KV_LAYOUTS[name].element_bytes == storage.itemsize
+
+
+@pytest.mark.parametrize("kv", QUANTIZED)
+def test_forks_copy_quantized_blocks_with_their_scales(tiny_llama_dir, kv):
+    """n=4 greedy on a quantized cache: the copied partial block carries its int8 scales, so every sequence
+    equals the n=1 answer (a 37-token prompt leaves a partly filled block to copy)."""
+    prompt = list(range(500, 537))
+    single = LLM(str(tiny_llama_dir), num_kv_blocks=64, kv_cache_dtype=kv).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0].token_ids
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, kv_cache_dtype=kv)
+    outs = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=4))
+    assert [o.token_ids for o in outs] == [single] * 4
+    llm.engine.check_integrity()

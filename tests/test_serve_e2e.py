@@ -109,6 +109,37 @@ def test_seed_makes_sampling_reproducible(client, server):
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 
+def test_n_choices_whole_and_streamed(client, server):
+    """n=3 is one request: greedy choices equal the single answer; seeded ones differ and reproduce."""
+    single = chat(client, server, "Tell me about forks", max_tokens=10, temperature=0)
+    whole = chat(client, server, "Tell me about forks", max_tokens=10, temperature=0, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [single.choices[0].message.content] * 3
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens and whole.usage.completion_tokens == 30
+    chunks = list(chat(client, server, "Tell me about forks", max_tokens=10, temperature=0, n=3, stream=True,
+                       stream_options={"include_usage": True}))  # fmt: skip
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert [c.index for c in choices if c.delta.role == "assistant"] == [0, 1, 2]
+    texts = ["".join(c.delta.content or "" for c in choices if c.index == i) for i in range(3)]
+    assert texts == [c.message.content for c in whole.choices]
+    assert sorted(c.index for c in choices if c.finish_reason) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+    def sample(n: int = 3, **kw):
+        return client.completions.create(model=server.model, prompt="Pick words", max_tokens=12, temperature=1.0,
+                                         seed=5, n=n, **kw)  # fmt: skip
+
+    comp = sample()
+    assert [c.index for c in comp.choices] == [0, 1, 2] and comp.usage.completion_tokens == 36
+    assert len({c.text for c in comp.choices}) > 1
+    assert [c.text for c in sample().choices] == [c.text for c in comp.choices]
+    streamed = [c.choices[0] for c in sample(stream=True)]
+    assert ["".join(c.text for c in streamed if c.index == i) for i in range(3)] == [c.text for c in comp.choices]
+    with pytest.raises(openai.BadRequestError) as bad:
+        sample(n=17)
+    assert bad.value.body["param"] == "n"
+
+
 def test_bad_requests_get_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, server, "x", temperature=-1)
@@ -139,7 +170,8 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     (CHAT, _chat(max_tokens=-1), 400), (CHAT, _chat(max_tokens=0), 400), (CHAT, _chat(max_tokens=10**9), 400),
     (CHAT, _chat(max_tokens="ten"), 400), (CHAT, _chat(max_completion_tokens=-5), 400),
     (CHAT, _chat(temperature=-0.5), 400), (CHAT, _chat(temperature="hot"), 400), (CHAT, _chat(top_p=0), 400),
-    (CHAT, _chat(top_p=1.5), 400), (CHAT, _chat(top_k=-5), 400), (CHAT, _chat(n=2), 400),
+    (CHAT, _chat(top_p=1.5), 400), (CHAT, _chat(top_k=-5), 400), (CHAT, _chat(n=0), 400), (CHAT, _chat(n=17), 400),
+    (COMP, {"prompt": "x", "n": 9}, 400),  # more choices than a replica runs at once (--max-num-seqs 8)
     (CHAT, _chat(logprobs=True), 400), (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
     (CHAT, _chat(stop=5), 400), (CHAT, _chat(stop=[""]), 400), (CHAT, _chat(seed="abc"), 400),
     (CHAT, _chat(cache_salt=123), 400), (CHAT, _chat(session_id={"a": 1}), 400),
@@ -253,6 +285,22 @@ def test_grpc_streams_a_generation(server):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert example.returncode == 0 and "[length:" in example.stdout and "unary Complete" in example.stdout
+
+
+def test_grpc_samples_n_sequences(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        request = kvmesh_pb2.GenerateRequest(prompt="Sample me", max_tokens=6, temperature=1.0, seed=3, n=3)
+        chunks = list(stub.Generate(request, timeout=60, metadata=GRPC_AUTH))
+        whole = stub.Complete(request, timeout=60, metadata=GRPC_AUTH)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Complete(kvmesh_pb2.GenerateRequest(prompt="x", n=0), timeout=60, metadata=GRPC_AUTH)
+    assert sorted(c.index for c in chunks) == sorted([0, 1, 2] * 6)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and whole.text == whole.choices[0].text
+    assert ["".join(c.text for c in chunks if c.index == i) for i in range(3)] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 18
+    assert [c.HasField("usage") for c in chunks].count(True) == 1
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_metrics_and_status_show_the_cluster(client, server):

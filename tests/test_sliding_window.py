@@ -104,3 +104,15 @@ def test_prefix_hits_on_a_windowed_model_replay_exactly(mistral_dir):
     assert warm.num_cached_tokens >= 112
     assert warm.token_ids == cold
     llm.engine.check_integrity()
+
+
+def test_forks_on_a_windowed_model(mistral_dir):
+    """n=3 greedy sequences past the window (blocks released while shared) all equal the n=1 answer."""
+    prompt = list(range(300, 341))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    llm = LLM(str(mistral_dir), num_kv_blocks=48)
+    single = llm.generate([prompt], params)[0].token_ids
+    llm.engine.reset_prefix_cache()
+    outs = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, n=3))
+    assert [o.token_ids for o in outs] == [single] * 3
+    llm.engine.check_integrity()

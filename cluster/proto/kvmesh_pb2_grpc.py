@@ -50,7 +50,8 @@ class KVMeshServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Stream a generation: one message per engine step; the last carries finish_reason and usage.
+        """Stream a generation: one message per engine step and sequence; a sequence's last message carries its
+        finish_reason, the request's last (every sequence finished) also carries usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
