@@ -9,6 +9,8 @@ from replica.model_files import DEFAULT_MODEL
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+MAX_DEFAULT_SWAP_BYTES = 4 << 30
 GPU_KV_FRACTION = 0.85
 """Share of the GPU memory still free after loading weights that goes to the KV pool."""
 
@@ -20,6 +22,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Exact pool size; ``None`` sizes it from ``kv_cache_bytes`` (or the free GPU memory)."""
     kv_cache_bytes: int | None = None
+    swap_space_bytes: int | None = None
+    """Host memory for swapped-out sequences' KV; ``None``: half the KV pool, at most 4 GiB; 0: no swapping."""
+    preemption_mode: str = "auto"
+    """``auto`` (swap a preempted sequence when that is cheaper than recomputing it), ``swap`` (whenever
+    the swap space has room) or ``recompute``."""
     kv_cache_dtype: str = "auto"
     """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales) or ``int8``
     (per-token scales); fp8 holds twice the tokens of a 16-bit cache in the same bytes (``kernels/quant.py``)."""
@@ -38,7 +45,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            dtypes = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {dtypes}, got {self.kv_cache_dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            modes = ", ".join(PREEMPTION_MODES)
+            raise ValueError(f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}")
+        if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from replica.block_pool import BlockPool
-from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, EngineConfig
+from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
 from replica.kv_cache_manager import KVCacheManager
 from replica.kv_events import KVEvent
@@ -23,6 +23,7 @@ from replica.request import Request
 from replica.sampler import sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
+from replica.swap import SwapSpace
 from router.hashing import BlockHash, first_block_extra, model_seed
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    num_swapped_out: int
+    """Preemptions that swapped the sequence to host memory instead of dropping its KV."""
+    num_recomputed_tokens: int
+    """Computed tokens thrown away by preemptions that recompute."""
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -142,11 +147,15 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.kv_cache_dtype)
+        self.rates = StepRates()
+        self.swap = self._swap_space()
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
-        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, sliding)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.kv_cache_dtype)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, sliding, self.swap)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
+        )
         self.hash_seed = model_seed(self.model_id)
         eos = self.loaded.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -154,7 +163,6 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, list[Request]] = {}
         """Each live request's unfinished sequences (one, or up to ``n`` once forked)."""
-        self.rates = StepRates()
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
         """Called with each step's KV events (the index publisher); they must not block."""
         self._ids = itertools.count()
@@ -162,6 +170,17 @@ class LLMEngine:
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
             config.model, num_blocks, config.block_size, config.kv_cache_dtype, device,
         )  # fmt: skip
+
+    def _swap_space(self) -> SwapSpace | None:
+        """The host swap tier: ``swap_space_bytes``, by default half the KV pool's bytes (at most 4 GiB)."""
+        dtype = next(self.loaded.model.parameters()).dtype
+        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, dtype, self.config.kv_cache_dtype)
+        size = self.config.swap_space_bytes
+        if size is None:
+            size = min(self.num_blocks * per_block // 2, MAX_DEFAULT_SWAP_BYTES)
+        if size < per_block or self.config.preemption_mode == "recompute":
+            return None
+        return SwapSpace(self.runner.kv_caches, size // per_block, lambda: self.rates.prefill_tok_s)
 
     def _blocks_for_budget(self, device: torch.device) -> int:
         dtype = next(self.loaded.model.parameters()).dtype
@@ -256,7 +275,11 @@ class LLMEngine:
         if not batch:
             return []
         t0 = time.perf_counter()
+        if self.swap is not None:
+            self.swap.run_swap_outs()  # before anything writes the blocks they leave
         self.runner.copy_blocks(self.kv.take_copies())
+        if self.swap is not None:
+            self.swap.run_swap_ins()
         logits = self.runner.execute(batch, [self.kv.block_ids(sr.request) for sr in batch])
         sampling = [sr.request for sr in batch if sr.samples]
         for sr in batch:
@@ -357,6 +380,8 @@ class LLMEngine:
         live = {r for seqs in self.requests.values() for r in seqs}
         assert running <= live, "a running sequence belongs to no live request"
         refs = Counter(b.block_id for blocks in self.kv.req_blocks.values() for b in blocks if b is not None)
+        if self.swap is not None:
+            self.swap.check_integrity(self.kv.num_swapped_blocks)
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"
 
@@ -405,6 +430,8 @@ class LLMEngine:
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_preemptions=s.num_preemptions,
+            num_swapped_out=s.num_swapped_out,
+            num_recomputed_tokens=s.num_recomputed_tokens,
             num_blocks=self.num_blocks,
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=self.pool.num_cached_free,

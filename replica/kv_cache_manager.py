@@ -14,17 +14,27 @@ For a sliding-window model (every layer windowed), blocks that fell entirely beh
 sequence's next token are released as it goes, so a long generation holds about ``window / block_size``
 blocks. Their table entries become ``None`` (positions stay aligned; the kernels never read them); the
 released blocks stay cached, so a later request with the same prefix can still hit them.
+
+With a swap space (``replica/swap.py``), a preempted sequence whose blocks are cheaper to move than to
+recompute is swapped out: its computed blocks are copied to host memory, its device blocks freed, and on
+readmission ``swap_in`` copies them back into fresh device blocks, so it resumes where it stopped.
 """
 
 from __future__ import annotations
 
 from replica.block_pool import Block, BlockPool
 from replica.request import Request
+from replica.swap import SwapSpace
 
 
 class KVCacheManager:
     def __init__(
-        self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self,
+        pool: BlockPool,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -35,6 +45,9 @@ class KVCacheManager:
         self.req_blocks: dict[Request, list[Block | None]] = {}
         self._num_cached_blocks: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
+        self.swap = swap
+        self._swapped: dict[Request, tuple[list[int], list[int]]] = {}
+        """Swapped-out sequences: the table positions their saved blocks came from, and the host blocks."""
 
     def computed_blocks(self, request: Request) -> list[Block]:
         """Leading blocks of ``request`` already in the cache, stopping at the first miss.
@@ -121,8 +134,40 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
         self._num_cached_blocks[request] = max(start, end)
 
+    def is_swapped(self, request: Request) -> bool:
+        return request in self._swapped
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return sum(len(host) for _, host in self._swapped.values())
+
+    def swap_out(self, request: Request, force: bool = False) -> bool:
+        """Move ``request``'s computed blocks to the swap space and free its device blocks; False (nothing
+        changed) without a swap space, when it is full, or when recomputing is cheaper (unless ``force``)."""
+        if self.swap is None:
+            return False
+        blocks = self.req_blocks.get(request, [])
+        computed = -(-request.num_computed_tokens // self.block_size)
+        saved = [(i, b.block_id) for i, b in enumerate(blocks[:computed]) if b is not None]
+        if not saved or len(saved) > self.swap.num_free:
+            return False
+        if not force and not self.swap.worth_it(request.num_computed_tokens, len(saved)):
+            return False
+        host = self.swap.swap_out([block_id for _, block_id in saved])
+        self.free(request)
+        self._swapped[request] = ([i for i, _ in saved], host)
+        return True
+
+    def swap_in(self, request: Request) -> None:
+        """Queue the copy of a swapped sequence's blocks into the device blocks ``allocate`` just gave it."""
+        positions, host = self._swapped.pop(request)
+        blocks = self.req_blocks[request]
+        self.swap.swap_in(host, [blocks[i].block_id for i in positions])
+
     def free(self, request: Request) -> None:
         """Release every block of ``request``, tail first so its tail is evicted before its head."""
+        if request in self._swapped:  # aborted while swapped out
+            self.swap.discard(self._swapped.pop(request)[1])
         blocks = self.req_blocks.pop(request, [])
         self._num_cached_blocks.pop(request, None)
         self.pool.free(reversed([b for b in blocks if b is not None]))

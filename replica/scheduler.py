@@ -3,9 +3,12 @@
 Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in admission order:
 decodes take one token, unfinished prefills take the next chunk of their prompt, so long prompts are
 chunked and mixed with decodes. When the pool cannot give a running request a block, the newest running
-request is preempted (its blocks freed, its progress reset, to be recomputed later, often from the prefix
-cache). Waiting requests are admitted only in steps that preempted nothing, so a preempted request is not
-immediately displaced by a newcomer and the step loop cannot thrash.
+request is preempted: swapped out to host memory when the engine has a swap space and moving its blocks
+is cheaper than recomputing them (``preemption_mode`` "auto"; "swap" whenever there is room), else its
+blocks are freed and its progress reset, to be recomputed later (often partly from the prefix cache).
+A swapped request resumes where it stopped once readmitted: its blocks are copied back in. Waiting
+requests are admitted only in steps that preempted nothing, so a preempted request is not immediately
+displaced by a newcomer and the step loop cannot thrash.
 
 A request with ``n > 1`` is admitted as one sequence holding ``n`` seats of ``max_num_seqs``; once its
 prompt is prefilled the engine calls ``fork`` and its children take the reserved seats. A forked sequence is
@@ -33,15 +36,22 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str = "auto"
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.kv = kv
+        self.preemption_mode = preemption_mode
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.num_recomputed_tokens = 0
+        """Computed tokens thrown away by preemptions that recompute (swapped sequences lose none)."""
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
         self.requests_admitted = 0
@@ -78,12 +88,16 @@ class Scheduler:
         seats = sum(r.num_seqs for r in self.running)
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seqs <= self.max_num_seqs:
             req = self.waiting[0]
-            hits = self.kv.computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
+            swapped = self.kv.is_swapped(req)
+            hits = [] if swapped else self.kv.computed_blocks(req)
+            num_hit = req.num_computed_tokens if swapped else len(hits) * self.kv.block_size
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate(req, n, hits):
                 break
             self.waiting.popleft()
+            if swapped:
+                self.kv.swap_in(req)
+                self.num_swapped_in += 1
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # count the first admission only, not recomputes
                 req.num_cached_tokens = num_hit
@@ -112,10 +126,16 @@ class Scheduler:
 
     def reset_counters(self) -> None:
         self.num_preemptions = self.prompt_tokens_queried = self.prompt_tokens_hit = self.requests_admitted = 0
+        self.num_swapped_out = self.num_swapped_in = self.num_recomputed_tokens = 0
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
-        req.num_computed_tokens = 0
+        mode = self.preemption_mode
+        if mode != "recompute" and self.kv.swap_out(req, force=mode == "swap"):
+            self.num_swapped_out += 1
+        else:
+            self.kv.free(req)
+            self.num_recomputed_tokens += req.num_computed_tokens
+            req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

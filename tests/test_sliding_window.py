@@ -116,3 +116,15 @@ def test_forks_on_a_windowed_model(mistral_dir):
     outs = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, n=3))
     assert [o.token_ids for o in outs] == [single] * 3
     llm.engine.check_integrity()
+
+
+def test_swap_on_a_windowed_model(mistral_dir):
+    """Swapped-out windowed sequences save only the blocks still in window and resume exactly."""
+    prompts = [list(range(300 + 60 * i, 330 + 60 * i)) for i in range(4)]  # 2 blocks each, growing to 3
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(mistral_dir), num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(str(mistral_dir), num_kv_blocks=9, preemption_mode="swap", swap_space_bytes=1 << 20)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_swapped_out > 0 and stats.num_recomputed_tokens == 0
+    llm.engine.check_integrity()
