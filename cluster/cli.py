@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from replica.config import GPU_KV_FRACTION, EngineConfig
+from replica.config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
 from replica.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
 from replica.model_files import DEFAULT_MODEL
 
@@ -65,6 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
         "num_kv_blocks": args.num_kv_blocks,
         "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "swap_space_bytes": int(args.swap_space_gib * (1 << 30)) if args.swap_space_gib is not None else None,
+        "preemption_mode": args.preemption_mode,
         "device": args.device,
         "torch_threads": args.threads,
     }
@@ -186,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
     srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                      help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8")
+    srv.add_argument("--swap-space-gib", type=float,
+                     help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)")
+    srv.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
+                     help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute")
     srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     srv.set_defaults(func=_serve)
