@@ -29,6 +29,8 @@ class RouteRequest:
     num_tokens: int
     block_size: int = 16
     session_id: str | None = None
+    opens_session: bool = False
+    """Set by ``KVAwarePolicy.rank``: no replica holds this request's own history (a new conversation)."""
 
 
 @dataclass
@@ -122,6 +124,13 @@ class KVAwarePolicy:
     prefix for nothing. Holding only a short shared prefix earns no such bias, or new conversations would
     herd onto whichever replica first cached the system prompt. When the index cannot answer,
     the policy falls back to the prefix-ownership it remembers from its own recent decisions, then to load.
+
+    New conversations are also placed with bounded loads (consistent hashing with bounded loads, Mirrokni
+    et al.): a replica that already started more than ``session_balance`` x its fair share of this router's
+    conversations is ranked after the others. Conversations stick to where their history is, so where they
+    start decides the long-run load; the cheapest replica by cost alone is usually one holding the shared
+    system prompt, and without the bound those few replicas collect every conversation (4 replicas on this
+    repo's real-cluster chat benchmark: 36/28/0/0 requests). 0 turns the bound off.
     """
 
     name = "kv_aware"
@@ -134,9 +143,15 @@ class KVAwarePolicy:
         override_margin_s: float = 0.005,
         predict_ttl_s: float = 2.0,
         memory_size: int = 65536,
+        session_balance: float = 1.25,
     ) -> None:
         if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0:
             raise ValueError("miss_weight, decode_weight and override_margin_s must be >= 0")
+        if session_balance and session_balance < 1:
+            raise ValueError("session_balance must be 0 (off) or >= 1")
+        self.session_balance = session_balance
+        self._sessions: dict[str, int] = {}
+        """Conversations this router started on each replica."""
         self.miss_weight = miss_weight
         self.decode_weight = decode_weight
         self.override_margin_s = override_margin_s
@@ -170,12 +185,11 @@ class KVAwarePolicy:
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
         holder_share = hits.get(holder, 0) * req.block_size / max(req.num_tokens, 1)
-        if (
-            holder != ranked[0]
-            and holder_share >= 0.5  # a conversation's own history, not just a shared system prompt
-            and costs[holder] - costs[ranked[0]] <= self.override_margin_s
-        ):
+        req.opens_session = holder_share < 0.5  # a conversation's own history, not just a shared system prompt
+        if not req.opens_session and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
+        if req.opens_session and self.session_balance:
+            ranked = self._bounded(ranked)
         best_hit = max((hits.get(r.replica_id, 0) for r in replicas), default=0)
         chosen_hit = hits.get(ranked[0], 0)
         if best_hit == 0:
@@ -188,6 +202,16 @@ class KVAwarePolicy:
 
     def on_routed(self, req: RouteRequest, replica_id: str) -> None:
         self._recent.record(req.block_hashes, replica_id)
+        if req.opens_session:
+            self._sessions[replica_id] = self._sessions.get(replica_id, 0) + 1
+
+    def _bounded(self, ranked: list[str]) -> list[str]:
+        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise)."""
+        counts = [self._sessions.get(rid, 0) for rid in ranked]
+        cap = math.ceil(self.session_balance * (sum(counts) + 1) / len(ranked))
+        return [rid for rid, c in zip(ranked, counts, strict=True) if c < cap] + [
+            rid for rid, c in zip(ranked, counts, strict=True) if c >= cap
+        ]
 
 
 class _RecentOwners:

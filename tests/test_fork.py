@@ -12,6 +12,7 @@ import torch
 
 from replica import AsyncLLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from replica.kv_events import BlockStored
+from tests.test_sampling_and_api import hang_up_after_three_tokens
 
 BLOCK = 16
 PARTIAL = list(range(100, 137))  # 37 tokens: 2 full blocks + a last block with 5 slots written
@@ -216,17 +217,7 @@ def test_async_stream_interleaves_children_and_aborts_them_all(engine):
         texts = ["".join(o.delta_text for o in outs if o.index == i) for i in range(3)]
         assert texts == [o.text for o in sorted((o for o in outs if o.finished), key=lambda o: o.index)]
 
-        stream = allm.generate(PARTIAL, greedy(max_tokens=500, n=3))
-        async for out in stream:
-            if len(out.token_ids) >= 3:
-                break
-        await stream.aclose()  # the client hung up: every child is aborted
-        for _ in range(100):
-            if not engine.has_unfinished:
-                break
-            await asyncio.sleep(0.01)
-        assert not engine.has_unfinished and engine.pool.num_used == 0
-        engine.check_integrity()
+        await hang_up_after_three_tokens(allm, engine, PARTIAL, greedy(max_tokens=500, n=3))  # all children end
         await allm.shutdown()
 
     asyncio.run(main())

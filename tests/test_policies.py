@@ -184,3 +184,29 @@ def test_decode_cost_is_the_fitted_slope_not_the_average():
         for running in (1, 8, 16):
             rates.observe([Step(1)] * running, 0.080 + running * 0.005)
     assert rates.decode_token_s == pytest.approx(0.005, rel=0.05)
+
+
+def test_new_conversations_are_placed_with_bounded_loads():
+    """Every new conversation shares a system prompt the first replica holds: by cost alone they would all
+    start there. With the bound (1.25 x fair share) starts spread evenly, while a continuing conversation
+    still goes back to its own history whatever the counts."""
+    system = list(range(160))  # 10 shared blocks
+    reps = replicas(4)
+    for balance, expect_spread in ((1.25, True), (0, False)):
+        policy = KVAwarePolicy(session_balance=balance)
+        starts = Counter()
+        for i in range(40):
+            req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))  # 35 blocks: system + own
+            d = policy.rank(req, reps, {"r0": 10, "r1": 0, "r2": 0, "r3": 0})
+            assert req.opens_session
+            policy.on_routed(req, d.ranked[0])
+            starts[d.ranked[0]] += 1
+        if expect_spread:
+            assert max(starts.values()) <= 1.25 * 40 / 4 + 1 and len(starts) == 4
+        else:
+            assert starts == {"r0": 40}
+    history = request(system + list(range(500, 900)))
+    d = KVAwarePolicy().rank(history, reps, {"r0": 0, "r1": 0, "r2": 0, "r3": 30})  # r3 holds 30 of 35 blocks
+    assert not history.opens_session and d.ranked[0] == "r3"
+    with pytest.raises(ValueError, match="session_balance"):
+        KVAwarePolicy(session_balance=0.5)

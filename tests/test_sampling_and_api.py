@@ -112,17 +112,8 @@ def test_async_stream_and_abort_frees_blocks(llm):
         assert outs[-1].finished and len(outs[-1].token_ids) == 10
         assert "".join(o.delta_text for o in outs) == outs[-1].text
 
-        stream = allm.generate(PROMPT, SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
-        async for out in stream:
-            if len(out.token_ids) >= 3:
-                break
-        await stream.aclose()  # the client hung up
-        for _ in range(100):
-            if not engine.has_unfinished:
-                break
-            await asyncio.sleep(0.01)
-        assert not engine.has_unfinished and engine.pool.num_used == 0
-        engine.check_integrity()
+        long_greedy = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        await hang_up_after_three_tokens(allm, engine, PROMPT, long_greedy)
 
         with pytest.raises(ValueError, match="empty"):
             async for _ in allm.generate([], SamplingParams()):
@@ -142,3 +133,19 @@ def test_stats_report_hits_and_usage(llm):
     after = llm.stats()
     assert after.num_cached_blocks >= 4 and after.kv_usage == 0.0
     assert after.prefix_hit_rate > before.prefix_hit_rate
+
+
+async def hang_up_after_three_tokens(allm, engine, prompt, params: SamplingParams) -> None:
+    """A client that reads three tokens and hangs up: the request (every sequence of it) is aborted at
+    once and its blocks freed."""
+    stream = allm.generate(prompt, params)
+    async for out in stream:
+        if len(out.token_ids) >= 3:
+            break
+    await stream.aclose()
+    for _ in range(100):
+        if not engine.has_unfinished:
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.has_unfinished and engine.pool.num_used == 0
+    engine.check_integrity()
