@@ -35,9 +35,7 @@ values below ~3e-4 of the maximum fall to e4m3's subnormals)."""
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype a cache of ``kv_cache_dtype`` is stored in."""
-    if kv_cache_dtype not in KV_CACHE_STORAGE:
-        raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_STORAGE)}, got {kv_cache_dtype!r}")
+    """The torch dtype a cache of ``kv_cache_dtype`` (validated by ``EngineConfig``) is stored in."""
     return KV_CACHE_STORAGE[kv_cache_dtype] or model_dtype
 
 

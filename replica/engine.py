@@ -143,6 +143,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model_id = config.model
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
+        model_dtype = next(self.loaded.model.parameters()).dtype
+        self.bytes_per_block = kv_bytes_per_block(self.loaded, config.block_size, model_dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(device)
         self.num_blocks = num_blocks
         self.block_size = config.block_size
@@ -173,8 +175,7 @@ class LLMEngine:
 
     def _swap_space(self) -> SwapSpace | None:
         """The host swap tier: ``swap_space_bytes``, by default half the KV pool's bytes (at most 4 GiB)."""
-        dtype = next(self.loaded.model.parameters()).dtype
-        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, dtype, self.config.kv_cache_dtype)
+        per_block = self.bytes_per_block
         size = self.config.swap_space_bytes
         if size is None:
             size = min(self.num_blocks * per_block // 2, MAX_DEFAULT_SWAP_BYTES)
@@ -183,8 +184,6 @@ class LLMEngine:
         return SwapSpace(self.runner.kv_caches, size // per_block, lambda: self.rates.prefill_tok_s)
 
     def _blocks_for_budget(self, device: torch.device) -> int:
-        dtype = next(self.loaded.model.parameters()).dtype
-        per_block = kv_bytes_per_block(self.loaded, self.config.block_size, dtype, self.config.kv_cache_dtype)
         budget = self.config.kv_cache_bytes
         if budget is None:
             if device.type == "cuda":
@@ -192,7 +191,7 @@ class LLMEngine:
                 budget = int(free * GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        return max(1, budget // per_block)
+        return max(1, budget // self.bytes_per_block)
 
     # ------------------------------------------------------------------ requests
     @property

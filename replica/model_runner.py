@@ -30,7 +30,6 @@ class ModelRunner:
         self.block_size = block_size
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_cache_dtype = kv_cache_dtype
         storage = storage_dtype(kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
