@@ -6,7 +6,8 @@ whose step time grows with the running batch. Requests come from a Mooncake-form
 one block (its ids are prefix-chained, so prefix structure is kept). Arrival times are rescaled so the
 offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the fleet's prefill capacity.
 Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
-router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does.
+router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does,
+and the counts of conversation starts are shared by all of them, as the index shares them.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.report import print_table, write_json
 from router.baselines import make_policy
-from router.policy import ReplicaLoad, RouteRequest
+from router.policy import SESSION_DECAY_S, DecayingCounts, ReplicaLoad, RouteRequest
 
 BLOCK_TOKENS = 16
 
@@ -173,6 +174,8 @@ def simulate(
     uses_index = routers[0].uses_index
     events: list = []
     predicted: dict[bytes, tuple[str, float]] = {}  # Redis predict-on-route entries, shared by all routers
+    clock = [0.0]  # simulated time, for the shared counts of conversation starts (the index's session.lua)
+    starts = DecayingCounts(getattr(routers[0], "session_decay_s", SESSION_DECAY_S), clock=lambda: clock[0])
     seq = itertools.count()
     reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
     for i, r in enumerate(reqs):
@@ -205,11 +208,18 @@ def simulate(
                 for owner, k in predicted_hits(predicted, r.chain, now, ttl).items():
                     if k > known:
                         hits[owner] = max(hits[owner], k)
-            rid = policy.rank(req, [rep.load() for rep in replicas], hits).ranked[0]
+            loads = [rep.load() for rep in replicas]
+            clock[0] = now
+            if uses_index:
+                for load in loads:
+                    load.sessions = starts.get(load.replica_id)
+            rid = policy.rank(req, loads, hits).ranked[0]
             policy.on_routed(req, rid)
             if uses_index:
                 for h in r.chain:
                     predicted[h] = (rid, now)
+                if req.opens_session:
+                    starts.add(rid)
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])
             rep.queued_tokens += r.tokens - (hits or {}).get(rid, 0) * BLOCK_TOKENS

@@ -8,6 +8,8 @@ small enough to stay in Redis' compact listpack/ziplist encoding:
     <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
     <prefix>st:<id>        STRING  the replica's status report (JSON: KV usage, hit rate, queues), same TTL
     <prefix>p:<8 bytes>    STRING  replica id a router just sent this block's request to (short TTL)
+    <prefix>ss             HASH  replica id -> "<count> <seconds>": decaying count of conversations routers
+                           started there (new conversations are placed with bounded loads)
     <prefix>reg / pending  HASH  replica id -> live slot / slot being resynchronised
     <prefix>slots          counter that allocates slots
     <prefix>meta           HASH  deployment and model names, for humans and `kvmesh status`

@@ -21,6 +21,8 @@ DEFAULT_PREFILL_TOK_S = 2000.0
 """Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
 DEFAULT_DECODE_TOKEN_S = 0.0005
 """Per running sequence, seconds it adds to every engine step, when not reported."""
+SESSION_DECAY_S = 600.0
+"""Time constant over which counts of conversation starts fade (about a conversation's lifetime)."""
 
 
 @dataclass
@@ -56,6 +58,9 @@ class ReplicaLoad:
     inflight_requests: int = 0
     """Routed by this router since the replica's last report."""
     inflight_prefill_tokens: int = 0
+    sessions: float | None = None
+    """Conversations recently started here by every router (shared through the index, decaying); None when
+    the index did not say, and the policy counts only its own."""
 
     PREFILL_TOK_S_DEFAULT: ClassVar[float] = DEFAULT_PREFILL_TOK_S
     DECODE_TOKEN_S_DEFAULT: ClassVar[float] = DEFAULT_DECODE_TOKEN_S
@@ -126,11 +131,15 @@ class KVAwarePolicy:
     the policy falls back to the prefix-ownership it remembers from its own recent decisions, then to load.
 
     New conversations are also placed with bounded loads (consistent hashing with bounded loads, Mirrokni
-    et al.): a replica that already started more than ``session_balance`` x its fair share of this router's
-    conversations is ranked after the others. Conversations stick to where their history is, so where they
-    start decides the long-run load; the cheapest replica by cost alone is usually one holding the shared
-    system prompt, and without the bound those few replicas collect every conversation (4 replicas on this
-    repo's real-cluster chat benchmark: 36/28/0/0 requests). 0 turns the bound off.
+    et al.): a replica that already started its fair share of the recent conversations, plus the whole
+    conversations ``session_balance`` x that share allows beyond it, is ranked after the others. Counts are
+    shared by every router process through the index (each router bounding only its own share let two
+    routers fill the same replicas and leave one empty) and decay over ``session_decay_s``, so a replica
+    added later is not flooded until it catches up with the lifetime totals of the others.
+    Conversations stick to where their history is, so where they start decides the long-run load; the
+    cheapest replica by cost alone is usually one holding the shared system prompt, and without the bound
+    those few replicas collect every conversation (4 replicas on this repo's real-cluster chat benchmark:
+    36/28/0/0 requests). 0 turns the bound off.
     """
 
     name = "kv_aware"
@@ -144,14 +153,16 @@ class KVAwarePolicy:
         predict_ttl_s: float = 2.0,
         memory_size: int = 65536,
         session_balance: float = 1.25,
+        session_decay_s: float = SESSION_DECAY_S,
     ) -> None:
         if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0:
             raise ValueError("miss_weight, decode_weight and override_margin_s must be >= 0")
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
         self.session_balance = session_balance
-        self._sessions: dict[str, int] = {}
-        """Conversations this router started on each replica."""
+        self.session_decay_s = session_decay_s
+        self._sessions = DecayingCounts(session_decay_s)
+        """Conversations this router started on each replica: the fallback when the index does not say."""
         self.miss_weight = miss_weight
         self.decode_weight = decode_weight
         self.override_margin_s = override_margin_s
@@ -189,7 +200,7 @@ class KVAwarePolicy:
         if not req.opens_session and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
         if req.opens_session and self.session_balance:
-            ranked = self._bounded(ranked)
+            ranked = self._bounded(ranked, {r.replica_id: r.sessions for r in replicas})
         best_hit = max((hits.get(r.replica_id, 0) for r in replicas), default=0)
         chosen_hit = hits.get(ranked[0], 0)
         if best_hit == 0:
@@ -203,15 +214,46 @@ class KVAwarePolicy:
     def on_routed(self, req: RouteRequest, replica_id: str) -> None:
         self._recent.record(req.block_hashes, replica_id)
         if req.opens_session:
-            self._sessions[replica_id] = self._sessions.get(replica_id, 0) + 1
+            self._sessions.add(replica_id)
 
-    def _bounded(self, ranked: list[str]) -> list[str]:
-        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise)."""
-        counts = [self._sessions.get(rid, 0) for rid in ranked]
-        cap = math.ceil(self.session_balance * (sum(counts) + 1) / len(ranked))
-        return [rid for rid, c in zip(ranked, counts, strict=True) if c < cap] + [
-            rid for rid, c in zip(ranked, counts, strict=True) if c >= cap
+    def _bounded(self, ranked: list[str], shared: dict[str, float | None]) -> list[str]:
+        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise).
+
+        The cap is the fair share rounded up, plus the slack ``session_balance`` allows only once it
+        amounts to a whole conversation (rounded down): rounding the whole bound up instead lets a few
+        replicas take ``ceil(1.25 x 2) = 3`` each of 8 conversations and leaves the last with none.
+        """
+        if all(shared.get(rid) is not None for rid in ranked):
+            counts = [shared[rid] for rid in ranked]
+        else:
+            counts = [self._sessions.get(rid) for rid in ranked]
+        share = (sum(counts) + 1) / len(ranked)
+        cap = max(math.ceil(share - 1e-9), math.floor(self.session_balance * share + 1e-9))
+        fits = [c + 1 <= cap + 1e-9 for c in counts]
+        return [rid for rid, ok in zip(ranked, fits, strict=True) if ok] + [
+            rid for rid, ok in zip(ranked, fits, strict=True) if not ok
         ]
+
+
+class DecayingCounts:
+    """Counts per key that fade as ``exp(-age / tau)``: what happened recently, not since start-up.
+
+    The same arithmetic as the index's shared counts (``router/lua/session.lua``); the clock is injectable
+    so the trace simulator can run it on simulated time."""
+
+    def __init__(self, tau_s: float, clock=time.monotonic) -> None:
+        if tau_s <= 0:
+            raise ValueError("session_decay_s must be > 0")
+        self.tau_s = tau_s
+        self.clock = clock
+        self._counts: dict[str, tuple[float, float]] = {}
+
+    def get(self, key: str) -> float:
+        count, at = self._counts.get(key, (0.0, 0.0))
+        return count * math.exp(-max(self.clock() - at, 0.0) / self.tau_s) if count else 0.0
+
+    def add(self, key: str, amount: float = 1.0) -> None:
+        self._counts[key] = (self.get(key) + amount, self.clock())
 
 
 class _RecentOwners:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 
 import redis.asyncio as aioredis
@@ -20,6 +21,7 @@ from redis.exceptions import RedisError
 
 from router.hashing import BlockHash
 from router.index_schema import block_key, chain_arg, index_prefix, script_source
+from router.policy import SESSION_DECAY_S
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,12 @@ class PrefixIndex:
         model: str,
         timeout_s: float = 0.02,
         backoff_s: float = 0.5,
+        session_decay_s: float = SESSION_DECAY_S,
     ) -> None:
+        if session_decay_s <= 0:
+            raise ValueError("session_decay_s must be > 0")
         self.prefix = index_prefix(deployment, model)
+        self.session_decay_s = session_decay_s
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.client = aioredis.Redis.from_url(
@@ -43,6 +49,7 @@ class PrefixIndex:
         )
         self._lookup = self.client.register_script(script_source("lookup"))
         self._purge = self.client.register_script(script_source("purge"))
+        self._session = self.client.register_script(script_source("session"))
         self._down_until = 0.0
         self._purging: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -53,18 +60,25 @@ class PrefixIndex:
         Replicas missing from the result have no live heartbeat in the index. ``None`` means the index
         could not answer in time; it is never an exception.
         """
+        return (await self.lookup_with_starts(block_hashes, replica_ids))[0]
+
+    async def lookup_with_starts(
+        self, block_hashes: list[BlockHash], replica_ids: list[str]
+    ) -> tuple[dict[str, int] | None, dict[str, float]]:
+        """``lookup``'s answer plus each candidate's decayed count of conversation starts (``start_session``),
+        read in the same round trip; both empty/None when the index could not answer."""
         if not replica_ids:
-            return {}
+            return {}, {}
         if time.monotonic() < self._down_until:
-            return None
+            return None, {}
         try:
-            hits, missing, dead = await asyncio.wait_for(
+            hits, missing, dead, starts, now = await asyncio.wait_for(
                 self._lookup(args=[self.prefix, chain_arg(block_hashes), *replica_ids]), self.timeout_s
             )
         except (TimeoutError, RedisError, OSError) as exc:
             self._down_until = time.monotonic() + self.backoff_s
             log.debug("index lookup failed: %r", exc)
-            return None
+            return None, {}
         for rid in dead:
             self._start_purge(rid.decode())
         out = dict.fromkeys(replica_ids, 0)
@@ -72,7 +86,29 @@ class PrefixIndex:
             out.pop(replica_ids[k - 1], None)
         for i in range(0, len(hits), 2):
             out[replica_ids[hits[i] - 1]] = hits[i + 1]
-        return out
+        return out, self._decayed_starts(replica_ids, starts, float(now))
+
+    def _decayed_starts(self, replica_ids: list[str], raw: list[bytes | None], now: float) -> dict[str, float]:
+        counts = dict.fromkeys(replica_ids, 0.0)
+        for rid, value in zip(replica_ids, raw, strict=True):
+            if value:
+                count, at = value.split()
+                counts[rid] = float(count) * math.exp(-max(now - float(at), 0.0) / self.session_decay_s)
+        return counts
+
+    async def start_session(self, replica_id: str) -> bool:
+        """Count one new conversation started on ``replica_id``, for every router to see. False on failure
+        (ignored by callers: placement then rests on each router's own counts until Redis is back)."""
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            await asyncio.wait_for(
+                self._session(args=[self.prefix, replica_id, self.session_decay_s]), self.timeout_s * 5
+            )
+        except (TimeoutError, RedisError, OSError) as exc:
+            log.debug("conversation start not recorded: %r", exc)
+            return False
+        return True
 
     async def predict(self, block_hashes: list[BlockHash], replica_id: str, ttl_ms: int = 2000) -> None:
         """Record that ``replica_id`` will hold these blocks (written right after routing, short TTL).

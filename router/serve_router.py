@@ -26,7 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 import router.metrics as router_metrics
 from router.baselines import make_policy
-from router.policy import DEFAULT_PREFILL_TOK_S, ReplicaLoad, RouteRequest
+from router.policy import DEFAULT_PREFILL_TOK_S, SESSION_DECAY_S, ReplicaLoad, RouteRequest
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,9 @@ class KVAwareRequestRouter(RequestRouter):
         predict_ttl_s: float = 2.0,
     ) -> None:
         self.policy = make_policy(policy, **(policy_kwargs or {}))
+        decay_s = getattr(self.policy, "session_decay_s", SESSION_DECAY_S)
         self.index = (
-            PrefixIndex(redis_url, deployment, model, timeout_s=lookup_timeout_s)
+            PrefixIndex(redis_url, deployment, model, timeout_s=lookup_timeout_s, session_decay_s=decay_s)
             if redis_url and self.policy.uses_index
             else None
         )
@@ -80,6 +81,8 @@ class KVAwareRequestRouter(RequestRouter):
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
         self._planned: dict[str, tuple[RouteRequest, dict[str, int], dict[ReplicaID, str]]] = {}
+        self._unacked_starts: Counter[str] = Counter()
+        """Conversations this router started whose count has not reached Redis yet (per index id)."""
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -146,14 +149,18 @@ class KVAwareRequestRouter(RequestRouter):
             loads = [self._load(r) for r in candidate_replicas]
             return [[by_id[ld.replica_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
         hits: dict[str, int] | None = {}
+        starts: dict[str, float] = {}
         if self.policy.uses_index:
             if self.index is None or not req.block_hashes:
                 hits = None if self.index is None else {}
             else:
                 with router_metrics.INDEX_LOOKUP_SECONDS.time():
-                    hits = await self.index.lookup(req.block_hashes, list(by_id))
+                    hits, starts = await self.index.lookup_with_starts(req.block_hashes, list(by_id))
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         loads = [self._load(r) for r in candidate_replicas]
+        if starts:  # plus this router's own starts not yet acknowledged by Redis (a burst sees itself)
+            for load in loads:
+                load.sessions = starts.get(load.replica_id, 0.0) + self._unacked_starts[load.replica_id]
         decision = self.policy.rank(req, loads, hits)
         ranked = decision.ranked
         previous = self._sessions.get(req.session_id) if req.session_id else None
@@ -205,11 +212,20 @@ class KVAwareRequestRouter(RequestRouter):
         self.policy.on_routed(req, index_id)
         if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
             self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
+        if self.index is not None and req.opens_session:
+            self._unacked_starts[index_id] += 1
+            self._background(self._start_session(index_id))
         if req.session_id:
             self._sessions[req.session_id] = index_id
             self._sessions.move_to_end(req.session_id)
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
+
+    async def _start_session(self, index_id: str) -> None:
+        try:
+            await self.index.start_session(index_id)
+        finally:
+            self._unacked_starts[index_id] -= 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)

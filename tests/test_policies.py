@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 
 from router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
 from router.hashing import hash_blocks, model_seed
-from router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
+from router.policy import DecayingCounts, KVAwarePolicy, ReplicaLoad, RouteRequest
 
 SEED = model_seed("t")
 
@@ -205,8 +206,52 @@ def test_new_conversations_are_placed_with_bounded_loads():
             assert max(starts.values()) <= 1.25 * 40 / 4 + 1 and len(starts) == 4
         else:
             assert starts == {"r0": 40}
+    policy = KVAwarePolicy()  # a few conversations per router: the slack never leaves a replica without any
+    for i in range(8):
+        req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
+        policy.on_routed(req, policy.rank(req, reps, {"r0": 10, "r1": 0, "r2": 0, "r3": 0}).ranked[0])
+    assert [round(policy._sessions.get(f"r{i}")) for i in range(4)] == [2, 2, 2, 2]
     history = request(system + list(range(500, 900)))
     d = KVAwarePolicy().rank(history, reps, {"r0": 0, "r1": 0, "r2": 0, "r3": 30})  # r3 holds 30 of 35 blocks
     assert not history.opens_session and d.ranked[0] == "r3"
     with pytest.raises(ValueError, match="session_balance"):
         KVAwarePolicy(session_balance=0.5)
+
+
+def test_routers_sharing_counts_of_conversation_starts_balance_together():
+    """Eight router processes (Ray Serve runs one per handle-holding process) each placing two new
+    conversations, all preferring the replica holding the system prompt: counted per router, every router
+    starts its two on the same two cheapest replicas; with the counts the index shares
+    (``ReplicaLoad.sessions``) the fleet ends within the bound."""
+    system = list(range(160))
+
+    def place(shared: bool) -> list[int]:
+        starts = Counter()
+        routers = [KVAwarePolicy() for _ in range(8)]
+        for i in range(16):
+            policy = routers[i % 8]
+            req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
+            reps = replicas(4)
+            for r in reps:
+                r.sessions = float(starts[r.replica_id]) if shared else None
+            rid = policy.rank(req, reps, {"r0": 10, "r1": 1, "r2": 0, "r3": 0}).ranked[0]
+            policy.on_routed(req, rid)
+            starts[rid] += 1
+        return [starts[f"r{i}"] for i in range(4)]
+
+    assert place(shared=False) == [8, 8, 0, 0]
+    shared = place(shared=True)
+    assert max(shared) <= 1.25 * 4 and min(shared) >= 3  # at most the bound's slack of one conversation
+
+
+def test_counts_of_conversation_starts_decay():
+    now = [0.0]
+    counts = DecayingCounts(10.0, clock=lambda: now[0])
+    counts.add("r0")
+    counts.add("r0")
+    now[0] = 10.0
+    assert counts.get("r0") == pytest.approx(2 * math.exp(-1))
+    counts.add("r0")
+    assert counts.get("r0") == pytest.approx(2 * math.exp(-1) + 1) and counts.get("r1") == 0.0
+    with pytest.raises(ValueError, match="session_decay_s"):
+        DecayingCounts(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from router.hashing import hash_blocks, model_seed
 from router.index_publisher import KVIndexPublisher
 from router.index_schema import block_key, index_prefix
+from router.prefix_index import PrefixIndex
 from tests.index_helpers import entries_of_slot, lookup
 
 MODEL = "m"
@@ -217,3 +219,36 @@ def test_nothing_from_redis_or_the_network_is_unpickled_or_evaluated():
             for path in (root / package).rglob("*.py") if "_pb2" not in path.name
             for n, line in enumerate(path.read_text().splitlines(), 1) if risky.search(line)]  # fmt: skip
     assert not hits, hits
+
+
+def test_conversation_starts_are_shared_decay_and_go_with_the_replica(redis_server, request):
+    """Every router sees the conversations any router started on a replica (bounded-load placement), the
+    counts fade with age, and a replica that leaves takes its count with it."""
+    dep = request.node.name
+    cache = FakeCache()
+    a, b = make_publisher(redis_server.url, dep, "a", cache), make_publisher(redis_server.url, dep, "b", cache)
+    assert a.wait_synced(5) and b.wait_synced(5)
+    ids = [a.replica_id, b.replica_id]
+
+    async def go():
+        router_1 = PrefixIndex(redis_server.url, dep, MODEL, timeout_s=0.5, session_decay_s=2.0)
+        router_2 = PrefixIndex(redis_server.url, dep, MODEL, timeout_s=0.5, session_decay_s=2.0)
+        try:
+            assert (await router_2.lookup_with_starts(CHAINS[0], ids))[1] == {a.replica_id: 0.0, b.replica_id: 0.0}
+            for _ in range(3):
+                assert await router_1.start_session(a.replica_id)
+            assert await router_2.start_session(a.replica_id)
+            hits, starts = await router_2.lookup_with_starts(CHAINS[0], ids)
+            assert hits == {a.replica_id: 0, b.replica_id: 0}
+            assert starts[a.replica_id] == pytest.approx(4.0, abs=0.05) and starts[b.replica_id] == 0.0
+            await asyncio.sleep(1.4)  # 0.7 time constants: exp(-0.7) = 0.50
+            assert (await router_1.lookup_with_starts(CHAINS[0], ids))[1][a.replica_id] == pytest.approx(2.0, abs=0.3)
+        finally:
+            await router_1.close()
+            await router_2.close()
+
+    asyncio.run(go())
+    a.close()
+    field = a.replica_id.encode()
+    assert field not in redis.Redis.from_url(redis_server.url).hgetall(index_prefix(dep, MODEL) + "ss")
+    b.close()

@@ -4,8 +4,10 @@
 -- Predictions (p:<block key> -> replica id, short TTL, written by routers right after routing) are
 -- checked at checkpoint depths 1, 2, 4, ... and the chain's end: a sibling of a request routed moments
 -- ago counts as a hit on that replica before its KV events arrive, from any router process.
--- Returns { hits, missing, dead }: hits = flat pairs (candidate position, count) for counts > 0; missing =
--- positions of candidates with no live heartbeat; dead = ids of those still registered (to purge).
+-- Returns { hits, missing, dead, starts, now }: hits = flat pairs (candidate position, count) for counts > 0;
+-- missing = positions of candidates with no live heartbeat; dead = ids of those still registered (to
+-- purge); starts = each candidate's "<count> <seconds>" of conversation starts (session.lua) or nil; now =
+-- Redis' clock in seconds, as a string, to decay them against.
 -- Live candidates in neither list hold 0 blocks. Sparse replies keep the client's parsing cost flat in
 -- the number of candidates.
 --
@@ -94,4 +96,6 @@ for _, k in ipairs(live) do
     hits[#hits + 1] = counts[k]
   end
 end
-return { hits, missing, dead }
+local starts = #hb > 0 and redis.call('HMGET', p .. 'ss', unpack(ARGV, 3)) or {}
+local t = redis.call('TIME')
+return { hits, missing, dead, starts, t[1] .. '.' .. string.format('%06d', tonumber(t[2])) }

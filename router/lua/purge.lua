@@ -12,7 +12,10 @@ if slot == '' then
     slot = redis.call('HGET', p .. 'reg', id)
     forget = true
   end
-  if not slot then return 1 end
+  if not slot then
+    redis.call('HDEL', p .. 'ss', id) -- its conversation starts (session.lua) go with it
+    return 1
+  end
 end
 local log, cursor_key = p .. 'log:' .. slot, p .. 'purge:' .. slot
 local cursor = tonumber(redis.call('GET', cursor_key) or '0')
