@@ -387,15 +387,20 @@ class LLMEngine:
     def load_report(self) -> dict:
         """What routers need to estimate a newcomer's wait here (Ray Serve ``record_routing_stats``)."""
         s = self.scheduler
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        waiting, running = tuple(s.waiting), tuple(s.running)  # one C-level copy each: a step may be running
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         pending += sum(
-            r.num_tokens - r.num_computed_tokens for r in s.running if r.num_computed_tokens < r.num_tokens - 1
+            r.num_tokens - r.num_computed_tokens for r in running if r.num_computed_tokens < r.num_tokens - 1
         )
         return {
             "pending_prefill_tokens": pending,
-            "num_running": len(s.running),
-            "num_waiting": len(s.waiting),
+            "num_running": len(running),
+            "num_waiting": len(waiting),
             "kv_usage": self.pool.usage,
+            # Blocks a newcomer could take once the queue ahead of it is admitted: routers must not send a
+            # long prompt where it would wait for running sequences to finish while another pool has room.
+            "kv_free_blocks": self.pool.num_free - sum(-(-r.num_tokens // self.block_size) for r in waiting),
+            "kv_total_blocks": self.num_blocks,
             "cache_fill": self.pool.fill,
             # Unmeasured rates are left out: the router then assumes what the replica's peers measured.
             "prefill_tok_s": self.rates.prefill_tok_s if self.rates.prefill_measured else None,

@@ -58,6 +58,10 @@ class ReplicaLoad:
     inflight_requests: int = 0
     """Routed by this router since the replica's last report."""
     inflight_prefill_tokens: int = 0
+    kv_free_blocks: int | None = None
+    """KV blocks a newcomer could take after the replica's queue (free or evictable, less what waiting
+    prompts need); None when not reported: room is then assumed."""
+    kv_total_blocks: int | None = None
     sessions: float | None = None
     """Conversations recently started here by every router (shared through the index, decaying); None when
     the index did not say, and the policy counts only its own."""
@@ -75,6 +79,23 @@ class ReplicaLoad:
         excess = max(0, self.load + 1 - self.max_num_seqs)
         slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
         return prefill + running * (self.decode_token_s or DEFAULT_DECODE_TOKEN_S) + slot_wait
+
+    def kv_wait_s(self, tokens: int, block_size: int) -> float:
+        """Seconds a newcomer needing ``tokens`` of new KV would wait for running sequences to free blocks.
+
+        Queued prefill (``queue_s``) does not show it: a replica whose one running request is decoding has
+        an empty queue but may have no room for a long prompt, which then waits for that request to finish
+        while another replica's pool sits empty. Running sequences finish spread over one decode lifetime
+        (``mean_output_tokens`` steps), so freeing a fraction f of the pinned blocks takes ~f of it.
+        """
+        if self.kv_free_blocks is None or not self.kv_total_blocks:
+            return 0.0
+        free = self.kv_free_blocks - self.inflight_prefill_tokens / block_size  # routed since the report
+        shortfall = -(-tokens // block_size) - free
+        if shortfall <= 0:
+            return 0.0
+        pinned = max(self.kv_total_blocks - self.kv_free_blocks, 1)
+        return min(shortfall / pinned, 1.0) * self.mean_output_tokens * self.step_s
 
     @property
     def load(self) -> int:
@@ -103,9 +124,13 @@ class RoutingPolicy(Protocol):
 class KVAwarePolicy:
     """Ours: minimise the expected time to first token, in seconds.
 
-    ``cost(r) = queue_s(r) + w(r) * uncached_tokens(r) / prefill_rate(r)
-               + decode_weight * mean_output_tokens(r) * load(r) * decode_token_s(r)``,
-    ``w(r) = 1 + (miss_weight - 1) * cache_fill(r)``
+    ``cost(r) = queue_s(r) + kv_wait_s(r) + uncached_tokens(r) / prefill_rate(r)
+               + (miss_weight - 1) * cache_fill(r) * uncached_tokens(r) / median_prefill_rate
+               + decode_weight * mean_output_tokens(r) * load(r) * decode_token_s(r)``
+
+    The churn term (the fourth) prices the blocks a miss evicts at the fleet's median rate, not at the
+    replica's own: it counts blocks, and priced per replica it would multiply small differences in
+    measured speed by ``miss_weight`` until they outweighed real waits (a full pool, a queue).
 
     The last term is what the newcomer's generation will lose to sharing every decode step with the
     ``load(r)`` sequences already there (``decode_token_s`` is the replica's measured marginal cost of one
@@ -116,7 +141,7 @@ class KVAwarePolicy:
 
     A miss is weighted more than its own prefill time because it also copies the prefix onto a second
     replica, evicting other prefixes there, which later requests then miss. That cost exists only where
-    the cache is full: on a replica with empty blocks a miss costs just its own prefill (``w = 1``), so
+    the cache is full: on a replica with empty blocks a miss costs just its own prefill, so
     while caches have room, new conversations spread over the replicas instead of herding onto whichever
     first cached the shared system prompt. The full-cache weight, 16x by default, comes from the trace
     simulator (``benchmarks/simulate.py``, Mooncake conversation trace, 16 replicas x 3,000 blocks, linear
@@ -184,14 +209,16 @@ class KVAwarePolicy:
             known = max((hits.get(rid, 0) for rid in ids), default=0)  # extend the index, never contradict it
             hits = {rid: max(hits.get(rid, 0), predicted[rid] if predicted[rid] > known else 0) for rid in ids}
         costs = {}
+        rates = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)
+        median_rate = rates[len(rates) // 2]
         for r in replicas:
             cached = min(hits.get(r.replica_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
             uncached = req.num_tokens - cached
             fill = min(max(r.cache_fill, 0.0), 1.0)
-            weight = min(self.miss_weight, 1.0) + max(self.miss_weight - 1.0, 0.0) * fill
-            prefill_s = weight * uncached / max(r.prefill_tok_s or 1.0, 1e-6)
+            prefill_s = min(self.miss_weight, 1.0) * uncached / max(r.prefill_tok_s or 1.0, 1e-6)
+            prefill_s += max(self.miss_weight - 1.0, 0.0) * fill * uncached / median_rate  # churn, in blocks
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_token_s or 0.0)
-            costs[r.replica_id] = r.queue_s + prefill_s + decode_s
+            costs[r.replica_id] = r.queue_s + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
