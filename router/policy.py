@@ -32,7 +32,8 @@ class RouteRequest:
     block_size: int = 16
     session_id: str | None = None
     opens_session: bool = False
-    """Set by ``KVAwarePolicy.rank``: no replica holds this request's own history (a new conversation)."""
+    """Set by ``KVAwarePolicy.rank``: a new conversation on a shared prefix (some replica holds part of the
+    prompt, none holds half of it: its own history)."""
 
 
 @dataclass
@@ -155,16 +156,20 @@ class KVAwarePolicy:
     herd onto whichever replica first cached the system prompt. When the index cannot answer,
     the policy falls back to the prefix-ownership it remembers from its own recent decisions, then to load.
 
-    New conversations are also placed with bounded loads (consistent hashing with bounded loads, Mirrokni
-    et al.): a replica that already started its fair share of the recent conversations, plus the whole
-    conversations ``session_balance`` x that share allows beyond it, is ranked after the others. Counts are
-    shared by every router process through the index (each router bounding only its own share let two
-    routers fill the same replicas and leave one empty) and decay over ``session_decay_s``, so a replica
-    added later is not flooded until it catches up with the lifetime totals of the others.
+    New conversations on a shared prefix (some replica holds part of the prompt, none holds half) are also
+    placed with bounded loads (consistent hashing with bounded loads, Mirrokni et al.): a replica that
+    already started its fair share of the recent conversations, plus the whole conversations
+    ``session_balance`` x that share allows beyond it, is ranked after the others. Counts are shared by
+    every router process through the index (each router bounding only its own share let two routers fill
+    the same replicas and leave one empty) and decay over ``session_decay_s``, so a replica added later
+    is not flooded until it catches up with the lifetime totals of the others.
     Conversations stick to where their history is, so where they start decides the long-run load; the
     cheapest replica by cost alone is usually one holding the shared system prompt, and without the bound
     those few replicas collect every conversation (4 replicas on this repo's real-cluster chat benchmark:
-    36/28/0/0 requests). 0 turns the bound off.
+    36/28/0/0 requests). A prompt no replica holds any of is placed by cost alone: no cached prefix pulls
+    such prompts together, queues and KV room spread them, and counting them would hand a replica the
+    autoscaler just added every one of them until its count caught up (measured: two clients queued on the
+    new replica for a minute while the old one idled). 0 turns the bound off.
     """
 
     name = "kv_aware"
@@ -223,7 +228,8 @@ class KVAwarePolicy:
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
         holder_share = hits.get(holder, 0) * req.block_size / max(req.num_tokens, 1)
-        req.opens_session = holder_share < 0.5  # a conversation's own history, not just a shared system prompt
+        # A new conversation on a shared prefix (a system prompt): some replica holds part of it, none its history.
+        req.opens_session = 0 < holder_share < 0.5
         if not req.opens_session and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
         if req.opens_session and self.session_balance:

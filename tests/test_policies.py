@@ -270,3 +270,16 @@ def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     assert KVAwarePolicy().rank(req, [full, empty], {"r0": 0, "r1": 0}).ranked[0] == "r1"
     unreported = ReplicaLoad("r0", prefill_tok_s=500, num_running=1)  # an old replica: room assumed
     assert unreported.kv_wait_s(640, 16) == 0.0
+
+
+def test_prompts_sharing_nothing_go_by_cost_not_by_the_conversation_bound():
+    """A replica just added has started no conversations. A prompt nobody holds any of must still go where
+    it waits least, not to the newcomer because of its count; one on a shared system prompt is bounded."""
+    old = ReplicaLoad("r0", prefill_tok_s=2000, sessions=12.0)  # idle, many conversations started
+    new = ReplicaLoad("r1", prefill_tok_s=2000, sessions=0.0, pending_prefill_tokens=4000)  # busy prefilling
+    fresh = request(list(range(50_000, 50_400)))
+    assert KVAwarePolicy().rank(fresh, [old, new], {"r0": 0, "r1": 0}).ranked[0] == "r0"
+    assert not fresh.opens_session
+    on_system_prompt = request(list(range(160)) + list(range(60_000, 60_400)))
+    assert KVAwarePolicy().rank(on_system_prompt, [old, new], {"r0": 10, "r1": 0}).ranked[0] == "r1"
+    assert on_system_prompt.opens_session
