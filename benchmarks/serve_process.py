@@ -22,16 +22,24 @@ from cluster.embedded_redis import free_port
 
 
 class ServeProcess:
+    PORT_RETRIES = 2
+    """Relaunches, on fresh ports, when a port picked free was taken before the server bound it (Ray's own
+    processes start in between and bind ports of their choosing)."""
+
     def __init__(self, args: list[str], log: Path | None = None) -> None:
+        self.args = args
+        self.log = log or Path(tempfile.mkstemp(prefix="kvmesh-serve-", suffix=".log")[1])
+        self.descendants: set[int] = set()
+        self._launch()
+
+    def _launch(self) -> None:
         self.http, self.grpc = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http}"
-        self.log = log or Path(tempfile.mkstemp(prefix="kvmesh-serve-", suffix=".log")[1])
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a cluster of its own
         env.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.http), "--grpc-port", str(self.grpc)]
         self.started_at = time.perf_counter()
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        self.descendants: set[int] = set()
+        self.proc = subprocess.Popen([*cmd, *self.args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text()[-n:]
@@ -39,8 +47,14 @@ class ServeProcess:
     def wait_ready(self, timeout_s: float = 300) -> float:
         """Seconds from launch until the server printed that it is ready."""
         deadline = time.monotonic() + timeout_s
+        retries = self.PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if retries and "Failed to bind to address" in self.log.read_text():
+                    retries -= 1
+                    print(f"port {self.http} or {self.grpc} was taken meanwhile: relaunching", file=sys.stderr)
+                    self._launch()
+                    continue
                 raise RuntimeError(f"kvmesh serve exited with {self.proc.returncode}:\n{self.tail()}")
             self.remember_processes()
             if "kvmesh is ready" in self.log.read_text():
