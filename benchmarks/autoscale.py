@@ -1,7 +1,7 @@
 """Autoscaling under a KV-pressure step: KV-pressure autoscaling vs Ray Serve's request-count default.
 
-    kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2,ongoing_requests:8 \\
-        --rate 0.4 --base-s 40 --step-s 90 --repeats 2 --json benchmarks/results/autoscale.json
+    kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2 --repeats 2   # open loop, 0.4 req/s
+    kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2 --concurrency 2 --base-s 30 --repeats 2
 
 The same load runs against a fresh ``kvmesh serve`` per scaling policy (same model, engine limits, bounds,
 metric intervals and delays; only the policy differs). Requests arrive open loop (Poisson, same seed) at
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
     ap.add_argument("--long", type=int, default=640, help="prompt tokens during the step")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-replicas", type=int, default=3)
+    ap.add_argument("--max-replicas", type=int, default=2,
+                    help="2 on a 2-core machine: one 1-thread replica per core, as one per GPU in a pool")  # fmt: skip
     ap.add_argument("--num-kv-blocks", type=int, default=48,
                     help="KV pool per replica (16-token blocks); must hold 1.1 x --long + --max-tokens")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=16)
