@@ -158,7 +158,7 @@ class KVAwareRequestRouter(RequestRouter):
                     hits, starts = await self.index.lookup_with_starts(req.block_hashes, list(by_id))
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         loads = [self._load(r) for r in candidate_replicas]
-        if starts:  # plus this router's own starts not yet acknowledged by Redis (a burst sees itself)
+        if starts:  # plus this router's own starts not yet acknowledged by Redis
             for load in loads:
                 load.sessions = starts.get(load.replica_id, 0.0) + self._unacked_starts[load.replica_id]
         decision = self.policy.rank(req, loads, hits)
@@ -181,15 +181,16 @@ class KVAwareRequestRouter(RequestRouter):
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
         return [[by_id[rid]] for rid in ranked]
 
-    def _background(self, coro) -> None:
-        """Fire-and-forget on the router's loop (the hook itself must not block)."""
+    def _background(self, coro) -> bool:
+        """Fire-and-forget on the router's loop (the hook itself must not block); False if there is none."""
         try:
             task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:
             coro.close()
-            return
+            return False
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
         previous = self._inflight.get(rid)  # re-tracked when Ray fell back to a later choice
@@ -212,9 +213,8 @@ class KVAwareRequestRouter(RequestRouter):
         self.policy.on_routed(req, index_id)
         if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
             self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
-        if self.index is not None and req.opens_session:
-            self._unacked_starts[index_id] += 1
-            self._background(self._start_session(index_id))
+        if self.index is not None and req.opens_session and self._background(self._start_session(index_id)):
+            self._unacked_starts[index_id] += 1  # until Redis has it: a burst of new conversations sees itself
         if req.session_id:
             self._sessions[req.session_id] = index_id
             self._sessions.move_to_end(req.session_id)
