@@ -214,13 +214,13 @@ class KVAwarePolicy:
             known = max((hits.get(rid, 0) for rid in ids), default=0)  # extend the index, never contradict it
             hits = {rid: max(hits.get(rid, 0), predicted[rid] if predicted[rid] > known else 0) for rid in ids}
         costs = {}
-        rates = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)
-        median_rate = rates[len(rates) // 2]
+        rates = {r.replica_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
+        median_rate = sorted(rates.values())[len(rates) // 2]
         for r in replicas:
             cached = min(hits.get(r.replica_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
             uncached = req.num_tokens - cached
             fill = min(max(r.cache_fill, 0.0), 1.0)
-            prefill_s = min(self.miss_weight, 1.0) * uncached / max(r.prefill_tok_s or 1.0, 1e-6)
+            prefill_s = min(self.miss_weight, 1.0) * uncached / rates[r.replica_id]
             prefill_s += max(self.miss_weight - 1.0, 0.0) * fill * uncached / median_rate  # churn, in blocks
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_token_s or 0.0)
             costs[r.replica_id] = r.queue_s + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
@@ -268,6 +268,12 @@ class KVAwarePolicy:
         ]
 
 
+def decayed(count: float, age_s: float, tau_s: float) -> float:
+    """A count as it stands ``age_s`` after it was taken: the one fading rule of conversation counts (the
+    index's ``session.lua`` applies the same on writes)."""
+    return count * math.exp(-max(age_s, 0.0) / tau_s) if count else 0.0
+
+
 class DecayingCounts:
     """Counts per key that fade as ``exp(-age / tau)``: what happened recently, not since start-up.
 
@@ -283,7 +289,7 @@ class DecayingCounts:
 
     def get(self, key: str) -> float:
         count, at = self._counts.get(key, (0.0, 0.0))
-        return count * math.exp(-max(self.clock() - at, 0.0) / self.tau_s) if count else 0.0
+        return decayed(count, self.clock() - at, self.tau_s)
 
     def add(self, key: str, amount: float = 1.0) -> None:
         self._counts[key] = (self.get(key) + amount, self.clock())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 
 import redis.asyncio as aioredis
@@ -21,7 +20,7 @@ from redis.exceptions import RedisError
 
 from router.hashing import BlockHash
 from router.index_schema import block_key, chain_arg, index_prefix, script_source
-from router.policy import SESSION_DECAY_S
+from router.policy import SESSION_DECAY_S, decayed
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class PrefixIndex:
         for rid, value in zip(replica_ids, raw, strict=True):
             if value:
                 count, at = value.split()
-                counts[rid] = float(count) * math.exp(-max(now - float(at), 0.0) / self.session_decay_s)
+                counts[rid] = decayed(float(count), now - float(at), self.session_decay_s)
         return counts
 
     async def start_session(self, replica_id: str) -> bool:
