@@ -142,7 +142,8 @@ def serve_config(args: argparse.Namespace, policy: str) -> dict:
     return {
         "model": args.model, "replicas": 1, "min_replicas": 1, "max_replicas": args.max_replicas,
         "scaling_policy": name, "target_kv_util": args.target_kv_util, "autoscaling": autoscaling,
-        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "torch_threads": 1},
+        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "torch_threads": 1,
+                   **({"device": args.device} if args.device else {})},
     }  # fmt: skip
 
 
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=48,
                     help="KV pool per replica (16-token blocks); must hold 1.1 x --long + --max-tokens")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--device", default=None, help="replicas' device (default: cuda when present, else cpu)")
     ap.add_argument("--target-kv-util", type=float, default=0.7)
     ap.add_argument("--metrics-interval-s", type=float, default=1.0)
     ap.add_argument("--look-back-s", type=float, default=5.0)

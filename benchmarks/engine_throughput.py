@@ -2,10 +2,12 @@
 
 Workload (fixed seed): 64 requests, prompts of 64-512 random token ids, 32-128 output tokens each
 (``ignore_eos`` so every system produces exactly the requested tokens). Baselines on the same model and
-weights (fp32): HF ``generate`` one request at a time, and HF ``generate`` in static left-padded batches
-of 16 (each batch runs until its longest request is done; only requested tokens are counted).
+weights, device and dtype (fp32 on the CPU, bf16 on a GPU unless ``--dtype``): HF ``generate`` one request
+at a time, and HF ``generate`` in static left-padded batches of 16 (each batch runs until its longest
+request is done; only requested tokens are counted).
 
     python -m benchmarks.engine_throughput [--requests 64] [--repeats 3] [--model smollm2-135m]
+    python -m benchmarks.engine_throughput --device cuda --requests 256 --skip-sequential   # writes *_cuda.json
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ def run_ours(llm: LLM, prompts, olens) -> float:
     return sum(olens) / dt
 
 
+def _sync(hf) -> None:
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)
+
+
 @torch.inference_mode()
 def run_hf_sequential(hf, prompts, olens) -> float:
     t0 = time.perf_counter()
     for p, o in zip(prompts, olens, strict=True):
-        hf.generate(torch.tensor([p]), max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+        ids = torch.tensor([p], device=hf.device)
+        hf.generate(ids, max_new_tokens=o, min_new_tokens=o, do_sample=False, pad_token_id=0)
+    _sync(hf)
     return sum(olens) / (time.perf_counter() - t0)
 
 
@@ -54,10 +63,11 @@ def run_hf_static(hf, prompts, olens, batch: int = 16, pad: int = 0) -> float:
     for s in range(0, len(prompts), batch):
         chunk, outs = prompts[s : s + batch], olens[s : s + batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf.device)
         m = max(outs)
         hf.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=pad)
+    _sync(hf)
     return sum(olens) / (time.perf_counter() - t0)
 
 
@@ -67,11 +77,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slowest baseline")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     args = ap.parse_args()
 
     prompts, olens = workload(args.requests)
-    llm = LLM(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    device, dtype = llm.engine.runner.device, llm.engine.runner.dtype
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=dtype).to(device).eval()
     runs: dict[str, list[float]] = {"kvmesh engine": [], "HF static batch 16": [], "HF sequential": []}
     for r in range(args.repeats):
         runs["kvmesh engine"].append(run_ours(llm, prompts, olens))
@@ -85,8 +98,10 @@ def main() -> None:
     print()
     print_table(["system", "output tok/s (median)", "kvmesh speed-up"], rows)
     write_json(
-        "engine_throughput",
+        "engine_throughput" if device.type == "cpu" else f"engine_throughput_{device.type}",
         {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."),
             "workload": {"requests": args.requests, "prompt_tokens": [64, 512], "output_tokens": [32, 128], "seed": 0},
             "model": args.model,
             "repeats": args.repeats,

@@ -18,7 +18,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
 
-__all__ = ["AttentionMetadata", "attention_backend", "paged_attention", "store_kv"]
+__all__ = ["AttentionMetadata", "attention_backend", "check_block_size", "paged_attention", "store_kv"]
 
 BACKENDS = ("torch", "triton")
 log = logging.getLogger(__name__)
@@ -31,6 +31,20 @@ def attention_backend(device: torch.device) -> str:
             raise ValueError(f"KVMESH_ATTENTION_BACKEND must be one of {BACKENDS}, got {forced!r}")
         return forced
     return "triton" if device.type == "cuda" else "torch"
+
+
+def check_block_size(block_size: int, device: torch.device) -> None:
+    """Refuse at start-up a block size the device's kernels cannot run: the Triton kernels (CUDA) need
+    ``MIN_BLOCK_SIZE`` slots or more; found at the first step instead, every request would fail."""
+    if attention_backend(device) != "triton":
+        return
+    from kernels.triton_attention import MIN_BLOCK_SIZE
+
+    if block_size < MIN_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size {block_size} is too small for the Triton attention kernels on {device}: "
+            f"use {MIN_BLOCK_SIZE} or more (16 is the default)"
+        )
 
 
 @functools.cache

@@ -32,6 +32,8 @@ from kernels.quant import FP8_DTYPES, INT8_MAX
 
 FULL = 1 << 30
 """The ``window`` of full attention: further back than any context."""
+MIN_BLOCK_SIZE = 8
+"""The smallest cache block the kernels take: a store or tile spans at least this many slots."""
 
 
 def _quant_mode(cache: torch.Tensor) -> int:
@@ -197,8 +199,8 @@ def _check_cache(cache: torch.Tensor) -> None:
     if cache.stride(-1) != 1:
         raise ValueError("KV cache must be contiguous in head_dim")
     bs = cache.shape[1]
-    if bs < 8 or bs & (bs - 1):
-        raise ValueError(f"block size must be a power of two >= 8, got {bs}")
+    if bs < MIN_BLOCK_SIZE or bs & (bs - 1):
+        raise ValueError(f"block size must be a power of two >= {MIN_BLOCK_SIZE}, got {bs}")
 
 
 def _grid(cache: torch.Tensor) -> dict:

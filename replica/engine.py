@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import check_block_size
 from replica.block_pool import BlockPool
 from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
@@ -138,6 +139,7 @@ class LLMEngine:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         device = _pick_device(config.device)
+        check_block_size(config.block_size, device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         self.loaded = load_model(config.model, device, dtype, config.max_model_len)
         self.tokenizer = self.loaded.tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
@@ -47,17 +48,32 @@ def random_batch(
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((out.double() - expected).norm() / expected.norm())
+    return float((out.cpu().double() - expected).norm() / expected.norm())
+
+
+def to_device(meta: AttentionMetadata, device) -> AttentionMetadata:
+    """The same batch description with its tensors on ``device`` (the CPU lists stay)."""
+    tensors = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+    return replace(meta, **{name: getattr(meta, name).to(device) for name in tensors})
 
 
 def check_against_reference(
-    store_kv, paged_attention, seed: int, case: int, dtype, tol: float, window: int | None = None, **shape
+    store_kv,
+    paged_attention,
+    seed: int,
+    case: int,
+    dtype,
+    tol: float,
+    window: int | None = None,
+    device: str = "cpu",
+    **shape,
 ) -> None:
     """Store a random batch's new K/V and attend with the implementation under test, against float64.
 
     Shapes are fresh per case: block 16/32, GQA ratio 1/3/4/8 by case, 1-2 KV heads, head_dim 64/128. The
     output starts as NaN, so any element the implementation forgets to write fails the comparison.
-    ``window``: sliding-window attention over the same batch.
+    ``window``: sliding-window attention over the same batch. ``device``: where the implementation under
+    test runs (the float64 reference always runs on the CPU).
     """
     from kernels.reference import paged_attention_reference, store_kv_reference
 
@@ -70,11 +86,11 @@ def check_against_reference(
     ref_kc, ref_vc = kc.clone(), vc.clone()
     store_kv_reference(k, v, ref_kc, ref_vc, meta.slot_mapping)
     expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale, window)
-    kc_t, vc_t = kc.to(dtype), vc.to(dtype)
-    store_kv(k.to(dtype), v.to(dtype), kc_t, vc_t, meta.slot_mapping)
-    assert torch.equal(kc_t, ref_kc.to(dtype)) and torch.equal(vc_t, ref_vc.to(dtype))
-    out = torch.full_like(q, float("nan"), dtype=dtype)
-    paged_attention(q.to(dtype), kc_t, vc_t, meta, scale, out=out, **({"window": window} if window else {}))
+    kc_t, vc_t, dmeta = kc.to(device, dtype), vc.to(device, dtype), to_device(meta, device)
+    store_kv(k.to(device, dtype), v.to(device, dtype), kc_t, vc_t, dmeta.slot_mapping)
+    assert torch.equal(kc_t.cpu(), ref_kc.to(dtype)) and torch.equal(vc_t.cpu(), ref_vc.to(dtype))
+    out = torch.full_like(q, float("nan"), dtype=dtype, device=device)
+    paged_attention(q.to(device, dtype), kc_t, vc_t, dmeta, scale, out=out, **({"window": window} if window else {}))
     err = relative_error(out, expected)
     assert err <= tol, f"relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"
 
@@ -84,7 +100,9 @@ def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return stored.double() * scale.double()[..., None]
 
 
-def check_quantized(store_kv, paged_attention, seed: int, case: int, kv_dtype: str, dtype, tol: float, **shape):
+def check_quantized(
+    store_kv, paged_attention, seed: int, case: int, kv_dtype: str, dtype, tol: float, device: str = "cpu", **shape
+):
     """Store into a quantized cache and attend over it with the implementation under test.
 
     Each stored value must be within rounding of its input (half a step for int8, half an ulp of the fp8
@@ -107,9 +125,10 @@ def check_quantized(store_kv, paged_attention, seed: int, case: int, kv_dtype: s
         stored, token_scales = quantize(c.view(-1, kvh, head_dim), storage, head_scale)
         scale = head_scale if token_scales is None else token_scales.view(c.shape[:-1]).clone()
         caches += [stored.view(c.shape).clone(), scale]
-    kc, ks, vc, vs = caches
-    k_in, v_in = k.to(dtype), v.to(dtype)
-    store_kv(k_in, v_in, kc, vc, meta.slot_mapping, ks, vs)
+    kc, ks, vc, vs = (c.to(device) for c in caches)
+    k_in, v_in, dmeta = k.to(device, dtype), v.to(device, dtype), to_device(meta, device)
+    store_kv(k_in, v_in, kc, vc, dmeta.slot_mapping, ks, vs)
+    kc, ks, vc, vs, k_in, v_in = (c.cpu() for c in (kc, ks, vc, vs, k_in, v_in))
     slots = meta.slot_mapping
     for x, cache, scale in ((k_in, kc, ks), (v_in, vc, vs)):
         stored = cache.view(-1, kvh, head_dim)[slots]
@@ -122,7 +141,8 @@ def check_quantized(store_kv, paged_attention, seed: int, case: int, kv_dtype: s
             bound = torch.maximum(x.double().abs() * info.eps / 2, s[..., None] * info.smallest_normal * info.eps)
         assert bool((err <= bound * 1.001 + 1e-12).all()), f"{kv_dtype}: stored value off by more than rounding"
     expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, head_dim**-0.5)
-    out = torch.full_like(q, float("nan"), dtype=dtype)
-    paged_attention(q.to(dtype), kc, vc, meta, head_dim**-0.5, out=out, k_scale=ks, v_scale=vs)
+    out = torch.full_like(q, float("nan"), dtype=dtype, device=device)
+    on = [c.to(device) for c in (kc, vc, ks, vs)]
+    paged_attention(q.to(device, dtype), on[0], on[1], dmeta, head_dim**-0.5, out=out, k_scale=on[2], v_scale=on[3])
     err = relative_error(out, expected)
     assert err <= tol, f"{kv_dtype}: relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"

@@ -68,3 +68,15 @@ def test_backend_dispatch(monkeypatch):
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError):
         attention_backend(torch.device("cpu"))
+
+
+def test_block_size_the_device_kernels_cannot_run_is_refused_at_start(monkeypatch):
+    """The Triton kernels (CUDA) need 8-slot blocks: an engine configured smaller must fail at start-up
+    with the reason, not at its first step with every request."""
+    from kernels import check_block_size
+
+    check_block_size(4, torch.device("cpu"))  # the torch path takes any power of two
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    check_block_size(8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="block_size 4 is too small for the Triton attention kernels"):
+        check_block_size(4, torch.device("cpu"))

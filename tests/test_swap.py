@@ -12,7 +12,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 def _run(model_dir, **kwargs):
-    llm = LLM(str(model_dir), **kwargs)
+    llm = LLM(str(model_dir), dtype="float32", **kwargs)  # the block sizes below are fp32's, on any device
     outs = llm.generate(PROMPTS, GREEDY)
     llm.engine.check_integrity()
     return [o.token_ids for o in outs], llm.engine.stats(), llm.engine
@@ -57,7 +57,7 @@ def test_recompute_mode_and_a_full_swap_space_recompute(tiny_llama_dir, unpressu
 
 def test_auto_mode_swaps_long_sequences_and_recomputes_short_ones(tiny_llama_dir):
     """The cost model: two copies of a sequence's bytes at the measured host bandwidth vs its prefill."""
-    engine = LLM(str(tiny_llama_dir), num_kv_blocks=32).engine
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=32, dtype="float32").engine
     swap = engine.swap
     assert swap.num_blocks == 16 and swap.block_bytes == 8192  # half the pool; 16 x 2 x 2 x 2 x 16 x 4 B
     swap.copy_bytes_s, engine.rates.prefill_tok_s = 1e9, 1e5  # 16 us to move a block out and back; 10 us/token
