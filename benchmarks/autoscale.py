@@ -2,12 +2,17 @@
 
     kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2 --repeats 2   # open loop, 0.4 req/s
     kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2 --concurrency 2 --base-s 30 --repeats 2
+    kvmesh bench autoscale --policies kv_pressure,ongoing_requests:2 --concurrency 2 --base-s 30 \
+        --ramp-s 90 --step-s 150 --repeats 2   # prompts grow over 90 s instead of jumping
 
 The same load runs against a fresh ``kvmesh serve`` per scaling policy (same model, engine limits, bounds,
 metric intervals and delays; only the policy differs). Requests arrive open loop (Poisson, same seed) at
 a steady rate; for ``--base-s`` their prompts are short, then for ``--step-s`` they are long: the request
 rate hardly changes but each request needs many more KV blocks, the shift agent and long-context traffic
-makes. ``--concurrency C`` runs it closed loop instead: C clients, each sending its next request when
+makes. ``--ramp-s R`` grows the prompts linearly from short to long over the first R seconds of the step
+instead (context growing over an agent session, a shift of traffic that takes minutes): KV demand then
+rises before the pool is full, which is when a KV signal can act and a queue-length signal cannot yet.
+``--concurrency C`` runs it closed loop instead: C clients, each sending its next request when
 the previous one is answered (agents), so the number of requests in flight stays C while their KV
 demand steps up. ``ongoing_requests:T`` is Ray's default policy with ``target_ongoing_requests=T`` (Ray's default T
 is 2). Measured per policy: time from the step to the first request served by a replica that did not
@@ -41,8 +46,9 @@ POLICIES = "kv_pressure,ongoing_requests:2,ongoing_requests:8"
 
 
 class StepPrompts:
-    """Prompts of ``short`` tokens before ``base_s`` and ``long`` ones after (±10%), for sessions created at
-    time ``t``. Token ids are random, so no request reuses another's prefix: only KV demand changes."""
+    """Prompts of ``short`` tokens before ``base_s`` and ``long`` ones after (±10%; growing linearly over
+    ``ramp_s`` first), for sessions created at time ``t``. Token ids are random, so no request reuses
+    another's prefix: only KV demand changes."""
 
     def __init__(self, seed: int, args: argparse.Namespace, vocab: int = 49152) -> None:
         self.rng, self.args, self.vocab = random.Random(seed), args, vocab
@@ -52,7 +58,8 @@ class StepPrompts:
         a = self.args
         if t >= a.base_s + a.step_s:
             return None
-        n = a.long if t >= a.base_s else a.short
+        n = a.short + (a.long - a.short) * min(1.0, (t - a.base_s) / a.ramp_s if a.ramp_s else 1.0)
+        n = a.short if t < a.base_s else round(n)
         n = self.rng.randint(int(0.9 * n), int(1.1 * n))
         ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
         session = Session(f"s{len(self.sessions)}", t, [Step(token_ids=ids, max_tokens=a.max_tokens)], chat=False,
@@ -177,7 +184,7 @@ def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
     top.set_ylabel("replicas serving")
     bottom.set_ylabel("TTFT (s)")
     bottom.set_yscale("log")
-    bottom.set_xlabel("seconds since the load started (dashed: long prompts begin)")
+    bottom.set_xlabel("seconds since the load started (dashed: prompts start growing)")
     top.legend()
     top.set_title("KV-pressure step: replicas and TTFT by scaling policy")
     save_figure(fig, path)
@@ -191,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=0.4, help="request arrivals per second (Poisson)")
     ap.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients instead")
     ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
-    ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts")
+    ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts (the ramp included)")
+    ap.add_argument("--ramp-s", type=float, default=0.0,
+                    help="grow the prompts from --short to --long over this many seconds (0: a step)")  # fmt: skip
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
     ap.add_argument("--long", type=int, default=640, help="prompt tokens during the step")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -214,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     policies = [p for p in args.policies.split(",") if p]
+    if not 0 <= args.ramp_s <= args.step_s:
+        ap.error("--ramp-s must be between 0 and --step-s")
     if int(1.1 * args.long) + args.max_tokens > 16 * args.num_kv_blocks:
         ap.error("the longest prompt plus --max-tokens must fit one replica's KV pool (--num-kv-blocks)")
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))

@@ -111,6 +111,9 @@ class Decision:
     """Why the first was chosen: hit, load_override, miss, index_unavailable, ... (counted in metrics)."""
     matched_blocks: int = 0
     costs: dict[str, float] = field(default_factory=dict)
+    tied: int = 1
+    """How many of the first ``ranked`` are interchangeable on what the router knows: the caller lets a
+    fresher signal choose among them (Ray probes their live queue lengths)."""
 
 
 class RoutingPolicy(Protocol):
@@ -170,6 +173,16 @@ class KVAwarePolicy:
     such prompts together, queues and KV room spread them, and counting them would hand a replica the
     autoscaler just added every one of them until its count caught up (measured: two clients queued on the
     new replica for a minute while the old one idled). 0 turns the bound off.
+
+    Replicas that cache as much of the prompt as the cheapest and cost at most ``tie_margin`` times the
+    request's own prefill time more are reported as tied (``Decision.tied``): the router's loads are up to
+    a report period old and miss what other routers sent since, so between such replicas a fresh count
+    is worth more than the estimate. The serve router offers them to Ray as one group; Ray probes their
+    queue lengths, which count every router's requests, and takes the shortest. Without it, two ingress
+    routers placing two agents' long prompts on two idle-looking replicas sent both to the same one for
+    14 of 83 requests after a scale-out (autoscaling benchmark, ramp), setting its p99; grouped within a
+    quarter of a prefill 9 of 81, within one prefill (the default: less than one request another router
+    may have sent) 8 of 90, and the p99 fell below the default policy's. 0 turns it off.
     """
 
     name = "kv_aware"
@@ -184,9 +197,10 @@ class KVAwarePolicy:
         memory_size: int = 65536,
         session_balance: float = 1.25,
         session_decay_s: float = SESSION_DECAY_S,
+        tie_margin: float = 1.0,
     ) -> None:
-        if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0:
-            raise ValueError("miss_weight, decode_weight and override_margin_s must be >= 0")
+        if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0 or tie_margin < 0:
+            raise ValueError("miss_weight, decode_weight, override_margin_s and tie_margin must be >= 0")
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
         self.session_balance = session_balance
@@ -196,6 +210,7 @@ class KVAwarePolicy:
         self.miss_weight = miss_weight
         self.decode_weight = decode_weight
         self.override_margin_s = override_margin_s
+        self.tie_margin = tie_margin
         self.predict_ttl_s = predict_ttl_s
         self._recent = _RecentOwners(memory_size)
         self._rng = random.Random()
@@ -213,14 +228,15 @@ class KVAwarePolicy:
             predicted = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
             known = max((hits.get(rid, 0) for rid in ids), default=0)  # extend the index, never contradict it
             hits = {rid: max(hits.get(rid, 0), predicted[rid] if predicted[rid] > known else 0) for rid in ids}
-        costs = {}
+        costs, own_prefill_s = {}, {}
         rates = {r.replica_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         median_rate = sorted(rates.values())[len(rates) // 2]
         for r in replicas:
             cached = min(hits.get(r.replica_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
             uncached = req.num_tokens - cached
             fill = min(max(r.cache_fill, 0.0), 1.0)
-            prefill_s = min(self.miss_weight, 1.0) * uncached / rates[r.replica_id]
+            own_prefill_s[r.replica_id] = uncached / rates[r.replica_id]
+            prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.replica_id]
             prefill_s += max(self.miss_weight - 1.0, 0.0) * fill * uncached / median_rate  # churn, in blocks
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_token_s or 0.0)
             costs[r.replica_id] = r.queue_s + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
@@ -232,8 +248,9 @@ class KVAwarePolicy:
         req.opens_session = 0 < holder_share < 0.5
         if not req.opens_session and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
+        capped: set[str] = set()
         if req.opens_session and self.session_balance:
-            ranked = self._bounded(ranked, {r.replica_id: r.sessions for r in replicas})
+            ranked, capped = self._bounded(ranked, {r.replica_id: r.sessions for r in replicas})
         best_hit = max((hits.get(r.replica_id, 0) for r in replicas), default=0)
         chosen_hit = hits.get(ranked[0], 0)
         if best_hit == 0:
@@ -242,15 +259,22 @@ class KVAwarePolicy:
             reason = "hit"
         else:
             reason = "load_override"
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs)
+        tied = 1
+        if self.tie_margin and ranked[0] not in capped:
+            limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
+            for rid in ranked[1:]:
+                if rid in capped or hits.get(rid, 0) != chosen_hit or costs[rid] > limit:
+                    break
+                tied += 1
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied)
 
     def on_routed(self, req: RouteRequest, replica_id: str) -> None:
         self._recent.record(req.block_hashes, replica_id)
         if req.opens_session:
             self._sessions.add(replica_id)
 
-    def _bounded(self, ranked: list[str], shared: dict[str, float | None]) -> list[str]:
-        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise).
+    def _bounded(self, ranked: list[str], shared: dict[str, float | None]) -> tuple[list[str], set[str]]:
+        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise), and them.
 
         The cap is the fair share rounded up, plus the slack ``session_balance`` allows only once it
         amounts to a whole conversation (rounded down): rounding the whole bound up instead lets a few
@@ -262,10 +286,8 @@ class KVAwarePolicy:
             counts = [self._sessions.get(rid) for rid in ranked]
         share = (sum(counts) + 1) / len(ranked)
         cap = max(math.ceil(share - 1e-9), math.floor(self.session_balance * share + 1e-9))
-        fits = [c + 1 <= cap + 1e-9 for c in counts]
-        return [rid for rid, ok in zip(ranked, fits, strict=True) if ok] + [
-            rid for rid, ok in zip(ranked, fits, strict=True) if not ok
-        ]
+        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + 1e-9}
+        return [rid for rid in ranked if rid not in full] + [rid for rid in ranked if rid in full], full
 
 
 def decayed(count: float, age_s: float, tau_s: float) -> float:

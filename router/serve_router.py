@@ -4,7 +4,8 @@ Every process holding a handle to the engine deployment (each ingress replica, e
 these. It reads the request's precomputed block hashes from the call's first argument (a dict built by
 the ingress, see ``route_request``), asks the shared Redis index once, combines the answer with each
 replica's reported load (``record_routing_stats``) and the requests it routed itself since that report,
-and returns replicas ranked best first, one per group, so Ray falls back to the next when one is full.
+and returns replicas ranked best first, one per group, so Ray falls back to the next when one is full;
+replicas the policy finds tied share the first group, for Ray to pick the one with the shortest live queue.
 
 It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
 in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
@@ -162,7 +163,7 @@ class KVAwareRequestRouter(RequestRouter):
             for load in loads:
                 load.sessions = starts.get(load.replica_id, 0.0) + self._unacked_starts[load.replica_id]
         decision = self.policy.rank(req, loads, hits)
-        ranked = decision.ranked
+        ranked, tied = decision.ranked, decision.tied
         previous = self._sessions.get(req.session_id) if req.session_id else None
         if (
             previous in by_id
@@ -170,7 +171,7 @@ class KVAwareRequestRouter(RequestRouter):
             and decision.costs
             and decision.costs[previous] - decision.costs[ranked[0]] <= getattr(self.policy, "override_margin_s", 0.005)
         ):
-            ranked = [previous, *(r for r in ranked if r != previous)]
+            ranked, tied = [previous, *(r for r in ranked if r != previous)], 1
             decision.reason = "session"
         self.decisions[decision.reason] += 1
         if pending_request is not None:
@@ -179,7 +180,9 @@ class KVAwareRequestRouter(RequestRouter):
             self._planned[rid] = (req, hits or {}, index_ids)
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
-        return [[by_id[rid]] for rid in ranked]
+        # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
+        # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours.
+        return [[by_id[rid] for rid in ranked[:tied]], *([by_id[rid]] for rid in ranked[tied:])]
 
     def _background(self, coro) -> bool:
         """Fire-and-forget on the router's loop (the hook itself must not block); False if there is none."""

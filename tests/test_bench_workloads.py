@@ -63,3 +63,25 @@ def test_pooled_bound_counts_reuse_like_the_engine():
     assert pooled_bound([(a, []), (a, [])], 16, 1) == 0.0
     # warm-up traffic fills the cache without being counted
     assert pooled_bound([(a, [])], 16, 100, prefill=[(a, [])]) == (3 * 16) / 64
+
+
+def test_autoscale_prompts_step_or_ramp_to_the_long_length():
+    """The autoscale benchmark's load: short prompts, then long ones at once (a step) or growing linearly
+    over ``ramp_s`` (a ramp), each within ±10% of its nominal length, token ids never shared."""
+    from argparse import Namespace
+
+    from benchmarks.autoscale import StepPrompts
+
+    args = Namespace(base_s=10.0, step_s=40.0, ramp_s=0.0, short=100, long=600, max_tokens=8)
+    step = StepPrompts(0, args)
+    lengths = {t: len(step(t).steps[0].token_ids) for t in (0.0, 9.9, 10.0, 49.9)}
+    assert 90 <= lengths[0.0] <= 110 and 90 <= lengths[9.9] <= 110
+    assert 540 <= lengths[10.0] <= 660 and 540 <= lengths[49.9] <= 660
+    assert step(50.0) is None  # the load ends after base + step
+    ramp = StepPrompts(0, Namespace(**{**vars(args), "ramp_s": 20.0}))
+    for t, nominal in ((5.0, 100), (10.0, 100), (15.0, 225), (20.0, 350), (25.0, 475), (30.0, 600), (45.0, 600)):
+        n = len(ramp(t).steps[0].token_ids)
+        assert int(0.9 * nominal) <= n <= int(1.1 * nominal), (t, n)
+    assert [s.labels["phase"] for s in ramp.sessions] == ["base", "step", "step", "step", "step", "step", "step"]
+    firsts = [s.steps[0].token_ids[:8] for s in ramp.sessions]
+    assert len({tuple(f) for f in firsts}) == len(firsts)

@@ -62,10 +62,14 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
         router.on_request_completed(reps[2].replica_id, "q1")
         assert router._load(reps[2]).inflight_requests == 0
         miss = await router.choose_replicas(reps, pending([9] * 300, 2))
-        assert router.decisions["miss"] == 1 and len(miss) == 3
+        # A miss on three idle-looking replicas: tied, one group, so Ray's live queue probe picks among them.
+        assert router.decisions["miss"] == 1 and len(miss) == 1 and len(miss[0]) == 3
         no_info = await router.choose_replicas(reps, SimpleNamespace(args=["not a dict"], metadata=None,
                                                                      routing_context=SimpleNamespace()))  # fmt: skip
         assert len(no_info) == 3 and router.decisions["no_routing_info"] == 1
+        reps[1].routing_stats = {**reps[1].routing_stats, "num_running": 1, "pending_prefill_tokens": 640}
+        split = await router.choose_replicas(reps, pending([8] * 300, 3))  # u1's report shows 0.64 s queued
+        assert [len(g) for g in split] == [2, 1] and split[1][0] is reps[1]
         await router.index.close()
 
     asyncio.run(main())
