@@ -182,7 +182,9 @@ class KVAwarePolicy:
     routers placing two agents' long prompts on two idle-looking replicas sent both to the same one for
     14 of 83 requests after a scale-out (autoscaling benchmark, ramp), setting its p99; grouped within a
     quarter of a prefill 9 of 81, within one prefill (the default: less than one request another router
-    may have sent) 8 of 90, and the p99 fell below the default policy's. 0 turns it off.
+    may have sent) 8 of 90, and the p99 fell below the default policy's. Replicas this router itself just
+    sent different numbers of requests are never tied: those may not have arrived where a probe counts.
+    0 turns it off.
     """
 
     name = "kv_aware"
@@ -262,8 +264,11 @@ class KVAwarePolicy:
         tied = 1
         if self.tie_margin and ranked[0] not in capped:
             limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
+            # Requests this router sent that no probe can see yet (not arrived): never tie across them, or a
+            # burst of concurrent decisions would all probe zeros and pile onto one replica.
+            own = {r.replica_id: r.inflight_requests for r in replicas}
             for rid in ranked[1:]:
-                if rid in capped or hits.get(rid, 0) != chosen_hit or costs[rid] > limit:
+                if rid in capped or hits.get(rid, 0) != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
                     break
                 tied += 1
         return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied)

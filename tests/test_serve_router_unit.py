@@ -67,6 +67,11 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
         no_info = await router.choose_replicas(reps, SimpleNamespace(args=["not a dict"], metadata=None,
                                                                      routing_context=SimpleNamespace()))  # fmt: skip
         assert len(no_info) == 3 and router.decisions["no_routing_info"] == 1
+        # q2 is ours, in flight where no probe counts it yet: a concurrent miss is never tied with its replica.
+        burst = await router.choose_replicas(reps, pending([7] * 300, 4))
+        assert len(burst[0]) == 2 and miss[0][0] not in burst[0]
+        router.on_request_completed(miss[0][0].replica_id, "q2")
+        router.on_request_completed(burst[0][0].replica_id, "q4")
         reps[1].routing_stats = {**reps[1].routing_stats, "num_running": 1, "pending_prefill_tokens": 640}
         split = await router.choose_replicas(reps, pending([8] * 300, 3))  # u1's report shows 0.64 s queued
         assert [len(g) for g in split] == [2, 1] and split[1][0] is reps[1]
