@@ -225,17 +225,17 @@ def test_replicas_interchangeable_on_what_the_router_knows_are_reported_tied():
     req = request(list(range(640)))
     reps = replicas(4)
     reps[3].pending_prefill_tokens = 2000  # 1 s queued: more than this request's own 0.32 s prefill
-    d = KVAwarePolicy().rank(req, reps, {})
+    d = KVAwarePolicy(tie_margin=1.0).rank(req, reps, {})
     assert d.tied == 3 and set(d.ranked[:3]) == {"r0", "r1", "r2"} and d.ranked[3] == "r3"
-    assert KVAwarePolicy(tie_margin=0).rank(req, reps, {}).tied == 1
+    assert KVAwarePolicy().rank(req, reps, {}).tied == 1  # off by default
     reps[1].prefill_tok_s = 1000  # 0.64 s vs 0.32 s: less than one request another router may have sent
-    assert KVAwarePolicy().rank(req, reps, {}).tied == 3
+    assert KVAwarePolicy(tie_margin=1.0).rank(req, reps, {}).tied == 3
     reps[1].prefill_tok_s = 600  # 1.07 s: outside
-    assert KVAwarePolicy().rank(req, reps, {}).tied == 2
-    hit = KVAwarePolicy().rank(req, replicas(3), {"r0": 0, "r1": 30, "r2": 30})
+    assert KVAwarePolicy(tie_margin=1.0).rank(req, reps, {}).tied == 2
+    hit = KVAwarePolicy(tie_margin=1.0).rank(req, replicas(3), {"r0": 0, "r1": 30, "r2": 30})
     assert hit.tied == 2 and set(hit.ranked[:2]) == {"r1", "r2"}  # equal holders tie; misses stay apart
     system = list(range(160))
-    policy = KVAwarePolicy()
+    policy = KVAwarePolicy(tie_margin=1.0)
     for i in range(3):  # three conversations start on r1, r2, r3; the cap (ceil(4/4) = 1) then bars them
         new = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
         policy.rank(new, replicas(4), {"r0": 10, "r1": 10, "r2": 10, "r3": 10})  # marks it a conversation start

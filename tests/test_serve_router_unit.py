@@ -53,7 +53,7 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
     reps = replicas(3, prefill_tok_s=1000.0)
 
     async def main():
-        router = make_router(redis_server.url)
+        router = make_router(redis_server.url, policy_kwargs={"tie_margin": 1.0})
         req = pending([*tokens, 1, 2, 3], 1)
         ranked = await router.choose_replicas(reps, req)
         assert ranked[0][0].replica_id.unique_id == "u2" and req.routing_context.should_backoff
