@@ -58,8 +58,8 @@ class StepPrompts:
         a = self.args
         if t >= a.base_s + a.step_s:
             return None
-        n = a.short + (a.long - a.short) * min(1.0, (t - a.base_s) / a.ramp_s if a.ramp_s else 1.0)
-        n = a.short if t < a.base_s else round(n)
+        grown = min(1.0, (t - a.base_s) / a.ramp_s) if a.ramp_s else 1.0  # share of the way to long
+        n = a.short if t < a.base_s else round(a.short + (a.long - a.short) * grown)
         n = self.rng.randint(int(0.9 * n), int(1.1 * n))
         ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
         session = Session(f"s{len(self.sessions)}", t, [Step(token_ids=ids, max_tokens=a.max_tokens)], chat=False,

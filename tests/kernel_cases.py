@@ -125,10 +125,10 @@ def check_quantized(
         stored, token_scales = quantize(c.view(-1, kvh, head_dim), storage, head_scale)
         scale = head_scale if token_scales is None else token_scales.view(c.shape[:-1]).clone()
         caches += [stored.view(c.shape).clone(), scale]
-    kc, ks, vc, vs = (c.to(device) for c in caches)
+    on = [c.to(device) for c in caches]  # k cache, k scales, v cache, v scales where the kernels run
     k_in, v_in, dmeta = k.to(device, dtype), v.to(device, dtype), to_device(meta, device)
-    store_kv(k_in, v_in, kc, vc, dmeta.slot_mapping, ks, vs)
-    kc, ks, vc, vs, k_in, v_in = (c.cpu() for c in (kc, ks, vc, vs, k_in, v_in))
+    store_kv(k_in, v_in, on[0], on[2], dmeta.slot_mapping, on[1], on[3])
+    kc, ks, vc, vs, k_in, v_in = (c.cpu() for c in (*on, k_in, v_in))
     slots = meta.slot_mapping
     for x, cache, scale in ((k_in, kc, ks), (v_in, vc, vs)):
         stored = cache.view(-1, kvh, head_dim)[slots]
@@ -142,7 +142,6 @@ def check_quantized(
         assert bool((err <= bound * 1.001 + 1e-12).all()), f"{kv_dtype}: stored value off by more than rounding"
     expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, head_dim**-0.5)
     out = torch.full_like(q, float("nan"), dtype=dtype, device=device)
-    on = [c.to(device) for c in (kc, vc, ks, vs)]
-    paged_attention(q.to(device, dtype), on[0], on[1], dmeta, head_dim**-0.5, out=out, k_scale=on[2], v_scale=on[3])
+    paged_attention(q.to(device, dtype), on[0], on[2], dmeta, head_dim**-0.5, out=out, k_scale=on[1], v_scale=on[3])
     err = relative_error(out, expected)
     assert err <= tol, f"{kv_dtype}: relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"

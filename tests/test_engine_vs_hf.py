@@ -23,13 +23,16 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy(
+    model_dir, prompt_ids: list[list[int]], new_tokens: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     out = []
     for ids in prompt_ids:  # one at a time: no padding in the reference
         gen = hf.generate(
-            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+            torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
         out.append(gen[0, len(ids) :].tolist())
     return out
 

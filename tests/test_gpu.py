@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from benchmarks.kv_quant import teacher_forced_logprobs
 from kernels.reference import paged_attention_reference, store_kv_reference
@@ -29,7 +29,7 @@ from tests.kernel_cases import (
     relative_error,
     to_device,
 )
-from tests.test_engine_vs_hf import PROMPTS
+from tests.test_engine_vs_hf import PROMPTS, hf_greedy
 
 BIG = {"max_len": 2000, "max_batch": 16}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -71,18 +71,6 @@ def test_compiled_block_size_eight_and_odd_head_dim():
     assert relative_error(paged_attention_triton(*dev, to_device(meta, "cuda"), 80**-0.5), expected) <= 1e-5
 
 
-def hf_greedy_on(device: str, dtype: torch.dtype, model_dir, prompt_ids: list[list[int]], new_tokens: int):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    out = []
-    for ids in prompt_ids:
-        gen = hf.generate(
-            torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-            pad_token_id=0,
-        )  # fmt: skip
-        out.append(gen[0, len(ids) :].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def smol_ids(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
@@ -96,7 +84,7 @@ def smol_ids(smollm_dir):
 )
 def test_engine_on_cuda_fp32_matches_hf_on_cuda(smollm_dir, smol_ids, kwargs):
     """fp32 on the GPU: the engine (Triton kernels) gives HF's greedy tokens, under chunking and preemption."""
-    expected = hf_greedy_on("cuda", torch.float32, smollm_dir, smol_ids, 32)
+    expected = hf_greedy(smollm_dir, smol_ids, 32, "cuda")
     llm = LLM(device="cuda", dtype="float32", **kwargs)
     outs = llm.generate(smol_ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
@@ -112,7 +100,7 @@ def fp8_cache_quality(device: str, smollm_dir, prompt_ids: list[list[int]]) -> t
     tokens come before the first difference, ``benchmarks/results/kv_quant.json``), and every later token
     then differs.
     """
-    continuations = hf_greedy_on(device, torch.float32, smollm_dir, prompt_ids, 32)
+    continuations = hf_greedy(smollm_dir, prompt_ids, 32, device)
     full = LLM(device=device, dtype="float32")
     fp8 = LLM(device=device, dtype="float32", kv_cache_dtype="fp8_e4m3")
     top1, diff = [], []
@@ -140,7 +128,7 @@ def test_engine_on_cuda_bf16_prefix_hits_and_the_serving_default(smollm_dir, smo
     cold = [o.token_ids for o in llm.generate(smol_ids, params)]
     warm = llm.generate(smol_ids, params)
     assert all(o.num_cached_tokens > 0 for o, p in zip(warm, smol_ids, strict=True) if len(p) > 16)
-    hf = hf_greedy_on("cuda", torch.bfloat16, smollm_dir, smol_ids, 16)
+    hf = hf_greedy(smollm_dir, smol_ids, 16, "cuda", torch.bfloat16)
     assert all(c[:4] == h[:4] for c, h in zip(cold, hf, strict=True))
     agree = sum(w.token_ids == c for w, c in zip(warm, cold, strict=True))
     assert agree >= len(cold) - 1, f"only {agree}/{len(cold)} prompts gave the same tokens from the prefix cache"
