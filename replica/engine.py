@@ -124,7 +124,11 @@ class StepRates:
         var = sxx / w - mx * mx
         if var < 0.25:  # batch sizes barely varied: base and slope cannot be told apart yet
             return None
-        return min(max((sxy / w - mx * my) / var, 0.0), my)
+        # One more sequence cannot cost more than a whole recent step. The fit forgets slowly and keeps
+        # warm-up steps taken while replicas started side by side on shared cores (0.3 s slopes against
+        # 0.016 s steps were reported): routers priced every running sequence at that and moved
+        # conversations off their cached history.
+        return min(max((sxy / w - mx * my) / var, 0.0), my, self.step_s)
 
 
 def _pick_device(name: str | None) -> torch.device:

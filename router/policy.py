@@ -184,9 +184,9 @@ class KVAwarePolicy:
     quarter of a prefill 9 of 81, within one prefill (the default: less than one request another router
     may have sent) 8 of 90, and the p99 fell below the default policy's. Replicas this router itself just
     sent different numbers of requests are never tied: those may not have arrived where a probe counts.
-    Off (0) by default for now: with 1.0, the CI's real-cluster multi-turn test saw a conversation move
-    after its first turn (6 concurrent conversations from one router), twice; turn it on with
-    ``policy_kwargs: {tie_margin: 1.0}`` until that is understood.
+    0 turns it off. (It was off for a while because the real-cluster multi-turn test saw conversations
+    move after turn 1; that happened without it too, and came from stale load reports, now drained by
+    age in the serve router, and from warm-up decode slopes, now bounded by a recent step.)
     """
 
     name = "kv_aware"
@@ -201,7 +201,7 @@ class KVAwarePolicy:
         memory_size: int = 65536,
         session_balance: float = 1.25,
         session_decay_s: float = SESSION_DECAY_S,
-        tie_margin: float = 0.0,
+        tie_margin: float = 1.0,
     ) -> None:
         if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0 or tie_margin < 0:
             raise ValueError("miss_weight, decode_weight, override_margin_s and tie_margin must be >= 0")

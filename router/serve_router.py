@@ -91,27 +91,31 @@ class KVAwareRequestRouter(RequestRouter):
         """The id under which the replica publishes to the index (reported in its routing stats)."""
         return (replica.routing_stats or {}).get("index_id") or replica.replica_id.unique_id
 
-    def _unreported(self, replica_id: ReplicaID, reported_at: float, prefill_tok_s: float) -> tuple[int, int]:
-        """Requests routed here after the replica's last load report, and the prefill they likely still need.
+    def _queued(
+        self, replica_id: ReplicaID, reported_at: float, reported_prefill: int, prefill_tok_s: float
+    ) -> tuple[int, int, int]:
+        """What is still queued for prefill at the replica: ``(requests routed here after its last report,
+        reported prefill tokens left, routed tokens left)``.
 
-        The replica works through that prefill at its reported rate, so each route's share decays with
-        its age instead of counting in full until the next report.
+        The replica's queue is a FIFO draining at its prefill rate: the report's backlog first, then what
+        this router sent since. Each part shrinks with its age instead of counting in full until the next
+        report: at the default one-second period a report taken while three prompts queued would
+        otherwise keep a replica looking busy for a second after it finished them, and move a conversation
+        away from its cached history (seen on the real-cluster multi-turn test).
         """
-        routes = self._recent_routes.get(replica_id)
-        if not routes:
-            return 0, 0
         now = time.time()
+        routes = self._recent_routes.get(replica_id)
         horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
         while routes and next(iter(routes.values()))[0] < horizon:
             routes.popitem(last=False)
-        if not routes:
-            return 0, 0
-        backlog, prev = 0.0, None
-        for routed_at, tokens in routes.values():  # a FIFO queue draining at the replica's prefill rate
-            if prev is not None:
-                backlog = max(0.0, backlog - (routed_at - prev) * prefill_tok_s)
-            backlog, prev = backlog + tokens, routed_at
-        return len(routes), int(max(0.0, backlog - (now - prev) * prefill_tok_s))
+        start = min(reported_at, now) if reported_at else now
+        backlog, prev = float(reported_prefill), start
+        for routed_at, tokens in (routes or {}).values():
+            backlog = max(0.0, backlog - max(routed_at - prev, 0.0) * prefill_tok_s) + tokens
+            prev = max(routed_at, prev)
+        left = max(0.0, backlog - (now - prev) * prefill_tok_s)
+        reported_left = max(0.0, reported_prefill - (now - start) * prefill_tok_s)
+        return len(routes or ()), int(reported_left), int(max(0.0, left - reported_left))
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats or {}
@@ -119,9 +123,11 @@ class KVAwareRequestRouter(RequestRouter):
         for key in LOAD_FIELDS:
             if stats.get(key) is not None:
                 setattr(load, key, stats[key])
-        reported_at = float(stats.get("reported_at") or 0.0)
-        load.inflight_requests, load.inflight_prefill_tokens = self._unreported(
-            replica.replica_id, reported_at, load.prefill_tok_s or DEFAULT_PREFILL_TOK_S
+        load.inflight_requests, load.pending_prefill_tokens, load.inflight_prefill_tokens = self._queued(
+            replica.replica_id,
+            float(stats.get("reported_at") or 0.0),
+            load.pending_prefill_tokens,
+            load.prefill_tok_s or DEFAULT_PREFILL_TOK_S,
         )
         return load
 

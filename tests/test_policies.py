@@ -187,6 +187,23 @@ def test_decode_cost_is_the_fitted_slope_not_the_average():
     assert rates.decode_token_s == pytest.approx(0.005, rel=0.05)
 
 
+def test_decode_cost_never_exceeds_a_recent_step():
+    """A warm-up on contended cores (slow steps of varied batch sizes) must not price every running
+    sequence at a third of a second once steps take 16 ms: routers would move conversations for it."""
+    from replica.engine import StepRates
+
+    class Step:
+        num_new_tokens = 1
+
+    rates = StepRates()
+    for running in (1, 4, 8, 1, 4, 8):
+        rates.observe([Step()] * running, 0.1 + running * 0.05)
+    assert rates.decode_token_s == pytest.approx(0.05, rel=0.05)
+    for _ in range(30):
+        rates.observe([Step()] * 3, 0.016)
+    assert rates.decode_token_s <= rates.step_s < 0.018
+
+
 def test_new_conversations_are_placed_with_bounded_loads():
     """Every new conversation shares a system prompt the first replica holds: by cost alone they would all
     start there. With the bound (1.25 x fair share) starts spread evenly, while a continuing conversation

@@ -143,6 +143,27 @@ def test_a_newer_load_report_supersedes_routed_work():
     asyncio.run(main())
 
 
+def test_a_reported_queue_drains_at_the_reported_rate():
+    """A report taken while three prompts queued (1,800 tokens at 12,000 tok/s: 0.15 s of work) must not
+    keep the replica looking busy until the next report; what this router sent since queues behind it."""
+    now = time.time()
+    stats = {"prefill_tok_s": 12000.0, "pending_prefill_tokens": 1800}
+    fresh = Replica(ReplicaID("u0", DEP), {"index_id": "u0", "reported_at": now, **stats})
+    old = Replica(ReplicaID("u1", DEP), {"index_id": "u1", "reported_at": now - 0.5, **stats})
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        assert router._load(old).pending_prefill_tokens == 0
+        assert router._load(fresh).pending_prefill_tokens > 1700
+        await router.choose_replicas([fresh], pending([3] * 600, 1))
+        load = router._load(fresh)
+        assert load.inflight_requests == 1 and load.inflight_prefill_tokens > 550  # behind the report's backlog
+        assert (load.pending_prefill_tokens + load.inflight_prefill_tokens) / 12000 > 0.19
+
+    asyncio.run(main())
+
+
 def test_prediction_is_shared_across_router_processes(redis_server):
     """Router A routes a new prefix; router B (another process) sends a sibling to the same replica before
     any KV event exists, through the short-lived prediction in Redis."""
