@@ -242,9 +242,9 @@ def test_replicas_interchangeable_on_what_the_router_knows_are_reported_tied():
     req = request(list(range(640)))
     reps = replicas(4)
     reps[3].pending_prefill_tokens = 2000  # 1 s queued: more than this request's own 0.32 s prefill
-    d = KVAwarePolicy(tie_margin=1.0).rank(req, reps, {})
+    d = KVAwarePolicy().rank(req, reps, {})  # on by default, at one prefill
     assert d.tied == 3 and set(d.ranked[:3]) == {"r0", "r1", "r2"} and d.ranked[3] == "r3"
-    assert KVAwarePolicy().rank(req, reps, {}).tied == 1  # off by default
+    assert KVAwarePolicy(tie_margin=0).rank(req, reps, {}).tied == 1  # 0: off
     reps[1].prefill_tok_s = 1000  # 0.64 s vs 0.32 s: less than one request another router may have sent
     assert KVAwarePolicy(tie_margin=1.0).rank(req, reps, {}).tied == 3
     reps[1].prefill_tok_s = 600  # 1.07 s: outside
