@@ -108,14 +108,14 @@ class KVAwareRequestRouter(RequestRouter):
         horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
         while routes and next(iter(routes.values()))[0] < horizon:
             routes.popitem(last=False)
-        start = min(reported_at, now) if reported_at else now
+        queued = routes.values() if routes else ()  # in routing order, none before the report
+        start = min(reported_at, now)  # 0 without a report: nothing reported to drain
         backlog, prev = float(reported_prefill), start
-        for routed_at, tokens in (routes or {}).values():
-            backlog = max(0.0, backlog - max(routed_at - prev, 0.0) * prefill_tok_s) + tokens
-            prev = max(routed_at, prev)
+        for routed_at, tokens in queued:
+            backlog, prev = max(0.0, backlog - (routed_at - prev) * prefill_tok_s) + tokens, routed_at
         left = max(0.0, backlog - (now - prev) * prefill_tok_s)
         reported_left = max(0.0, reported_prefill - (now - start) * prefill_tok_s)
-        return len(routes or ()), int(reported_left), int(max(0.0, left - reported_left))
+        return len(queued), int(reported_left), int(max(0.0, left - reported_left))
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats or {}

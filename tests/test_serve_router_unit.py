@@ -164,6 +164,21 @@ def test_a_reported_queue_drains_at_the_reported_rate():
     asyncio.run(main())
 
 
+def test_routed_work_drains_on_a_replica_that_has_not_reported_yet():
+    """A new replica has no report: what this router sent it still drains from the moment it was sent."""
+    fresh = Replica(ReplicaID("u0", DEP), {"index_id": "u0", "prefill_tok_s": 1000.0})
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        await router.choose_replicas([fresh], pending([3] * 600, 1))
+        assert router._load(fresh).inflight_prefill_tokens > 550
+        await asyncio.sleep(0.3)
+        assert router._load(fresh).inflight_prefill_tokens < 350
+
+    asyncio.run(main())
+
+
 def test_prediction_is_shared_across_router_processes(redis_server):
     """Router A routes a new prefix; router B (another process) sends a sibling to the same replica before
     any KV event exists, through the short-lived prediction in Redis."""
