@@ -5,7 +5,9 @@ schema: Kubernetes' own (strict: unknown fields fail, which the API server would
 RayService CRD and the Prometheus operator's PodMonitor CRD, both vendored in k8s/schemas/. The Serve
 config inside the RayService must be one Ray accepts, name code that imports, and carry ``args`` that build
 a ``ClusterConfig``. Then the names that tie the pieces together must agree: ports, environment variables,
-the Redis Secret, Service and NetworkPolicy labels, images, GPU requests.
+the Secrets the pods read (none is rendered: k8s/README.md says how to create them), Service and
+NetworkPolicy labels, images, GPU requests. The NetworkPolicies are evaluated, not just read: who may open
+a connection to which port of the Ray pods is computed from the rendered objects with Kubernetes' rules.
 """
 
 from __future__ import annotations
@@ -34,6 +36,31 @@ RAY_PORT_NAMES = {"serve": 8000, "serve-grpc": 9000}  # KubeRay serves ports nam
 LAUNCHER_ONLY = {"address", "redis_url", "host", "http_port", "grpc_port", "num_cpus", "object_store_memory"}
 """ClusterConfig fields that only ``kvmesh serve`` uses: under KubeRay the Serve config's http/grpc options
 set the ports, the Ray cluster is the RayService's, and the Redis URL (a password) comes from a Secret."""
+
+# The Secrets the pods read, none of them rendered: (name, key) -> whether every reference must be required.
+# None: no rule (the Hugging Face token is optional everywhere).
+REQUIRED_SECRETS = {
+    "cpu-dev": {("kvmesh-redis", "password"): True, ("kvmesh-api-keys", "keys"): False},
+    "gpu": {("kvmesh-redis", "password"): True, ("kvmesh-api-keys", "keys"): True, ("kvmesh-hf-token", "token"): None},
+}
+
+# Who may connect to the Ray pods. The KubeRay operator's pod labels are those its Helm chart sets by default
+# (helm-chart/kuberay-operator, v1.7.0: nameOverride and componentOverride kuberay-operator; instance = the
+# release); the Prometheus pods' are those the Prometheus operator sets on every Prometheus it runs (the
+# kube-prometheus-stack's too: pkg/prometheus/server/operator.go, makeSelectorLabels).
+KUBERAY_OPERATOR_POD = ("kuberay-system", {
+    "app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "kuberay-operator",
+    "app.kubernetes.io/component": "kuberay-operator",
+})  # fmt: skip
+PROMETHEUS_POD = ("monitoring", {
+    "app.kubernetes.io/name": "prometheus", "app.kubernetes.io/managed-by": "prometheus-operator",
+    "app.kubernetes.io/instance": "kube-prometheus-stack-prometheus", "prometheus": "kube-prometheus-stack-prometheus",
+    "operator.prometheus.io/name": "kube-prometheus-stack-prometheus",
+})  # fmt: skip
+DASHBOARD_PORT = 8265
+RAY_METRICS_PORT = 8080
+RAY_INTERNAL_PORTS = (6379, 10001, 52365, 8076, 10002, 20000)
+"""GCS, Ray Client, the dashboard agent, the object manager, worker processes (Ray's defaults, some random)."""
 
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the vendored CRDs are large: parse them in C
 
@@ -106,6 +133,93 @@ def matches(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes LabelSelector (matchLabels and matchExpressions) applied to ``labels``; {} selects all."""
+    expressions = {
+        "In": lambda key, values: labels.get(key) in values,
+        "NotIn": lambda key, values: labels.get(key) not in values,
+        "Exists": lambda key, _: key in labels,
+        "DoesNotExist": lambda key, _: key not in labels,
+    }
+    return matches(selector.get("matchLabels", {}), labels) and all(
+        expressions[e["operator"]](e["key"], e.get("values", [])) for e in selector.get("matchExpressions", [])
+    )
+
+
+def admitted(policies: list[dict], pod: tuple[str, dict, dict], source: tuple[str, dict] | None, port: int) -> bool:
+    """Whether NetworkPolicies admit a TCP connection to ``port`` of ``pod`` (namespace, labels, port names)
+    from ``source`` (namespace, labels of a pod; None: from outside the cluster), by Kubernetes' rules: a pod
+    no Ingress policy selects admits everything, otherwise what one rule of one of them admits."""
+    namespace, labels, port_names = pod
+    isolating = [
+        p for p in policies
+        if p["metadata"]["namespace"] == namespace and selects(p["spec"]["podSelector"], labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]  # fmt: skip
+    if not isolating:
+        return True
+
+    def peer_admits(peer: dict, policy_namespace: str) -> bool:
+        if "ipBlock" in peer:  # an address range may hold any pod, or any client outside
+            return True
+        if source is None:
+            return False
+        source_namespace, source_labels = source
+        if "namespaceSelector" in peer:
+            in_namespace = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_namespace})
+        else:
+            in_namespace = source_namespace == policy_namespace
+        return in_namespace and selects(peer.get("podSelector", {}), source_labels)
+
+    def port_admits(entry: dict) -> bool:
+        if entry.get("protocol", "TCP") != "TCP":
+            return False
+        if "port" not in entry:
+            return True
+        first = port_names.get(entry["port"]) if isinstance(entry["port"], str) else entry["port"]
+        return first is not None and first <= port <= entry.get("endPort", first)
+
+    return any(
+        (not rule.get("from") or any(peer_admits(peer, p["metadata"]["namespace"]) for peer in rule["from"]))
+        and (not rule.get("ports") or any(port_admits(entry) for entry in rule["ports"]))
+        for p in isolating
+        for rule in p["spec"].get("ingress", [])
+    )
+
+
+def ray_pods(overlay: str) -> list[tuple[str, dict, dict]]:
+    """(namespace, labels, named ports) of each Ray pod template: the head's, the workers'."""
+    namespace = ray_service(overlay)["metadata"]["namespace"]
+    pods = []
+    for group in ray_groups(overlay):
+        template = group["template"]
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        pods.append((namespace, template["metadata"]["labels"], ports))
+    return pods
+
+
+def secret_refs(template: dict) -> list[tuple[str, str | None, bool | None]]:
+    """(Secret, key, optional) of every reference to a Secret in a pod template; key None: the whole Secret."""
+    spec = template["spec"]
+    refs = []
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        for env in container.get("env", []):
+            if "secretKeyRef" in env.get("valueFrom", {}):
+                ref = env["valueFrom"]["secretKeyRef"]
+                refs.append((ref["name"], ref["key"], ref.get("optional")))
+        refs += [(e["secretRef"]["name"], None, e["secretRef"].get("optional"))
+                 for e in container.get("envFrom", []) if "secretRef" in e]  # fmt: skip
+    refs += [(v["secret"]["secretName"], None, v["secret"].get("optional"))
+             for v in spec.get("volumes", []) if "secret" in v]  # fmt: skip
+    return refs
+
+
+def documented_secrets() -> set[tuple[str, str, str]]:
+    """(namespace, Secret, key) of each `kubectl create secret generic` command k8s/README.md gives."""
+    readme = (K8S / "README.md").read_text()
+    return set(re.findall(r"kubectl -n (\S+) create secret generic ([\w-]+) --from-literal=(\w+)=", readme))
+
+
 @functools.cache
 def crd(filename: str) -> dict:
     return yaml.load((K8S / "schemas" / filename).read_text(), Loader=LOADER)
@@ -137,7 +251,7 @@ overlays = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 @overlays
 def test_core_objects_validate_against_the_kubernetes_schemas(overlay):
     kinds = sorted(o["kind"] for o in render(overlay))
-    assert kinds == sorted(["Namespace", "Secret", "Service", "Deployment", "NetworkPolicy", "ConfigMap",
+    assert kinds == sorted(["Namespace", "Service", "Deployment", "NetworkPolicy", "NetworkPolicy", "ConfigMap",
                             "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
                             "PodMonitor", "PodMonitor", "RayService"])  # fmt: skip
     for obj in render(overlay):
@@ -198,9 +312,10 @@ def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
 def test_app_args_are_cluster_config_fields_that_build_the_app(overlay, monkeypatch):
     from ray.serve._private.build_app import build_app
 
-    from cluster.app import REDIS_URL_ENV, app_builder
+    from cluster.app import app_builder
     from cluster.autoscaling import POLICY_PATH
     from cluster.config import ClusterConfig, build_config
+    from router.index_schema import REDIS_URL_ENV
 
     args = app_config(overlay)["args"]
     fields = {f.name for f in dataclasses.fields(ClusterConfig)}
@@ -287,20 +402,15 @@ def test_ports_agree_across_services_proxies_image_and_code(overlay):
 
 @overlays
 def test_ray_pods_get_the_redis_url_from_the_secret_and_it_names_the_redis_service(overlay):
-    from cluster.app import REDIS_URL_ENV
+    from router.index_schema import REDIS_URL_ENV
 
-    secrets = {
-        (s["metadata"]["name"], key)
-        for s in objects(overlay, "Secret")
-        for key in {**s.get("data", {}), **s.get("stringData", {})}
-    }
     redis_service = one(overlay, "Service", "kvmesh-redis")
     (redis_port,) = redis_service["spec"]["ports"]
     for container in ray_containers(overlay):
         env = [e["name"] for e in container["env"]]
         values = {e["name"]: e for e in container["env"]}
         ref = values["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-        assert (ref["name"], ref["key"]) in secrets
+        assert (ref["name"], ref["key"], ref.get("optional", False)) == ("kvmesh-redis", "password", False)
         # $(VAR) expands only for variables defined earlier in the list.
         assert env.index("REDIS_PASSWORD") < env.index(REDIS_URL_ENV)
         url = urlsplit(values[REDIS_URL_ENV]["value"])
@@ -309,11 +419,106 @@ def test_ray_pods_get_the_redis_url_from_the_secret_and_it_names_the_redis_servi
     (redis,) = objects(overlay, "Deployment")
     container = redis["spec"]["template"]["spec"]["containers"][0]
     ref = {e["name"]: e for e in container["env"]}["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert (ref["name"], ref["key"]) in secrets
+    assert (ref["name"], ref["key"], ref.get("optional", False)) == ("kvmesh-redis", "password", False)
     assert container["args"][container["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     assert matches(redis_service["spec"]["selector"], redis["spec"]["template"]["metadata"]["labels"])
     target = {p["name"]: p["containerPort"] for p in container["ports"]}[redis_port["targetPort"]]
     assert target == 6379
+
+
+@overlays
+def test_grpc_messages_are_bounded_before_authentication(overlay):
+    """Ray's gRPC proxy reads a whole message before kvmesh sees its API key: every Ray pod bounds it."""
+    for container in ray_containers(overlay):
+        values = {e["name"]: e.get("value") for e in container["env"]}
+        assert 0 < int(values["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) <= 16 << 20
+
+
+@overlays
+def test_every_ray_container_gets_the_api_keys_from_their_secret_required_on_gpu(overlay):
+    from cluster.admission import API_KEYS_ENV
+
+    for container in ray_containers(overlay):
+        (entry,) = [e for e in container["env"] if e["name"] == API_KEYS_ENV]  # a second one would override it
+        assert set(entry) == {"name", "valueFrom"}, "the keys come from the Secret, never a literal"
+        ref = entry["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("kvmesh-api-keys", "keys"), container["name"]
+        # A dev cluster may run open; a GPU pool does not start without keys.
+        assert ref.get("optional", False) is {"cpu-dev": True, "gpu": False}[overlay], container["name"]
+
+
+@overlays
+def test_no_secret_is_rendered_and_the_readme_creates_every_one_the_pods_read(overlay):
+    # A committed Secret or a secretGenerator would put its value in git: the Secrets are created in the cluster.
+    assert [(s["metadata"]["name"], sorted({**s.get("data", {}), **s.get("stringData", {})})) for s in
+            objects(overlay, "Secret")] == []  # fmt: skip
+    namespace = one(overlay, "Namespace")["metadata"]["name"]
+    created = {(name, key) for ns, name, key in documented_secrets() if ns == namespace}
+    read = {(where, ref) for where, template in pod_templates(overlay) for ref in secret_refs(template)}
+    assert {(name, key) for _, (name, key, _) in read} == set(REQUIRED_SECRETS[overlay])
+    for where, (name, key, optional) in read:
+        assert (name, key) in created, f"{where} reads {name}/{key}: k8s/README.md must say how to create it"
+        required = REQUIRED_SECRETS[overlay][(name, key)]
+        if required is not None:
+            assert bool(optional) is not required, f"{where}: {name}/{key} optional={optional}"
+    assert ("kvmesh-redis", "password") in created and ("kvmesh-api-keys", "keys") in created
+
+
+@overlays
+def test_ray_pods_admit_clients_on_serve_ports_the_operator_on_the_dashboard_prometheus_on_metrics(overlay):
+    from cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+
+    policies = objects(overlay, "NetworkPolicy")
+    namespace = ray_service(overlay)["metadata"]["namespace"]
+    head, *_ = ray_groups(overlay)
+    assert int(head["rayStartParams"].get("dashboard-port", DASHBOARD_PORT)) == DASHBOARD_PORT
+    assert {int(g["rayStartParams"]["metrics-export-port"]) for g in ray_groups(overlay)} == {RAY_METRICS_PORT}
+    serving = (DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT)
+    redis = (namespace, one(overlay, "Deployment", "kvmesh-redis")["spec"]["template"]["metadata"]["labels"])
+    strangers = {
+        "outside the cluster": None,
+        "a pod in another namespace": ("default", {"app": "client"}),
+        "the Redis pod": redis,
+        "a pod labelled as a Ray pod elsewhere": ("default", ray_pods(overlay)[0][1]),
+    }
+    ray_sources = {f"Ray {labels['app.kubernetes.io/component']}": (ns, labels) for ns, labels, _ in ray_pods(overlay)}
+    sources = {**strangers, **ray_sources, "the KubeRay operator": KUBERAY_OPERATOR_POD, "Prometheus": PROMETHEUS_POD}
+    declared = {port for _, _, names in ray_pods(overlay) for port in names.values()}
+    for pod in ray_pods(overlay):
+        for port in sorted(declared | {*serving, DASHBOARD_PORT, RAY_METRICS_PORT, *RAY_INTERNAL_PORTS}):
+            if port in serving:
+                expected = set(sources)
+            elif port == DASHBOARD_PORT:
+                expected = {*ray_sources, "the KubeRay operator"}
+            elif port == RAY_METRICS_PORT:
+                expected = {*ray_sources, "Prometheus"}
+            else:
+                expected = set(ray_sources)
+            got = {name for name, source in sources.items() if admitted(policies, pod, source, port)}
+            assert got == expected, f"{pod[1]['app.kubernetes.io/component']} port {port}"
+    # The evaluation can fail: without the source restriction on the dashboard rule, anyone reaches it.
+    (opened,) = [json.loads(json.dumps(p)) for p in policies if p["metadata"]["name"] == "kvmesh-ray"]
+    for rule in opened["spec"]["ingress"]:
+        if {"protocol": "TCP", "port": DASHBOARD_PORT} in rule.get("ports", []):
+            del rule["from"]
+    others = [p for p in policies if p["metadata"]["name"] != "kvmesh-ray"]
+    assert admitted([*others, opened], ray_pods(overlay)[0], None, DASHBOARD_PORT)
+    assert admitted(others, ray_pods(overlay)[0], None, DASHBOARD_PORT), "no policy: the pod is open"
+
+
+@overlays
+def test_no_service_of_ours_exposes_the_dashboard(overlay):
+    # KubeRay creates the head Service (it carries the dashboard port, for the operator): none of ours may.
+    cluster = ray_service(overlay)["spec"]["rayClusterConfig"]
+    services = [s["spec"] for s in objects(overlay, "Service")] + [ray_service(overlay)["spec"]["serveService"]["spec"]]
+    services += [cluster["headGroupSpec"]["headService"]["spec"]] if "headService" in cluster["headGroupSpec"] else []
+    for spec in services:
+        for port in spec["ports"]:
+            named = {port.get("name"), port.get("targetPort")}
+            assert DASHBOARD_PORT not in (port["port"], port.get("targetPort")) and "dashboard" not in named, port
+    assert not [o for o in render(overlay) if o["kind"] in ("Ingress", "Gateway", "HTTPRoute")]
+    serve_ports = {p["port"] for p in ray_service(overlay)["spec"]["serveService"]["spec"]["ports"]}
+    assert serve_ports == set(RAY_PORT_NAMES.values())
 
 
 @overlays
@@ -329,7 +534,7 @@ def test_model_cache_env_is_the_one_the_code_reads_and_sits_on_a_volume(overlay,
 
 @overlays
 def test_network_policy_admits_only_the_ray_pods_to_redis(overlay):
-    policy = one(overlay, "NetworkPolicy")["spec"]
+    policy = one(overlay, "NetworkPolicy", "kvmesh-redis")["spec"]
     redis_labels = one(overlay, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert matches(policy["podSelector"]["matchLabels"], redis_labels)
     assert policy["policyTypes"] == ["Ingress"]
