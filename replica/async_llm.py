@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from replica.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine, RequestOutput
+from replica.errors import RequestFailed
 from replica.sampling_params import SamplingParams
 from router.hashing import BlockHash
+
+log = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -42,7 +46,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs, one per sequence per step; leaving the iteration early aborts the
         request. With ``params.n > 1`` the sequences' outputs interleave (``RequestOutput.index``) and the
-        stream ends once all ``n`` have finished."""
+        stream ends once all ``n`` have finished. Raises ``InvalidRequest`` for a request the engine refuses
+        and ``RequestFailed`` if its data made a step fail (other requests carry on)."""
         request_id = request_id or f"async-{next(self._ids)}"
         unfinished = (params or SamplingParams()).n
         if request_id in self._queues:
@@ -105,7 +110,8 @@ class AsyncLLM:
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:  # a failed step fails its requests, not the server
+            except Exception as exc:  # a step failure no request could be blamed for: fail them all, keep serving
+                log.exception("engine step failed")
                 for rid in list(self._queues):
                     self.engine.abort_request(rid)
                     self._queues[rid].put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
@@ -113,7 +119,7 @@ class AsyncLLM:
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
-                    queue.put_nowait(out)
+                    queue.put_nowait(RequestFailed(out.error) if out.error else out)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

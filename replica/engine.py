@@ -15,8 +15,10 @@ from kernels import check_block_size
 from replica.block_pool import BlockPool
 from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
+from replica.errors import InvalidRequest
 from replica.kv_cache_manager import KVCacheManager
 from replica.kv_events import KVEvent
+from replica.limits import check_for_model, check_prompt_ids, check_request_fields
 from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
 from replica.model_runner import ModelRunner, kv_bytes_per_block
@@ -36,7 +38,7 @@ class RequestOutput:
 
     A request with ``n > 1`` reports each of its sequences separately, under the same ``request_id`` with
     its ``index`` (0..n-1), so streaming stays one flat list of outputs per step; the request is done when
-    all ``n`` have ``finished``."""
+    all ``n`` have ``finished``, or at once when one output has ``finish_reason`` "error"."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -47,6 +49,8 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str | None = None
     index: int = 0
+    error: str | None = None
+    """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
 
     @property
     def finished(self) -> bool:
@@ -161,9 +165,7 @@ class LLMEngine:
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, sliding, self.swap)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
         self.hash_seed = model_seed(self.model_id)
         eos = self.loaded.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -219,24 +221,28 @@ class LLMEngine:
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
     ) -> str:
-        """Queue a request; raises ValueError for an empty prompt or one that cannot fit the context."""
+        """Queue a request; raises ``InvalidRequest`` (a ValueError naming the field) for parameters out of
+        bounds, an empty prompt or one that cannot fit the context."""
         params = params or SamplingParams()
+        check_request_fields(cache_salt=cache_salt, request_id=request_id)
         ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        check_prompt_ids(ids, vocab)
+        check_for_model(params, vocab)
         if len(ids) >= self.max_request_tokens:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; this engine accepts at most {self.max_request_tokens - 1} "
-                f"(context {self.max_model_len}, KV pool {self.num_blocks * self.block_size} tokens)"
+                f"(context {self.max_model_len}, KV pool {self.num_blocks * self.block_size} tokens)",
+                "prompt",
             )
-        if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
-            raise ValueError("prompt contains token ids outside the vocabulary")
         if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than this engine runs at once (max_num_seqs "
-                             f"{self.scheduler.max_num_seqs})")  # fmt: skip
+            raise InvalidRequest(
+                f"n={params.n} is more than this engine runs at once (max_num_seqs {self.scheduler.max_num_seqs})",
+                "n",
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         detok = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
         )
@@ -275,7 +281,11 @@ class LLMEngine:
 
         Copy-on-write block copies queued by the scheduling run before the forward pass. A request with
         ``n > 1`` whose prompt this step completes is forked here: its one row of logits is sampled once
-        per sequence, each with its own generator, and its sequences share the prompt's blocks."""
+        per sequence, each with its own generator, and its sequences share the prompt's blocks.
+
+        A request whose data makes the step fail is failed alone (an output with ``finish_reason``
+        "error" and the cause in ``error``): the batch is run again one request at a time to find it, and
+        every other request gets exactly the tokens it would have got."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -285,7 +295,14 @@ class LLMEngine:
         self.runner.copy_blocks(self.kv.take_copies())
         if self.swap is not None:
             self.swap.run_swap_ins()
-        logits = self.runner.execute(batch, [self.kv.block_ids(sr.request) for sr in batch])
+        tables = [self.kv.block_ids(sr.request) for sr in batch]
+        outputs: list[RequestOutput] = []
+        try:
+            logits = self.runner.execute(batch, tables)
+        except Exception as exc:
+            log.warning("a step of %d requests failed (%r); running them one at a time", len(batch), exc)
+            batch, logits, failed = self._execute_alone(batch, tables)
+            outputs += [self._fail(req.request_id, err) for req, err in failed]
         sampling = [sr.request for sr in batch if sr.samples]
         for sr in batch:
             sr.request.num_computed_tokens += sr.num_new_tokens
@@ -298,16 +315,70 @@ class LLMEngine:
             rows += [row] * len(family)
         if len(rows) > logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        outputs = []
-        for req, token in zip(seqs, sample(logits, seqs), strict=True):
-            req.append_token(token)
-            if req.finish_reason:
-                self.rates.observe_finished(len(req.output_token_ids))
-                self._retire(req)
-            outputs.append(self._output(req, [token]))
+        for req, token in zip(seqs, self._sample(logits, seqs), strict=True):
+            if req.request_id not in self.requests:  # failed earlier in this step with a sibling sequence
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                req.append_token(token)
+                if req.finish_reason:
+                    self.rates.observe_finished(len(req.output_token_ids))
+                    self._retire(req)
+                outputs.append(self._output(req, [token]))
+            except Exception as exc:
+                outputs.append(self._fail(req.request_id, exc))
         self._flush_events()
         self.rates.observe(batch, time.perf_counter() - t0)
         return outputs
+
+    def _execute_alone(self, batch: list, tables: list[list[int]]) -> tuple[list, torch.Tensor, list]:
+        """The failed step's forward again, one request at a time: the requests that ran, their logits rows
+        (in batch order) and the ``(request, exception)`` of those that failed alone too."""
+        ok, rows, failed = [], [], []
+        for sr, table in zip(batch, tables, strict=True):
+            try:
+                rows.append(self.runner.execute([sr], [table]))
+                ok.append(sr)
+            except Exception as exc:
+                failed.append((sr.request, exc))
+        vocab = self.loaded.config.vocab_size
+        logits = torch.cat(rows) if rows else torch.empty((0, vocab), device=self.runner.device)
+        return ok, logits, failed
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Request]) -> list[int | Exception]:
+        """One token per sequence; if the batch cannot be sampled, each row alone, failing only its own."""
+        try:
+            return sample(logits, seqs)
+        except Exception as exc:
+            log.warning("sampling %d rows failed (%r); sampling them one at a time", len(seqs), exc)
+        tokens: list[int | Exception] = []
+        for i, req in enumerate(seqs):
+            try:
+                tokens += sample(logits[i : i + 1], [req])
+            except Exception as exc:
+                tokens.append(exc)
+        return tokens
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
+        """End a request (all its sequences) that made the step fail; its output names the cause."""
+        seqs = self.requests.pop(request_id, [])
+        for req in seqs:
+            self.scheduler.finish(req, "error")
+        log.warning("request %s failed in the engine: %r", request_id, exc)
+        req = seqs[0] if seqs else None
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=req.prompt_token_ids if req else [],
+            token_ids=req.output_token_ids if req else [],
+            text=req.detokenizer.text if req else "",
+            delta_text="",
+            delta_token_ids=[],
+            num_cached_tokens=max(req.num_cached_tokens, 0) if req else 0,
+            finish_reason="error",
+            index=req.index if req else 0,
+            error=f"{type(exc).__name__}: {exc}"[:500],
+        )
 
     def _fork(self, req: Request) -> list[Request]:
         family = self.scheduler.fork(req)

@@ -1,11 +1,28 @@
-"""Per-request generation settings, validated at construction so bad input fails before it is queued."""
+"""Per-request generation settings, validated at construction (``replica/limits.py``) so bad input fails
+before it is queued."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replica.errors import InvalidRequest
+from replica.limits import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_LIMIT,
+    SEED_RANGE,
+    check_float,
+    check_int,
+    check_text,
+)
+
 MAX_N = 16
 """The most sequences one request may ask for (``n``): each costs a running slot and its own KV blocks."""
+MAX_TEMPERATURE = 100.0
+"""Beyond a few units every temperature samples almost uniformly; the bound keeps the value finite."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily: dividing logits by less overflows fp32 (vLLM does the same)."""
 
 
 @dataclass
@@ -37,19 +54,28 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_int("top_k", self.top_k, 0, MAX_TOKENS_LIMIT)
+        if self.seed is not None:
+            check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+        for s in self.stop:
+            check_text("stop", s, MAX_STOP_CHARS)
+            if not s:
+                raise InvalidRequest("stop strings must be non-empty", "stop")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids", t, 0, MAX_TOKENS_LIMIT)
+        check_int("n", self.n, 1, MAX_N)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a boolean", name)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

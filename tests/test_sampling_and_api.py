@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
 
 from replica import LLM, AsyncLLM, SamplingParams
+from replica.errors import InvalidRequest, RequestFailed
 from replica.sampler import _filter_top_k_top_p
 
 PROMPT = "The history of the printing press begins"
@@ -78,12 +80,120 @@ def test_streaming_deltas_add_up(llm):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"max_tokens": 0}, {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"stop": [""]}],
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"stop": [5]}, "stop"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
 )
-def test_invalid_sampling_params_are_rejected(kwargs):
-    with pytest.raises(ValueError):
+def test_invalid_sampling_params_are_rejected_naming_the_field(kwargs, param):
+    with pytest.raises(InvalidRequest) as bad:
         SamplingParams(**kwargs)
+    assert bad.value.param == param and param in str(bad.value)
+
+
+def test_bounds_that_need_the_model_are_checked_when_a_request_is_added(llm):
+    engine = llm.engine
+    vocab = engine.loaded.config.vocab_size
+    assert SamplingParams(top_k=vocab).top_k == vocab  # the whole vocabulary is allowed
+    cases = [
+        ({"params": SamplingParams(top_k=vocab + 1)}, "top_k"),
+        ({"params": SamplingParams(stop_token_ids=[vocab])}, "stop_token_ids"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
+        ({"request_id": "r" * 257}, "request_id"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(InvalidRequest) as bad:
+            engine.add_request(PROMPT, **kwargs)
+        assert bad.value.param == param, kwargs
+    assert not engine.has_unfinished
+
+
+def _run_to_end(engine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        engine.check_integrity()
+    return outputs
+
+
+@pytest.mark.parametrize("stage", ["sampling", "forward"])
+def test_a_request_that_fails_the_step_fails_alone(llm, stage):
+    """A request whose data breaks a step (here a bad value planted past the validator, as a bug in it
+    would let through) ends with an error naming the cause; the requests batched with it produce exactly
+    the tokens they produce alone."""
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seeded = sampled(seed=11)
+    alone = [llm.generate(PROMPT, greedy)[0].token_ids, llm.generate("A second prompt", seeded)[0].token_ids]
+
+    ok_ids = [engine.add_request(PROMPT, greedy), engine.add_request("A second prompt", seeded)]
+    bad = engine.add_request("This one breaks the step", sampled(seed=3))
+    victim = engine.requests[bad][0]
+    if stage == "sampling":
+        victim.params.top_k = 2**63  # overflows the sampler's int64 tensors
+    else:
+        victim.all_token_ids[-1] = 10**12  # an embedding lookup out of range
+    outputs = _run_to_end(engine)
+
+    assert [outputs[rid][-1].token_ids for rid in ok_ids] == alone
+    assert [o.finish_reason for o in outputs[bad]] == ["error"]
+    assert outputs[bad][0].error and "Error" in outputs[bad][0].error
+    assert engine.pool.num_used == 0 and not engine.requests
+
+
+def test_a_failing_request_does_not_end_other_streams(llm):
+    """Through the asyncio API: the failing request's stream raises ``RequestFailed``, a stream running
+    at the same time completes with the tokens it gets alone."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    alone = llm.generate(PROMPT, params)[0].token_ids
+
+    async def main():
+        allm = AsyncLLM(engine)
+
+        async def good():
+            return [o async for o in allm.generate(PROMPT, params)][-1].token_ids
+
+        async def bad():
+            stream = allm.generate("Break the step", sampled(seed=1), request_id="bad")
+            first = await anext(stream)  # its prompt step ran; plant the fault for the next one
+            assert first.token_ids
+            engine.requests["bad"][0].params.top_k = 2**63
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(good())
+        with pytest.raises(RequestFailed, match="Error"):
+            await bad()
+        tokens = await task
+        await allm.shutdown()
+        return tokens
+
+    assert asyncio.run(main()) == alone
+    assert not engine.has_unfinished and engine.pool.num_used == 0
 
 
 def test_bad_prompts_are_rejected_with_clear_errors(llm):
