@@ -35,7 +35,8 @@ class ServeProcess:
     def _launch(self) -> None:
         self.http, self.grpc = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http}"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a cluster of its own
+        # Always a cluster of its own, with its own embedded Redis.
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KVMESH_REDIS_URL")}
         env.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.http), "--grpc-port", str(self.grpc)]
         self.started_at = time.perf_counter()

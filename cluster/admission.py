@@ -35,27 +35,27 @@ def _digest(key: str) -> bytes:
 
 
 class ApiKeys:
-    """Bearer-token check shared by HTTP (``Authorization`` header) and gRPC (``authorization`` metadata)."""
+    """Bearer-token check shared by HTTP (``Authorization`` header) and gRPC (``authorization`` metadata).
+
+    ``tenant`` says who is calling: the matched key's digest (hex), which keys tenants' prefix caches
+    apart; "" when no keys are configured (everyone is one tenant); None for a refused caller."""
 
     def __init__(self, digests: Iterable[bytes]) -> None:
         self._digests = list(digests)
-
-    @classmethod
-    def from_keys(cls, keys: Iterable[str]) -> ApiKeys:
-        return cls(_digest(k) for k in keys)
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def allows(self, authorization: str | None) -> bool:
+    def tenant(self, authorization: str | None) -> str | None:
         if not self._digests:
-            return True
+            return ""
         scheme, _, token = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return False
+            return None
         digest = _digest(token.strip())
-        return any([hmac.compare_digest(digest, d) for d in self._digests])  # every key compared: no early exit
+        matches = [hmac.compare_digest(digest, d) for d in self._digests]  # every key compared: no early exit
+        return digest.hex() if any(matches) else None
 
 
 class InflightLimit:
@@ -89,6 +89,7 @@ class Admission:
         max_inflight: int = 0,
         max_body_bytes: int = 0,
         on_refused: Callable[[str], None] | None = None,
+        enable_docs: bool = False,
     ) -> None:
         # The configured keys arrive as digests; keys from this process's environment (a Secret) are added.
         self.keys = ApiKeys([bytes.fromhex(d) for d in key_digests] + [_digest(k) for k in api_keys()])
@@ -96,6 +97,8 @@ class Admission:
         self.max_body_bytes = max_body_bytes
         self.on_refused = on_refused
         """Called with the reason (``unauthenticated``, ``too_large``, ``over_capacity``) of each refusal."""
+        self.enable_docs = enable_docs
+        """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default: they map the API for anyone)."""
 
 
 def key_digests(keys: Iterable[str]) -> list[str]:
@@ -107,9 +110,21 @@ PROTECTED_PREFIXES = ("/v1/", "/status")
 """Paths that need a key when keys are configured; ``/health`` and ``/metrics`` stay open for probes and
 Prometheus (they reveal no prompt or reply)."""
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+REASONS = {401: "unauthenticated", 404: "not_found", 413: "too_large", 429: "over_capacity"}
+TENANT_STATE = "kvmesh_tenant"
+"""Where the middleware leaves the caller's tenant (``ApiKeys.tenant``) in the ASGI scope's ``state``."""
 
 
-REASONS = {401: "unauthenticated", 413: "too_large", 429: "over_capacity"}
+def route_path(scope) -> str:
+    """The path the app routes on: ``path`` without the ``root_path`` a proxy mounted the app under (Ray
+    Serve sets it for any route prefix but ``/``). Checking the raw path would let ``/prefix/v1/...``
+    through the key check."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 def _error(status: int, message: str, code: str, kind: str, headers: dict[str, str] | None = None):
@@ -124,8 +139,9 @@ def _error(status: int, message: str, code: str, kind: str, headers: dict[str, s
 class AdmissionMiddleware:
     """Pure ASGI middleware (streaming and client disconnects pass through untouched, unlike Starlette's
     ``BaseHTTPMiddleware``): 401 without a valid key, 413 for a body over the limit, 429 beyond the in-flight
-    limit. A generation counts as in flight until its last byte is sent. ``admission`` is read per request
-    (a callable), because the ingress builds it after the app exists."""
+    limit, 404 for the API docs unless enabled. A generation counts as in flight until its last byte is
+    sent. The caller's tenant goes to the app in ``scope["state"][TENANT_STATE]``. ``admission`` is read per
+    request (a callable), because the ingress builds it after the app exists."""
 
     def __init__(self, app, admission) -> None:
         self.app = app
@@ -135,10 +151,14 @@ class AdmissionMiddleware:
         guard: Admission | None = self.admission() if scope["type"] == "http" else None
         if guard is None:
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = route_path(scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal = None
-        if path.startswith(PROTECTED_PREFIXES) and not guard.keys.allows(headers.get("authorization")):
+        tenant = guard.keys.tenant(headers.get("authorization"))
+        scope.setdefault("state", {})[TENANT_STATE] = tenant or ""
+        if path in DOCS_PATHS and not guard.enable_docs:
+            refusal = _error(404, "Not Found", "not_found", "invalid_request_error")
+        elif path.startswith(PROTECTED_PREFIXES) and tenant is None:
             refusal = _error(401, "Invalid or missing API key (send Authorization: Bearer <key>)", "invalid_api_key",
                              "authentication_error", {"WWW-Authenticate": "Bearer"})  # fmt: skip
         elif scope.get("method") == "POST" and guard.max_body_bytes:

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from ray import serve
@@ -18,14 +17,18 @@ from cluster.config import APP_NAME, ClusterConfig, build_config
 from cluster.engine_deployment import engine_deployment
 from cluster.ingress import Ingress, IngressSettings
 from replica.sampling_params import MAX_N
+from router.index_schema import REDIS_URL_ENV, index_redis_url
 
 
-def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application:
+def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Application:
+    """The application. ``config.redis_url`` None: every process reads ``$KVMESH_REDIS_URL``. ``serve_grpc``:
+    the ingress listens for gRPC on ``config.host:config.grpc_port`` itself (``kvmesh serve``; under a Serve
+    config file Ray's gRPC proxy serves it instead)."""
     engine_cfg = config.engine_config()
     engine = engine_deployment(
         config.engine_settings(),
         num_replicas=config.replicas,
-        redis_url=redis_url,
+        redis_url=config.redis_url,
         deployment=APP_NAME,
         policy=config.policy,
         policy_kwargs=config.policy_kwargs,
@@ -42,12 +45,16 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
         block_size=engine_cfg.block_size,
         max_model_len=engine_cfg.max_model_len,
         max_n=min(MAX_N, engine_cfg.max_num_seqs),
-        redis_url=redis_url,
+        redis_url=config.redis_url,
         deployment=APP_NAME,
         policy=config.policy,
         api_key_digests=key_digests(config.api_keys),
         max_inflight_requests=config.max_inflight_requests,
         max_request_bytes=config.max_request_bytes,
+        grpc_host=config.host if serve_grpc and config.grpc_port else None,
+        grpc_port=config.grpc_port if serve_grpc and config.grpc_port else None,
+        share_prefix_cache=config.share_prefix_cache,
+        enable_docs=config.enable_docs,
     )
     # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
     ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
@@ -56,15 +63,11 @@ def build_app(config: ClusterConfig, redis_url: str | None) -> serve.Application
     )
 
 
-REDIS_URL_ENV = "KVMESH_REDIS_URL"
-"""Where ``app_builder`` finds the index Redis when ``args`` do not name it: on Kubernetes the URL, with its
-password, comes from a Secret as this environment variable instead of sitting in the RayService spec."""
-
-
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Ray Serve's application-builder entry point: ``args`` are ``ClusterConfig`` fields; the Redis URL is
-    ``args["redis_url"]`` or ``$KVMESH_REDIS_URL`` (no embedded Redis here)."""
-    config = build_config(overrides={"redis_url": os.environ.get(REDIS_URL_ENV), **dict(args)})
-    if not config.redis_url:
-        raise ValueError(f"redis_url is required when deploying from a Serve config file (args or ${REDIS_URL_ENV})")
-    return build_app(config, config.redis_url)
+    """Ray Serve's application-builder entry point: ``args`` are ``ClusterConfig`` fields. The index Redis is
+    ``$KVMESH_REDIS_URL`` in every pod (on Kubernetes, from a Secret), so its password is not in the
+    RayService spec; ``args["redis_url"]`` overrides it. No embedded Redis here."""
+    config = build_config(overrides=dict(args))
+    if not index_redis_url(config.redis_url):
+        raise ValueError(f"the index Redis is required when deploying from a Serve config file (${REDIS_URL_ENV})")
+    return build_app(config)

@@ -87,6 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
         "max_inflight_requests": args.max_inflight_requests,
         "max_request_bytes": args.max_request_bytes,
         "api_keys": args.api_key or None,
+        "share_prefix_cache": args.share_prefix_cache,
+        "enable_docs": args.enable_docs,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "scaling_policy": args.scaling_policy,
@@ -169,18 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
     srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
-    srv.add_argument("--redis-url", help="index Redis (default: start an embedded one on a free loopback port)")
-    srv.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    srv.add_argument("--redis-url", help="index Redis (default: $KVMESH_REDIS_URL, else an embedded one on loopback "
+                                         "with a random password)")
+    srv.add_argument("--host", help="HTTP and gRPC bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    srv.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    srv.add_argument("--grpc-port", type=int, help="gRPC port on --host (default 9000; 0: no gRPC)")
     srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
     srv.add_argument("--max-queued-requests", type=int,
                      help="requests a router holds for busy replicas; more get 503 (default 256, -1 unbounded)")
     srv.add_argument("--max-inflight-requests", type=int,
                      help="generations one ingress replica runs at once; more get 429 (default 1024, 0 unbounded)")
-    srv.add_argument("--max-request-bytes", type=int, help="largest request body (default 8 MiB)")
+    srv.add_argument("--max-request-bytes", type=int,
+                     help="largest request body, HTTP and gRPC (default: what the longest prompt that fits takes)")
     srv.add_argument("--api-key", action="append",
                      help="require this Bearer key (repeatable; also $KVMESH_API_KEYS, comma-separated)")
+    srv.add_argument("--share-prefix-cache", action="store_true", default=None,
+                     help="let requests of different API keys share cached prefixes (default: one cache per key)")
+    srv.add_argument("--enable-docs", action="store_true", default=None,
+                     help="serve the API's /docs, /redoc and /openapi.json (default: off)")
     srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
     srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")

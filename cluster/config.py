@@ -59,21 +59,30 @@ class ClusterConfig:
     address: str | None = None
     """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one."""
     redis_url: str | None = None
-    """The index's Redis; ``None`` starts an embedded one on a free loopback port."""
+    """The index's Redis; ``None`` takes ``$KVMESH_REDIS_URL``, else starts an embedded one (loopback, random
+    password). Every process reads it from its environment: it is never a deployment argument."""
     host: str = "127.0.0.1"
+    """Where HTTP and gRPC listen; a locally started Ray listens on loopback whatever this is."""
     http_port: int = DEFAULT_HTTP_PORT
     grpc_port: int = DEFAULT_GRPC_PORT
+    """gRPC on ``host``, served by the ingress itself, with HTTP's API keys and body limit; 0: no gRPC."""
     max_ongoing_requests: int = 64
     """Requests one engine replica accepts at once; more wait in the router's queue."""
     max_queued_requests: int = 256
     """Requests each router may hold waiting for a replica; beyond it, 503 with Retry-After (-1: no bound)."""
     max_inflight_requests: int = 1024
     """Generations one ingress replica handles at once; beyond it, 429 with Retry-After (0: no bound)."""
-    max_request_bytes: int = 8 << 20
-    """Largest request body accepted (413 beyond it)."""
+    max_request_bytes: int | None = None
+    """Largest request body, HTTP and gRPC (413 / RESOURCE_EXHAUSTED beyond it); None: what the longest
+    prompt that fits the context can take."""
     api_keys: list[str] = field(default_factory=list)
     """Bearer keys required on /v1 and /status (HTTP) and on gRPC; also read from ``$KVMESH_API_KEYS``.
     Empty: no authentication. The ingress is given their SHA-256 digests, never the keys."""
+    share_prefix_cache: bool = False
+    """With API keys, each key hashes its prompts into a prefix cache of its own (tenants neither share nor
+    can probe each other's cached prefixes); True shares one cache across keys."""
+    enable_docs: bool = False
+    """Serve the API's ``/docs``, ``/redoc`` and ``/openapi.json``."""
     stats_period_s: float = 1.0
     num_cpus: int | None = None
     """CPUs of a locally started Ray (default: this machine's)."""
@@ -85,13 +94,16 @@ class ClusterConfig:
                              f"{self.ingress_replicas}")  # fmt: skip
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
-        for port in (self.http_port, self.grpc_port):
-            if not 0 < port < 65536:
-                raise ValueError(f"port {port} is out of range")
+        if not 0 < self.http_port < 65536:
+            raise ValueError(f"port {self.http_port} is out of range")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"port {self.grpc_port} is out of range (0 turns gRPC off)")
         self.engine_config()  # raises ValueError on bad engine settings
         self.autoscaling_config()  # and on bad autoscaling settings
-        if self.max_queued_requests < -1 or self.max_inflight_requests < 0 or self.max_request_bytes < 1:
-            raise ValueError("max_queued_requests >= -1, max_inflight_requests >= 0 and max_request_bytes >= 1")
+        if self.max_queued_requests < -1 or self.max_inflight_requests < 0:
+            raise ValueError("max_queued_requests must be >= -1 and max_inflight_requests >= 0")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

@@ -60,6 +60,7 @@ class EmbeddedRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         args = [
             redis_server_binary(),
+            "-",  # the rest of the configuration (the password) from stdin: not on the command line for ps to show
             "--bind", "127.0.0.1",
             "--port", str(self.port),
             "--save", "",
@@ -68,10 +69,11 @@ class EmbeddedRedis:
             "--protected-mode", "yes",
             "--loglevel", "warning",
         ]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password]
+        secret = f"requirepass {self.password}\n".encode() if self.password else b""
         log = open(os.path.join(self._dir.name, "redis.log"), "wb")  # noqa: SIM115 - owned by the process
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        self.process.stdin.write(secret)  # redis-server reads stdin to its end before it starts
+        self.process.stdin.close()
         log.close()
         deadline = time.monotonic() + self.startup_timeout
         client = redis.Redis.from_url(self.url, socket_timeout=0.5)

@@ -22,6 +22,7 @@ from ray.serve.exceptions import RayServeException
 from replica import AsyncLLM, EngineConfig, SamplingParams
 from router.hashing import first_block_extra, hash_block
 from router.index_publisher import KVIndexPublisher
+from router.index_schema import index_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class EngineServer:
         except RayServeException:  # outside Serve
             name, unique = f"engine-{uuid.uuid4().hex[:8]}", True
         self.publisher = None
+        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         if redis_url:
             self.publisher = KVIndexPublisher(
                 redis_url,
@@ -130,6 +132,9 @@ def engine_deployment(
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles.
+
+    ``redis_url`` None: replicas and routers read ``$KVMESH_REDIS_URL`` from their environment, so the
+    password is not part of the deployment's arguments (no index if that is unset too).
 
     ``autoscaling`` (from ``cluster.autoscaling.autoscaling_config``) replaces the fixed ``num_replicas``.
     A replica being removed (scale-down, redeploy, shutdown) gets ``drain_timeout_s`` to finish its streams:

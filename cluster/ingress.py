@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 from fastapi import FastAPI, Request
@@ -34,10 +35,12 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import metrics
-from cluster.admission import RETRY_AFTER_S, Admission, AdmissionMiddleware
+from cluster.admission import RETRY_AFTER_S, TENANT_STATE, Admission, AdmissionMiddleware
 from cluster.openai_protocol import (
+    CHAT_ROLES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,16 +48,34 @@ from cluster.openai_protocol import (
     sampling_params,
     usage,
 )
-from cluster.proto import kvmesh_pb2
-from replica.model_files import apply_chat_template, load_tokenizer, max_context, resolve_model_dir
+from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from replica.errors import InvalidRequest, RequestFailed
+from replica.limits import (
+    MAX_MESSAGES,
+    check_for_model,
+    check_prompt_ids,
+    check_request_fields,
+    prompt_char_limit,
+    request_body_limit,
+)
+from replica.model_files import (
+    load_tokenizer,
+    max_context,
+    max_token_bytes,
+    render_chat,
+    resolve_model_dir,
+    vocab_size,
+)
 from replica.sampling_params import MAX_N, SamplingParams
 from router.hashing import first_block_extra, hash_blocks, model_seed
+from router.index_schema import index_redis_url
 from router.metrics import decision_counts
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
 app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster", version="1")
+"""``/docs``, ``/redoc`` and ``/openapi.json`` exist but answer 404 unless ``enable_docs`` (the middleware)."""
 
 _admission: Admission | None = None
 """This process's ingress limits, set by ``Ingress.__init__`` (one ingress per replica process)."""
@@ -65,6 +86,30 @@ REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 SWEEP_PERIOD_S = 1.0
 RETRY_ATTEMPTS, RETRY_BACKOFF_S = 3, 0.25
 """A request whose replica dies before its first token is sent up to twice more, after 0.25 s then 0.5 s."""
+
+
+GRPC_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+TOKENIZE_INLINE_CHARS = 8192
+"""Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
+
+
+def _tenant(raw: Request) -> str:
+    """The caller's tenant, as the admission middleware identified it from its API key."""
+    return getattr(raw.state, TENANT_STATE, "")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's error format too."""
+    error = APIError(str(exc.detail), exc.status_code, code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 @app.exception_handler(APIError)
@@ -112,11 +157,20 @@ class IngressSettings:
     """The most choices a request may ask for: fewer than ``MAX_N`` when a replica runs fewer sequences at once
     (its ``max_num_seqs``), since a request's choices run together on one replica."""
     redis_url: str | None = None
+    """The index's Redis; None reads ``$KVMESH_REDIS_URL`` (how ``kvmesh serve`` and Kubernetes pass it, so
+    the password never travels in deployment arguments)."""
     deployment: str = "kvmesh"
     policy: str = "kv_aware"
     api_key_digests: list[str] = field(default_factory=list)
     max_inflight_requests: int = 0
-    max_request_bytes: int = 0
+    max_request_bytes: int | None = None
+    """Largest request body (HTTP and gRPC); None derives it from the context length."""
+    grpc_host: str | None = None
+    grpc_port: int | None = None
+    """Where this ingress serves gRPC itself (``kvmesh serve``); None: not at all (Ray's gRPC proxy may)."""
+    share_prefix_cache: bool = False
+    """With API keys, each key's requests hash into a prefix cache of their own unless this is set."""
+    enable_docs: bool = False
 
 
 @dataclass
@@ -136,24 +190,37 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
         global _admission
         self.settings = IngressSettings(**settings)
-        self.admission = _admission = Admission(
-            self.settings.api_key_digests,
-            self.settings.max_inflight_requests,
-            self.settings.max_request_bytes,
-            on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
-        )
         self.engine = engine.options(method_name="generate", stream=True)
         model_dir = resolve_model_dir(self.settings.model, weights=False)  # tokenizer and config only
         self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = vocab_size(model_dir)
         self.max_model_len = self.settings.max_model_len or max_context(model_dir)
+        token_bytes = max_token_bytes(self.tokenizer)
+        self.max_prompt_bytes = prompt_char_limit(self.max_model_len, token_bytes)
+        body_limit = self.settings.max_request_bytes or request_body_limit(self.max_model_len, token_bytes)
+        self.admission = _admission = Admission(
+            self.settings.api_key_digests,
+            self.settings.max_inflight_requests,
+            body_limit,
+            on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
+            enable_docs=self.settings.enable_docs,
+        )
         self.seed = model_seed(self.settings.model)
         self.names = {self.settings.served_model_name, self.settings.model}
+        redis_url = index_redis_url(self.settings.redis_url)
         self.index = (
-            PrefixIndex(self.settings.redis_url, self.settings.deployment, self.settings.model, timeout_s=1.0)
-            if self.settings.redis_url
-            else None
+            PrefixIndex(redis_url, self.settings.deployment, self.settings.model, timeout_s=1.0) if redis_url else None
         )
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep()) if self.index else None
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.create_task(self._sweep()) if self.index else None
+        self._grpc_server = None
+        if self.settings.grpc_port:
+            self._grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", body_limit)])
+            kvmesh_pb2_grpc.add_KVMeshServicer_to_server(self, self._grpc_server)
+            address = f"{self.settings.grpc_host or '127.0.0.1'}:{self.settings.grpc_port}"
+            if not self._grpc_server.add_insecure_port(address):
+                raise RuntimeError(f"gRPC cannot listen on {address}")
+            self._grpc_started = loop.create_task(self._grpc_server.start())
 
     async def _sweep(self) -> None:
         """Purge crashed replicas' index entries once their heartbeat expired, with or without traffic."""
@@ -165,17 +232,47 @@ class Ingress:
             except (RedisError, OSError) as exc:  # Redis down: routing already degrades; try next tick
                 log.debug("index sweep failed: %r", exc)
 
+    async def __del__(self) -> None:
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace=1.0)
+
     # ------------------------------------------------------------------ shared by HTTP and gRPC
-    def _prepare(
+    def _cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The salt a request's blocks are hashed with: the client's own, keyed by its API key unless the
+        operator shares one cache across keys. Tenants then neither share nor can probe each other's cached
+        prefixes (``cached_tokens`` would otherwise tell one whether another's prompt is cached)."""
+        if not tenant or self.settings.share_prefix_cache:
+            return client_salt
+        return f"key:{tenant}" + (f"|{client_salt}" if client_salt is not None else "")
+
+    async def _encode(self, text: str, chat: bool) -> list[int]:
+        """Token ids of ``text`` (a rendered chat carries its own special tokens); long texts in a worker
+        thread (the tokenizer releases the GIL), so other streams on this event loop keep flowing."""
+        if len(text) < TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=not chat)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=not chat)
+
+    def _too_long(self, param: str) -> APIError:
+        return APIError(
+            f"This model's maximum context length is {self.max_model_len} tokens; the request's text is longer "
+            "than that many tokens could be",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    async def _prepare(
         self,
         model: str,
         prompt: str | list[int] | None,
         messages: list[dict] | None,
         params: SamplingParams,
         api: str,
+        tenant: str,
         cache_salt: str | None = None,
         session_id: str | None = None,
     ) -> Prepared:
+        """Validate, tokenize and hash one request. Cheap checks come first: nothing is rendered or tokenized
+        for a request whose size alone says it cannot fit."""
         if model and model not in self.names:
             raise APIError(
                 f"The model `{model}` does not exist; this server serves `{self.settings.served_model_name}`",
@@ -184,32 +281,50 @@ class Ingress:
                 code="model_not_found",
                 kind="invalid_request_error",
             )
-        if messages is not None:
-            try:
-                ids = apply_chat_template(self.tokenizer, messages)
-            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
-                raise APIError(f"messages: {exc}", param="messages") from exc
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt or [])
-            if any(not 0 <= t < len(self.tokenizer) for t in ids):
-                raise APIError("prompt contains token ids outside the vocabulary", param="prompt")
-        if not ids:
-            raise APIError("prompt is empty", param="messages" if messages is not None else "prompt")
+        try:
+            check_request_fields(cache_salt=cache_salt, session_id=session_id)
+            check_for_model(params, self.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=exc.param) from exc
         if params.n > self.settings.max_n:
             raise APIError(f"n must be at most {self.settings.max_n} on this server (a replica's choices run at "
                            f"once), got {params.n}", param="n")  # fmt: skip
+        param = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            if len(messages) > MAX_MESSAGES:
+                raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
+            if sum(len(m["content"]) for m in messages) > self.max_prompt_bytes:
+                raise self._too_long(param)
+            try:
+                text = render_chat(self.tokenizer, messages)
+            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
+                raise APIError(f"messages: {exc}", param=param) from exc
+            ids = await self._encode(text, chat=True)
+        elif isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_bytes:
+                raise self._too_long(param)
+            ids = await self._encode(prompt, chat=False)
+        else:
+            ids = list(prompt or [])
+            if len(ids) > self.max_model_len:
+                raise self._too_long(param)
+            try:
+                check_prompt_ids(ids, self.vocab_size)
+            except InvalidRequest as exc:
+                raise APIError(str(exc), param=param) from exc
+        if not ids:
+            raise APIError("prompt is empty", param=param)
         wanted = len(ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise APIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request needs "
                 f"{wanted} ({len(ids)} prompt + {params.max_tokens or 1} completion)",
-                param="messages" if messages is not None else "prompt",
+                param=param,
                 code="context_length_exceeded",
             )
         size = self.settings.block_size
-        hashes = hash_blocks(ids, size, self.seed, first_block_extra(cache_salt))
+        salt = self._cache_salt(tenant, cache_salt)
+        hashes = hash_blocks(ids, size, self.seed, first_block_extra(salt))
         shape = ResponseShape(chat=messages is not None, model=self.settings.served_model_name, n=params.n)
         body = {
             "request_id": shape.id,
@@ -218,7 +333,7 @@ class Ingress:
             "num_tokens": len(ids),
             "block_size": size,
             "session_id": session_id,
-            "cache_salt": cache_salt,
+            "cache_salt": salt,
             "params": params.__dict__,
         }
         return Prepared(ids, params, body, shape, api)
@@ -237,7 +352,10 @@ class Ingress:
         stream = None
         try:
             for attempt in range(1, RETRY_ATTEMPTS + 1):
-                stream = self.engine.remote(prep.body)
+                # Each attempt is a new engine request: a replica still running the first must not see the
+                # same id again, and the first is cancelled before the retry goes out.
+                body = prep.body if attempt == 1 else {**prep.body, "request_id": f"{prep.shape.id}-{attempt}"}
+                stream = self.engine.remote(body)
                 try:
                     async for chunk in stream:
                         now, previous = time.perf_counter(), last_of_choice.get(chunk["index"])
@@ -257,6 +375,7 @@ class Ingress:
                 except REPLICA_FAILURES as exc:
                     if n_out or attempt == RETRY_ATTEMPTS:
                         raise
+                    stream.cancel()
                     metrics.RETRIES.labels(model).inc()
                     log.warning("request %s: its replica failed before the first token (%r); retrying",
                                 prep.shape.id, exc)  # fmt: skip
@@ -270,7 +389,7 @@ class Ingress:
         except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
             outcome = "client_error"
             cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
-            raise APIError(str(cause), param="prompt") from exc
+            raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
         except REPLICA_FAILURES as exc:
             log.warning("request %s: its replica failed after %d tokens: %r", prep.shape.id, n_out, exc)
             raise APIError(f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens;"
@@ -278,8 +397,12 @@ class Ingress:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from exc  # fmt: skip
         except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
             stream.cancel()
-            log.warning("request %s failed in the engine: %r", prep.shape.id, exc)
-            raise APIError(f"generation failed: {type(getattr(exc, 'cause', None) or exc).__name__}", 500) from exc
+            cause = getattr(exc, "cause", None) or exc
+            log.warning("request %s failed in the engine: %r", prep.shape.id, cause)
+            # A request the engine failed alone says why (its own data broke a step); anything else only
+            # names the exception's type.
+            detail = str(cause) if isinstance(cause, RequestFailed) else type(cause).__name__
+            raise APIError(f"generation failed: {detail}", 500, code="generation_failed") from exc
         except BaseException:
             outcome = "aborted" if outcome == "error" and n_out else outcome
             if stream is not None:
@@ -333,18 +456,21 @@ class Ingress:
 
     # ------------------------------------------------------------------ OpenAI HTTP
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         params = body.check()
         messages = [m.render() for m in body.messages]
-        prep = self._prepare(body.model, None, messages, params, "chat", body.cache_salt, body.session_id or body.user)
+        prep = await self._prepare(
+            body.model, None, messages, params, "chat", _tenant(raw), body.cache_salt, body.session_id or body.user
+        )
         return await self._respond(prep, body.stream, body.include_usage)
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         params = body.check()
-        prep = self._prepare(
-            body.model, body.single_prompt(), None, params, "completions", body.cache_salt, body.session_id or body.user
-        )
+        prep = await self._prepare(
+            body.model, body.single_prompt(), None, params, "completions", _tenant(raw), body.cache_salt,
+            body.session_id or body.user,
+        )  # fmt: skip
         return await self._respond(prep, body.stream, body.include_usage)
 
     @app.get("/v1/models")
@@ -391,39 +517,47 @@ class Ingress:
         }
 
     # ------------------------------------------------------------------ gRPC (see cluster/proto/kvmesh.proto)
-    def _grpc_prepare(self, request: kvmesh_pb2.GenerateRequest) -> Prepared:
+    async def _grpc_prepare(self, request: kvmesh_pb2.GenerateRequest, tenant: str) -> Prepared:
         optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
         params = sampling_params(
             **{f: getattr(request, f) for f in optional if request.HasField(f)}, stop=list(request.stop)
         )
+        if len(request.messages) > MAX_MESSAGES:
+            raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
         messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
-        return self._prepare(
-            request.model, request.prompt, messages, params, "grpc", request.cache_salt or None, request.session_id
-        )
+        if messages and any(m["role"] not in CHAT_ROLES for m in messages):
+            raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
+        return await self._prepare(
+            request.model, request.prompt, messages, params, "grpc", tenant, request.cache_salt or None,
+            request.session_id or None,
+        )  # fmt: skip
 
-    def _grpc_admit(self, grpc_context) -> None:
-        """gRPC's admission: the same API keys (``authorization`` metadata) and in-flight limit as HTTP."""
+    def _grpc_admit(self, grpc_context) -> str:
+        """gRPC's admission: the same API keys (``authorization`` metadata) and in-flight limit as HTTP;
+        returns the caller's tenant."""
         metadata = {k.lower(): v for k, v in (grpc_context.invocation_metadata() or ())}
-        if not self.admission.keys.allows(metadata.get("authorization")):
+        tenant = self.admission.keys.tenant(metadata.get("authorization"))
+        if tenant is None:
             metrics.REFUSED.labels("unauthenticated").inc()
             raise APIError("Invalid or missing API key (metadata authorization: Bearer <key>)", 401,
                            code="invalid_api_key")  # fmt: skip
         if not self.admission.inflight.acquire():
             metrics.REFUSED.labels("over_capacity").inc()
             raise APIError("The server is at capacity; retry shortly", 429, code="rate_limit_exceeded")
+        return tenant
 
     @staticmethod
-    def _grpc_error(grpc_context, exc: APIError) -> APIError:
-        code = {
-            400: grpc.StatusCode.INVALID_ARGUMENT,
-            401: grpc.StatusCode.UNAUTHENTICATED,
-            404: grpc.StatusCode.NOT_FOUND,
-            429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-            503: grpc.StatusCode.UNAVAILABLE,
-        }.get(exc.status, grpc.StatusCode.INTERNAL)
+    async def _grpc_fail(grpc_context, exc: APIError) -> NoReturn:
+        """End the call with the status matching ``exc`` and details naming its parameter: ``abort`` on this
+        ingress's own gRPC server; Ray's proxy context has no abort and reads the code and details set on it
+        when the handler raises."""
+        code = GRPC_STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
+        details = exc.message if not exc.param or exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
+        if hasattr(grpc_context, "abort"):
+            await grpc_context.abort(code, details)
         grpc_context.set_code(code)
-        grpc_context.set_details(exc.message)
-        return exc
+        grpc_context.set_details(details)
+        raise exc
 
     @staticmethod
     def _grpc_usage(chunk: dict) -> kvmesh_pb2.Usage:
@@ -436,11 +570,11 @@ class Ingress:
 
     async def Generate(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> AsyncIterator:
         try:
-            self._grpc_admit(grpc_context)
+            tenant = self._grpc_admit(grpc_context)
         except APIError as exc:
-            raise self._grpc_error(grpc_context, exc) from None
+            await self._grpc_fail(grpc_context, exc)
         try:
-            async for chunk in self._run(self._grpc_prepare(request)):
+            async for chunk in self._run(await self._grpc_prepare(request, tenant)):
                 yield kvmesh_pb2.GenerateChunk(
                     text=chunk["text"],
                     finish_reason=chunk["finish_reason"] or "",
@@ -448,20 +582,20 @@ class Ingress:
                     index=chunk["index"],
                 )
         except APIError as exc:
-            raise self._grpc_error(grpc_context, exc) from None
+            await self._grpc_fail(grpc_context, exc)
         finally:
             self.admission.inflight.release()
 
     async def Complete(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> kvmesh_pb2.Completion:
         try:
-            self._grpc_admit(grpc_context)
+            tenant = self._grpc_admit(grpc_context)
         except APIError as exc:
-            raise self._grpc_error(grpc_context, exc) from None
+            await self._grpc_fail(grpc_context, exc)
         try:
-            prep = self._grpc_prepare(request)
+            prep = await self._grpc_prepare(request, tenant)
             texts, reasons, last = await _gather(prep.shape.n, self._run(prep))
         except APIError as exc:
-            raise self._grpc_error(grpc_context, exc) from None
+            await self._grpc_fail(grpc_context, exc)
         finally:
             self.admission.inflight.release()
         choices = [

@@ -1,5 +1,9 @@
 """``kvmesh serve``: start (or join) Ray, Redis, the ingress and the engine replicas; stop them all on exit.
 
+Nothing listens wider than asked: HTTP and gRPC on ``--host``, a local Ray and the embedded Redis on
+loopback, the Redis with a random password that every process reads from ``$KVMESH_REDIS_URL`` and that
+is never printed.
+
 Start-up shows its progress (model preparation, then each deployment's replicas as they come up) because
 loading models takes a while. Ctrl-C or SIGTERM shut everything down in reverse order: the Serve app
 (replicas finish their streams within the graceful-shutdown timeout and remove their index entries), then
@@ -9,16 +13,23 @@ the Ray processes this command started, then the embedded Redis. Nothing is left
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from cluster.config import APP_NAME, GRPC_SERVICER, ClusterConfig
+from cluster.config import APP_NAME, ClusterConfig
 from cluster.embedded_redis import EmbeddedRedis
+from router.index_schema import REDIS_URL_ENV, index_redis_url, redacted
 
 log = logging.getLogger(__name__)
+
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0 before Ray is imported, a locally started Ray takes 127.0.0.1 as its node address and binds
+every port there (what it does on macOS and Windows); read once, when ``ray`` is first imported."""
 
 
 def _say(message: str) -> None:
@@ -57,10 +68,6 @@ def serve_cluster(
 ) -> int:
     """Run the cluster until ``stop`` is set. ``on_ray_started`` runs right after ``ray.init``, which
     replaces the process's SIGTERM handler: a caller that handles signals installs its own there."""
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
     from replica.model_files import resolve_model_dir
 
     stop = stop or threading.Event()
@@ -70,6 +77,24 @@ def serve_cluster(
     try:
         _say(f"preparing model {config.model} ...")
         resolve_model_dir(config.model)  # converts a GGUF once, here, before replicas race for it
+        redis_url = index_redis_url(config.redis_url)
+        if not redis_url:
+            redis = EmbeddedRedis(password=secrets.token_urlsafe(24)).start()
+            redis_url = redis.url
+            _say(f"started embedded Redis at {redacted(redis_url)}")
+            if config.address:
+                _say("warning: the embedded Redis listens on loopback; pass --redis-url on a multi-node cluster")
+        # Every process reads the URL (and its password) from its environment: processes started below
+        # inherit this one's; on a joined cluster the job's runtime_env carries it.
+        os.environ[REDIS_URL_ENV] = redis_url
+        if not config.address:
+            # A local Ray binds every one of its ports on loopback: nothing of it is reachable from outside.
+            os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
+        import ray
+        from ray import serve
+
+        from cluster.app import build_app
+
         if not ray.is_initialized():
             _say(f"starting Ray{' (joining ' + config.address + ')' if config.address else ''} ...")
             ray.init(
@@ -79,22 +104,14 @@ def serve_cluster(
                 include_dashboard=False,
                 namespace=APP_NAME,
                 logging_level=logging.WARNING,
+                runtime_env={"env_vars": {REDIS_URL_ENV: redis_url}} if config.address else None,
             )
             started_ray = config.address is None
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         if on_ray_started is not None:
             on_ray_started()
-        redis_url = config.redis_url
-        if not redis_url:
-            redis = EmbeddedRedis().start()
-            redis_url = redis.url
-            _say(f"started embedded Redis at {redis_url}")
-            if config.address:
-                _say("warning: the embedded Redis listens on loopback; pass --redis-url on a multi-node cluster")
         serve.start(
-            http_options={"host": config.host, "port": config.http_port},
-            grpc_options={"port": config.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
-            logging_config={"log_level": "WARNING"},
+            http_options={"host": config.host, "port": config.http_port}, logging_config={"log_level": "WARNING"}
         )
         _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
         deployed = threading.Event()
@@ -102,16 +119,20 @@ def serve_cluster(
         watcher.start()
         try:
             serve.run(
-                build_app(config, redis_url), name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"}
-            )
+                build_app(config, serve_grpc=True), name=APP_NAME, route_prefix="/",
+                logging_config={"log_level": "WARNING"},
+            )  # fmt: skip
         finally:
             deployed.set()
         host = "localhost" if config.host in ("127.0.0.1", "0.0.0.0") else config.host
+        grpc_line = (
+            f"{host}:{config.grpc_port}  (kvmesh.KVMesh, cluster/proto/kvmesh.proto)" if config.grpc_port else "off"
+        )
         _say(
             f"kvmesh is ready in {time.monotonic() - t0:.1f} s: serving {config.name}\n"
             f"  OpenAI HTTP  http://{host}:{config.http_port}/v1  (metrics: /metrics, status: /status)\n"
-            f"  gRPC         {host}:{config.grpc_port}  (kvmesh.KVMesh, cluster/proto/kvmesh.proto)\n"
-            f"  Redis index  {redis_url}\n"
+            f"  gRPC         {grpc_line}\n"
+            f"  Redis index  {redacted(redis_url)}\n"
             "Press Ctrl-C to stop."
         )
         if on_ready is not None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.errors import InvalidRequest
+from replica.limits import MAX_ID_CHARS
 from replica.sampling_params import MAX_N, SamplingParams
 
 
@@ -55,8 +57,8 @@ def sampling_params(top_k: int | None = None, stop: str | list[str] | None = Non
             top_k=0 if top_k in (None, -1) else top_k,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
         )
-    except ValueError as exc:
-        raise APIError(str(exc), param=str(exc).split(" ", 1)[0]) from exc
+    except InvalidRequest as exc:
+        raise APIError(str(exc), param=exc.param) from exc
 
 
 class _Request(BaseModel):
@@ -72,9 +74,13 @@ class _Request(BaseModel):
     n: int = Field(default=1, description=f"Choices to generate from the prompt, 1 to {MAX_N}.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: str | None = Field(default=None, description="Isolates prefix caching between tenants.")
-    session_id: str | None = Field(default=None, description="Keeps a conversation on one replica.")
+    user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(
+        default=None, max_length=MAX_ID_CHARS, description="Isolates prefix caching between tenants."
+    )
+    session_id: str | None = Field(
+        default=None, max_length=MAX_ID_CHARS, description="Keeps a conversation on one replica."
+    )
     logprobs: bool | int | None = None
     ignore_eos: bool = False
 
@@ -100,8 +106,12 @@ class TextPart(BaseModel):
     text: str
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -139,12 +139,31 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    """``messages`` rendered by the model's chat template, ready for the assistant's reply."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's reply.
 
     Rendered to text first and encoded without special tokens, so the template's own BOS is not doubled."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+
+
+def max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most UTF-8 bytes of text one token stands for (special tokens included): text longer than
+    ``context x this`` cannot fit the context, which the front door checks before tokenizing."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers; a slow one's pieces are text
+    decode = backend.decoder if backend is not None else None
+    pieces = list(tokenizer.get_vocab())
+    texts = [decode.decode([p]) for p in pieces] if decode is not None else pieces
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
+
+
+def vocab_size(path: Path) -> int:
+    """The model's vocabulary size from its ``config.json``: the bound on token ids and ``top_k``."""
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 def max_context(path: Path) -> int:

@@ -23,16 +23,39 @@ Redis never holds prompt text or pickled objects: only these bytes and replica i
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from importlib import resources
+from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
 
 from router.hashing import BlockHash
 
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
+"""Where every process finds the index's Redis (its password included) when none is passed explicitly:
+``kvmesh serve`` sets it for the processes it starts, Kubernetes from a Secret."""
+
 KEY_BYTES = 8
 DEFAULT_HEARTBEAT_TTL_S = 3.0
 """A replica beats every TTL/5; one silent for a whole TTL is dead to lookups and is purged."""
+
+
+def index_redis_url(explicit: str | None = None) -> str | None:
+    """The index's Redis URL: ``explicit`` if given, else ``$KVMESH_REDIS_URL``; None: no index."""
+    return explicit or os.environ.get(REDIS_URL_ENV) or None
+
+
+def redacted(url: str) -> str:
+    """``url`` fit to print or log: a password in it is replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def index_prefix(deployment: str, model: str) -> str:

@@ -27,6 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 import router.metrics as router_metrics
 from router.baselines import make_policy
+from router.index_schema import index_redis_url
 from router.policy import DEFAULT_PREFILL_TOK_S, SESSION_DECAY_S, ReplicaLoad, RouteRequest
 from router.prefix_index import PrefixIndex
 
@@ -37,6 +38,10 @@ LOAD_FIELDS = (
     "max_num_seqs", "step_s", "mean_output_tokens", "cache_fill", "kv_free_blocks", "kv_total_blocks",
 )  # fmt: skip
 """Fields of a replica's ``record_routing_stats`` report copied into ``ReplicaLoad``."""
+MAX_TRACKED = 100_000
+"""Most requests a router remembers as planned or in flight: its memory stays bounded whatever happens."""
+PLANNED_TTL_S = 300.0
+"""A decision Ray has not acted on for this long belongs to a request cancelled while it queued."""
 
 
 def route_request(pending: PendingRequest | None) -> RouteRequest | None:
@@ -61,10 +66,12 @@ class KVAwareRequestRouter(RequestRouter):
         policy_kwargs: dict | None = None,
         lookup_timeout_s: float = 0.02,
         max_sessions: int = 100_000,
+        max_tracked: int = MAX_TRACKED,
         report_period_s: float = 1.0,
         predict_ttl_s: float = 2.0,
     ) -> None:
         self.policy = make_policy(policy, **(policy_kwargs or {}))
+        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         decay_s = getattr(self.policy, "session_decay_s", SESSION_DECAY_S)
         self.index = (
             PrefixIndex(redis_url, deployment, model, timeout_s=lookup_timeout_s, session_decay_s=decay_s)
@@ -77,11 +84,16 @@ class KVAwareRequestRouter(RequestRouter):
         self.report_period_s = report_period_s
         self.predict_ttl_ms = int(predict_ttl_s * 1000)
         self._tasks: set[asyncio.Task] = set()
-        self._inflight: dict[str, ReplicaID] = {}
+        self._inflight: OrderedDict[str, ReplicaID] = OrderedDict()
         self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
-        self._planned: dict[str, tuple[RouteRequest, dict[str, int], dict[ReplicaID, str]]] = {}
+        self._max_tracked = max_tracked
+        self._planned: OrderedDict[str, tuple[float, RouteRequest, dict[str, int], dict[ReplicaID, str]]] = (
+            OrderedDict()
+        )
+        """Decisions waiting for Ray to send the request; a request cancelled while queued never is, so
+        entries older than ``PLANNED_TTL_S`` go."""
         self._unacked_starts: Counter[str] = Counter()
         """Conversations this router started whose count has not reached Redis yet (per index id)."""
 
@@ -183,7 +195,7 @@ class KVAwareRequestRouter(RequestRouter):
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
             index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
-            self._planned[rid] = (req, hits or {}, index_ids)
+            self._plan(rid, req, hits or {}, index_ids)
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
         # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
@@ -208,14 +220,24 @@ class KVAwareRequestRouter(RequestRouter):
         prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
         self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
         self._inflight[rid] = replica_id
+        if len(self._inflight) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
+            self._inflight.popitem(last=False)
+
+    def _plan(self, rid: str, req: RouteRequest, hits: dict[str, int], index_ids: dict[ReplicaID, str]) -> None:
+        now = time.monotonic()
+        self._planned[rid] = (now, req, hits, index_ids)
+        while self._planned and (
+            len(self._planned) > self._max_tracked or next(iter(self._planned.values()))[0] < now - PLANNED_TTL_S
+        ):
+            self._planned.popitem(last=False)
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
         planned = self._planned.pop(rid, None)
-        if planned is None or replica_id not in planned[2]:
+        if planned is None or replica_id not in planned[3]:
             return
-        req, hits, index_ids = planned
+        _, req, hits, index_ids = planned
         index_id = index_ids[replica_id]
         if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, hits, index_id)

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.admission import API_KEYS_ENV, Admission, AdmissionMiddleware, ApiKeys, key_digests
+from cluster.admission import API_KEYS_ENV, TENANT_STATE, Admission, AdmissionMiddleware, ApiKeys, key_digests
 
 
 class EchoApp:
@@ -57,7 +57,7 @@ def test_api_keys_guard_the_api_but_not_probes(monkeypatch):
     assert out["none"].json()["error"]["code"] == "invalid_api_key"
     assert out["none"].headers["www-authenticate"] == "Bearer"
     assert out["k1"].status_code == out["env"].status_code == out["health"].status_code == 200
-    assert not ApiKeys([]).enabled and ApiKeys([]).allows(None)
+    assert not ApiKeys([]).enabled and ApiKeys([]).tenant(None) == ""
 
 
 def test_oversized_bodies_get_413_with_or_without_a_length():
@@ -108,3 +108,44 @@ def test_generations_beyond_the_in_flight_limit_get_429_until_one_finishes():
 def test_limits_are_validated():
     with pytest.raises(ValueError):
         Admission(max_inflight=-1)
+
+
+class TenantApp:
+    """Answers with the tenant the middleware identified."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = scope["state"][TENANT_STATE].encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_each_key_is_its_own_tenant_and_a_route_prefix_does_not_skip_the_check():
+    """Ray Serve mounts an app under a route prefix by setting ``root_path``: the key check must apply to
+    the path the app routes (``/v1/...``), not the raw one (``/prefix/v1/...``)."""
+    admission = Admission(key_digests(["k1", "k2"]))
+
+    async def main():
+        asgi = AdmissionMiddleware(TenantApp(), lambda: admission)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=asgi, root_path="/kv"), base_url="http://x"
+        ) as c:
+            return [
+                await c.get("/kv/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+                for key in ("k1", "k2", "k1", None)
+            ]
+
+    k1, k2, k1_again, anonymous = asyncio.run(main())
+    assert k1.status_code == k2.status_code == 200 and k1.text == k1_again.text != k2.text
+    assert len(k1.text) == 64  # a digest: the key itself never reaches the app
+    assert anonymous.status_code == 401
+
+
+def test_api_docs_are_off_unless_enabled():
+    async def get(admission: Admission, path: str) -> httpx.Response:
+        async with client_for(admission) as c:
+            return await c.get(path)
+
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        off = asyncio.run(get(Admission(), path))
+        assert off.status_code == 404 and off.json()["error"]["message"]
+        assert asyncio.run(get(Admission(enable_docs=True), path)).status_code == 200

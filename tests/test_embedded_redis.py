@@ -15,9 +15,12 @@ def test_starts_answers_and_stops_cleanly():
     server.stop()  # idempotent
 
 
-def test_password_is_required_when_set():
+def test_password_is_required_when_set_and_never_on_the_command_line():
+    import psutil
+
     with EmbeddedRedis(password="s3cret") as server:
         assert redis.Redis.from_url(server.url).ping()
+        assert "s3cret" not in " ".join(psutil.Process(server.process.pid).cmdline())  # ps shows argv to everyone
         anon = redis.Redis(host="127.0.0.1", port=server.port)
         try:
             anon.ping()
@@ -36,3 +39,4 @@ def test_restart_keeps_the_port_and_loses_the_data():
         server.restart()
         assert server.port == port and client.get("k") is None
         client.close()
+

@@ -138,13 +138,20 @@ def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Pat
 
 
 def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
-    from cluster.app import REDIS_URL_ENV, app_builder
+    from cluster.app import app_builder
+    from router.index_schema import REDIS_URL_ENV
 
     monkeypatch.delenv(REDIS_URL_ENV, raising=False)
     with pytest.raises(ValueError, match=REDIS_URL_ENV):
         app_builder({"replicas": 1})
-    monkeypatch.setenv(REDIS_URL_ENV, "redis://:secret@kvmesh-redis:6379/0")
-    assert app_builder({"replicas": 1, "max_replicas": 2}) is not None
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:s3cret-pw@kvmesh-redis:6379/0")
+    from ray.serve._private.build_app import build_app
+
+    built = build_app(app_builder({"replicas": 1, "max_replicas": 2}), name="kvmesh")
+    # Every process reads the URL from its own environment: the password is in no deployment argument.
+    for d in built.deployments:
+        seen = f"{d.init_args!r} {d.init_kwargs!r} {d._deployment_config!r} {d.ray_actor_options!r}"
+        assert "s3cret-pw" not in seen and "kvmesh-redis" not in seen, d.name
 
 
 @pytest.mark.parametrize(
@@ -229,3 +236,93 @@ def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path
     resolve_model_dir("org/some-model")
     assert "*.safetensors" not in asked[0] and "tokenizer*" in asked[0] and "*.json" in asked[0]
     assert "*.safetensors" in asked[1]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
+    """Tokenizing a long prompt must not stall the ingress's other streams: the event loop keeps ticking
+    while it runs (the tokenizer releases the GIL in its worker thread)."""
+    import asyncio
+    import time
+
+    from cluster.ingress import Ingress
+    from replica.model_files import load_tokenizer
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.tokenizer = load_tokenizer(smollm_dir)
+    text = "the router keeps prefixes warm " * 30_000
+
+    async def main():
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        ids = await ingress._encode(text, chat=False)
+        took = time.perf_counter() - t0
+        done.set()
+        await task
+        return took, max(gaps), ids
+
+    took, worst_gap, ids = asyncio.run(main())
+    assert ids == ingress.tokenizer.encode(text)
+    assert took > 0.1 and worst_gap < max(0.05, took / 4), (took, worst_gap)
+
+
+def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypatch):
+    """A replica that fails before the first token is retried; the first attempt is cancelled (a replica
+    that is in fact alive must not generate for nobody) and the retry carries a new engine request id (the
+    same replica would refuse a repeated one)."""
+    import asyncio
+
+    from ray.exceptions import ActorUnavailableError
+
+    import cluster.ingress as ingress_module
+    from cluster.ingress import Ingress, IngressSettings, Prepared
+    from cluster.openai_protocol import ResponseShape
+    from replica.sampling_params import SamplingParams
+
+    monkeypatch.setattr(ingress_module, "RETRY_BACKOFF_S", 0.0)
+
+    class Attempt:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.cancelled = fail, False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+        async def __aiter__(self):
+            if self.fail:
+                raise ActorUnavailableError("connection lost", None)
+            yield {"index": 0, "token_ids": [5], "num_cached_tokens": 0, "finish_reason": "length", "text": "x"}
+
+    class Handle:
+        def __init__(self) -> None:
+            self.bodies, self.attempts = [], []
+
+        def remote(self, body: dict) -> Attempt:
+            self.bodies.append(body)
+            self.attempts.append(Attempt(fail=len(self.attempts) == 0))
+            return self.attempts[-1]
+
+    ingress = object.__new__(Ingress.func_or_class)
+    ingress.settings = IngressSettings(model="m", served_model_name="m", block_size=16)
+    ingress.engine = Handle()
+    shape = ResponseShape(chat=False, model="m")
+    prep = Prepared([1, 2, 3], SamplingParams(max_tokens=1), {"request_id": shape.id}, shape, "completions")
+
+    async def run():
+        return [chunk async for chunk in ingress._run(prep)]
+
+    chunks = asyncio.run(run())
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    first, second = ingress.engine.attempts
+    assert first.cancelled and not second.cancelled
+    ids = [b["request_id"] for b in ingress.engine.bodies]
+    assert len(set(ids)) == 2 and ids[0] == shape.id

@@ -4,6 +4,9 @@ SIGTERM, after which none of its processes may remain. The shutdown test runs la
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-KEY = "e2e-secret-key"
+KEY, OTHER_KEY = "e2e-secret-key", "e2e-other-tenant-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
 LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
@@ -29,7 +32,7 @@ LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one repli
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--max-num-seqs", "8",
-            "--api-key", KEY, "--max-request-bytes", str(1 << 20)]  # fmt: skip
+            "--api-key", KEY, "--api-key", OTHER_KEY, "--max-request-bytes", str(1 << 20)]  # fmt: skip
     with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
         srv.wait_ready(timeout_s=180)
@@ -199,19 +202,54 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(clien
 
 
 def test_fuzzing_the_api_from_its_openapi_schema_finds_no_server_error(server, tmp_path):
-    """Schemathesis generates valid and invalid requests for every operation of the published OpenAPI
-    schema (bounded: examples per operation and a time budget); no answer may be a 5xx. Judged from its
-    JUnit report: a <failure> is a check that failed (a 5xx); an <error> is the generator's own trouble."""
+    """Schemathesis generates valid and invalid requests for every operation of the OpenAPI schema (bounded:
+    examples per operation and a time budget), with extreme values mixed into the bodies
+    (``tests/schemathesis_hooks.py``: 2^63, NaN, 1e308, empty and huge strings and lists); no answer may be
+    a 5xx and the server keeps serving. The schema is the app's own (the server does not publish it by
+    default). Judged from its JUnit report: a <failure> is a check that failed (a 5xx); an <error> is the
+    generator's own trouble."""
     import xml.etree.ElementTree as ET
 
+    from cluster.ingress import app
+
+    schema = tmp_path / "openapi.json"
+    schema.write_text(json.dumps(app.openapi()))
     report = tmp_path / "junit.xml"
     run = subprocess.run(
-        [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json",
-         "--checks", "not_a_server_error", "--max-examples", "25", "--max-time", "45", "--workers", "2",
-         "--phases", "examples,fuzzing", "--generation-deterministic", "--request-timeout", "60",
-         "-H", f"Authorization: Bearer {KEY}", "--report", "junit", "--report-junit-path", str(report)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "run",
+            str(schema),
+            "--url",
+            server.url,
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "40",
+            "--max-time",
+            "60",
+            "--workers",
+            "2",
+            "--phases",
+            "examples,fuzzing",
+            "--generation-deterministic",
+            "--request-timeout",
+            "60",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "--report",
+            "junit",
+            "--report-junit-path",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks"},
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert report.exists(), run.stdout[-3000:] + run.stderr[-2000:]
     cases = {c.get("name"): c for c in ET.parse(report).getroot().iter("testcase")}
     failed = {name: c.find("failure").text[:1500] for name, c in cases.items() if c.find("failure") is not None}
@@ -219,6 +257,161 @@ def test_fuzzing_the_api_from_its_openapi_schema_finds_no_server_error(server, t
     tested = {name for name, c in cases.items() if c.find("error") is None}
     assert {"POST /v1/chat/completions", "POST /v1/completions"} <= tested, run.stdout[-3000:]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert chat(openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0), server, "ok?", max_tokens=2)
+
+
+BOUNDS = [  # (path, fields, the parameter the 400 must name); each is one field out of bounds
+    (CHAT, {"top_k": 2**63}, "top_k"),
+    (CHAT, {"top_k": 49153}, "top_k"),
+    (CHAT, {"temperature": math.nan}, "temperature"),
+    (CHAT, {"temperature": math.inf}, "temperature"),
+    (CHAT, {"temperature": 1e308}, "temperature"),
+    (CHAT, {"top_p": math.nan}, "top_p"),
+    (CHAT, {"top_p": 2}, "top_p"),
+    (CHAT, {"seed": 2**64}, "seed"),
+    (CHAT, {"max_tokens": 2**63}, "max_tokens"),
+    (CHAT, {"n": 2**63}, "n"),
+    (CHAT, {"stop": ["s"] * 17}, "stop"),
+    (CHAT, {"stop": ["s" * 257]}, "stop"),
+    (CHAT, {"user": "u" * 257}, "user"),
+    (CHAT, {"session_id": "s" * 257}, "session_id"),
+    (CHAT, {"cache_salt": "c" * 257}, "cache_salt"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 200_000}]}, "messages"),  # cannot fit, not tokenized
+    (COMP, {"prompt": "x", "top_k": 2**63}, "top_k"),
+    (COMP, {"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    (COMP, {"prompt": list(range(2000))}, "prompt"),
+]
+
+
+def test_every_bound_is_a_400_naming_the_parameter(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        for path, fields, param in BOUNDS:
+            body = {
+                "model": server.model,
+                **({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {}),
+            }
+            r = http.post(
+                path, content=json.dumps({**body, **fields}).encode(), headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400, (fields if len(str(fields)) < 200 else param, r.text[:300])
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (param, error)
+
+
+def test_grpc_bounds_are_invalid_argument_naming_the_parameter(server):
+    cases = [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"top_k": 2**31 - 1}, "top_k"),
+        ({"n": 2**32 - 1}, "n"),
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"cache_salt": "c" * 257}, "cache_salt"),
+        ({"session_id": "s" * 257}, "session_id"),
+        ({"prompt": "word " * 200_000}, "prompt"),
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        for fields, param in cases:
+            request = kvmesh_pb2.GenerateRequest(**{"prompt": "x", **fields})
+            for call in (stub.Complete, lambda r, **kw: list(stub.Generate(r, **kw))):
+                with pytest.raises(grpc.RpcError) as bad:
+                    call(request, timeout=60, metadata=GRPC_AUTH)
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, bad.value.details())
+                assert param in bad.value.details(), (param, bad.value.details())
+        huge = kvmesh_pb2.GenerateRequest(prompt="x" * ((1 << 20) + 1))  # over --max-request-bytes
+        with pytest.raises(grpc.RpcError) as too_big:
+            stub.Complete(huge, timeout=60, metadata=GRPC_AUTH)
+        assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_requests_that_would_fail_a_step_leave_a_running_stream_untouched(client, server):
+    """Bad requests sent while a stream runs: each is refused with a 400, and the stream completes with
+    exactly the tokens it produces alone."""
+    kw = {"max_tokens": 60, "temperature": 0, "extra_body": {"ignore_eos": True, "session_id": "steady"}}
+    alone = chat(client, server, "A steady stream of tokens", **kw).choices[0].message.content
+    stream = chat(client, server, "A steady stream of tokens", stream=True, **kw)
+    first = next(stream)
+    bad = [{"top_k": 2**63}, {"temperature": math.nan}, {"seed": 2**64}, {"top_p": math.inf}, {"stop": ["s"] * 100}]
+    with httpx.Client(base_url=server.url, headers={**AUTH, "content-type": "application/json"}, timeout=30) as http:
+        for fields in bad:
+            body = {"model": server.model, "messages": [{"role": "user", "content": "break"}], "session_id": "steady"}
+            r = http.post(CHAT, content=json.dumps({**body, **fields}).encode())
+            assert r.status_code == 400, (fields, r.text)
+    text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == alone
+
+
+def test_tenants_keyed_by_api_key_neither_share_nor_see_each_others_cache(server):
+    """With API keys, the prefix cache is per key: the same long prompt under a second key is computed
+    afresh, so ``cached_tokens`` cannot tell one tenant what another has sent."""
+    prompt = "The quarterly numbers of one customer. " + LONG_PROMPT[:1500]
+
+    def cached(key: str) -> int:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        return chat(c, server, prompt, max_tokens=1, temperature=0).usage.prompt_tokens_details.cached_tokens
+
+    cached(KEY)
+    assert cached(KEY) > 200  # the same key reuses its prefix
+    assert cached(OTHER_KEY) == 0  # the other key gets no hit, not even on the chat template's first block
+    assert cached(OTHER_KEY) > 200
+
+
+def test_nothing_listens_beyond_loopback_and_redis_wants_its_password(server):
+    """Every listening socket of every process ``kvmesh serve`` started (Ray's own included) is on
+    loopback; gRPC answers on the HTTP host; the embedded Redis refuses clients without the password,
+    which appears in no command line and not in the server's output."""
+    import psutil
+    import redis
+
+    server.remember_processes()
+    listening, redis_port, url = {}, None, None
+    for pid in {server.proc.pid, *server.descendants}:
+        try:
+            proc = psutil.Process(pid)
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    listening[(conn.laddr.ip, conn.laddr.port)] = proc.name()
+            if proc.name().startswith("redis-server"):
+                redis_port = next(c.laddr.port for c in proc.net_connections() if c.status == psutil.CONN_LISTEN)
+            url = url or proc.environ().get("KVMESH_REDIS_URL")
+        except psutil.NoSuchProcess:
+            continue
+    loopback = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+    ports = {port for ip, port in listening if ip in loopback}
+    assert {server.grpc, server.http} <= ports, listening
+    wide = {addr: name for addr, name in listening.items() if addr[0] not in loopback}
+    # Ray Serve 2.60 binds each replica's inter-deployment gRPC server on [::] (hard-coded); Ray's token
+    # authentication, on by default for a local cluster, guards it. Nothing else may listen wider.
+    assert all(name.startswith("ray::ServeReplica") for name in wide.values()), f"beyond loopback: {wide}"
+    for _, port in wide:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            probe = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
+            with pytest.raises(grpc.RpcError) as refused:
+                probe(b"", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (port, refused.value)
+
+    assert redis_port and url
+    with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+        redis.Redis(host="127.0.0.1", port=redis_port, socket_timeout=5).ping()
+    assert redis.Redis.from_url(url, socket_timeout=5).ping()
+    password = url.split("://:", 1)[1].split("@", 1)[0]
+    assert len(password) >= 16 and password not in server.log.read_text()
+    for pid in server.descendants:
+        try:
+            assert password not in " ".join(psutil.Process(pid).cmdline())
+        except psutil.NoSuchProcess:
+            continue
+
+
+def test_docs_are_off_and_every_4xx_is_an_openai_error(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            r = http.get(path)
+            assert r.status_code == 404 and r.json()["error"]["message"], path
+        for r in (http.get("/v1/nope"), http.get(CHAT), http.post("/v1/nope", json={})):
+            assert r.status_code in (404, 405) and set(r.json()) == {"error"}, r.text
 
 
 def test_api_keys_are_required_on_the_api_but_not_on_probes(server):

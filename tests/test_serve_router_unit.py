@@ -202,3 +202,25 @@ def test_prediction_is_shared_across_router_processes(redis_server):
     asyncio.run(main())
     for p in pubs:
         p.close()
+
+
+def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
+    """Requests cancelled while they queued are never routed nor completed: their planned decisions and
+    in-flight entries are dropped by age and count, not kept forever."""
+    import router.serve_router as serve_router
+
+    reps = replicas(2, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(None, max_tracked=50)
+        for i in range(200):  # decided, then cancelled: Ray never calls on_request_routed / _completed
+            await router.choose_replicas(reps, pending([i % 7] * 40, i))
+        assert len(router._planned) <= 50 and len(router._inflight) <= 50
+        router._planned[next(iter(router._planned))] = (
+            time.monotonic() - 1e6,
+            *next(iter(router._planned.values()))[1:],
+        )
+        await router.choose_replicas(reps, pending([1] * 40, 999))
+        assert all(t > time.monotonic() - serve_router.PLANNED_TTL_S for t, *_ in router._planned.values())
+
+    asyncio.run(main())
