@@ -17,6 +17,7 @@ that Ray Serve rebinds, or it takes the bodies for query parameters.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -232,9 +233,12 @@ class Ingress:
             except (RedisError, OSError) as exc:  # Redis down: routing already degrades; try next tick
                 log.debug("index sweep failed: %r", exc)
 
-    async def __del__(self) -> None:
-        if self._grpc_server is not None:
-            await self._grpc_server.stop(grace=1.0)
+    def __del__(self) -> None:
+        """Ray Serve calls this when the replica stops: close this ingress's gRPC server (if it runs one)."""
+        server = getattr(self, "_grpc_server", None)
+        if server is not None:
+            with contextlib.suppress(RuntimeError):  # no loop left: the process is exiting, the socket with it
+                asyncio.get_running_loop().create_task(server.stop(grace=1.0))
 
     # ------------------------------------------------------------------ shared by HTTP and gRPC
     def _cache_salt(self, tenant: str, client_salt: str | None) -> str | None:

@@ -3,12 +3,15 @@
 A step's batch is flattened: the new tokens of all sequences are concatenated (``query_start_loc`` marks
 where each sequence starts), and each sequence's full context (cached prefix + new tokens) is found in the
 paged cache through its row of ``block_tables``. Decode sequences simply have a query length of 1.
+
+Everything here is built with a few numpy operations over the whole batch, never per sequence.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -21,17 +24,18 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """[batch] int32: context length of each sequence including its new tokens."""
     block_tables: torch.Tensor
-    """[batch, max_blocks] int32: physical block ids of each sequence, padded with 0."""
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    """[batch, max_blocks] int32: physical block ids of each sequence (entries past its length: any valid id)."""
+    query_lens_cpu: np.ndarray
+    """[batch] int64, on the host: what the backends plan their launches with."""
+    seq_lens_cpu: np.ndarray
 
     @property
     def max_query_len(self) -> int:
-        return max(self.query_lens_cpu, default=0)
+        return int(self.query_lens_cpu.max()) if len(self.query_lens_cpu) else 0
 
     @property
     def max_seq_len(self) -> int:
-        return max(self.seq_lens_cpu, default=0)
+        return int(self.seq_lens_cpu.max()) if len(self.seq_lens_cpu) else 0
 
     @classmethod
     def build(
@@ -42,22 +46,35 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Metadata for sequences whose new tokens sit at the end of their contexts (the engine's case)."""
-        width = max((len(t) for t in block_tables), default=0)
-        tables = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
-        slots = []
-        for row, (table, q, s) in enumerate(zip(block_tables, query_lens, seq_lens, strict=True)):
-            ids = torch.tensor(table, dtype=torch.int64)
-            tables[row, : len(table)] = ids.to(torch.int32)
-            pos = torch.arange(s - q, s)
-            slots.append(ids[pos // block_size] * block_size + pos % block_size)
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        """Metadata for sequences whose new tokens sit at the end of their contexts (tests, benchmarks)."""
+        qlens, slens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        tables = np.zeros((len(block_tables), max((len(t) for t in block_tables), default=1) or 1), dtype=np.int32)
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = table
+        positions, rows = token_positions(qlens, slens)
+        slots = slot_mapping(tables, rows, positions, block_size)
+        qsl = np.zeros(len(qlens) + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
         return cls(
-            slot_mapping=(torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)).to(device),
-            query_start_loc=qsl.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=tables.to(device),
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start_loc=torch.from_numpy(qsl).to(device),
+            seq_lens=torch.from_numpy(slens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=slens,
         )
+
+
+def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each new token's position in its sequence and the batch row it belongs to (the new tokens of a row
+    are the last ``query_len`` of its ``seq_len``)."""
+    total = int(query_lens.sum())
+    rows = np.repeat(np.arange(len(query_lens)), query_lens)
+    starts = np.cumsum(query_lens) - query_lens  # where each row's tokens begin in the flat batch
+    positions = np.arange(total) - np.repeat(starts - (seq_lens - query_lens), query_lens)
+    return positions, rows
+
+
+def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token: ``tables[row, pos // block_size] * block_size + pos % block_size``."""
+    return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size

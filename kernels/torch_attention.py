@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -117,15 +118,15 @@ def paged_attention_torch(
     """
     out = torch.empty_like(q) if out is None else out
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
-    starts = meta.query_start_loc.tolist()
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    kernel = paged_decode_kernel() if decode and q.device.type == "cpu" and q.dtype in DTYPES else None
+    decode = np.flatnonzero(qlens == 1)
+    kernel = paged_decode_kernel() if len(decode) and q.device.type == "cpu" and q.dtype in DTYPES else None
     if kernel is not None:
-        rows = torch.tensor(decode, dtype=torch.int64)
+        rows = torch.from_numpy(decode)
         tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
         scales = (k_scale, v_scale)
         kernel(out, q.contiguous(), k_cache, v_cache, *scales, tables, lens, starts_t, rows, scale, window or 0)
-        decode = []
+        decode = decode[:0]
+    decode, slens = decode.tolist(), slens.tolist()
     for bucket in _length_buckets(decode, slens) if decode else []:
         rows = torch.tensor(bucket, device=q.device)
         tok = meta.query_start_loc[rows].long()
@@ -138,10 +139,9 @@ def paged_attention_torch(
             q[tok].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
         )
         out[tok] = o.squeeze(2)
-    for i, n in enumerate(qlens):
-        if n <= 1:
-            continue
-        s, length = starts[i], slens[i]
+    starts = np.cumsum(qlens) - qlens
+    for i in np.flatnonzero(qlens > 1).tolist():  # prefill / extend: few per step (the token budget)
+        s, n, length = int(starts[i]), int(qlens[i]), slens[i]
         k = _gather("k", k_cache, meta.block_tables[i : i + 1], length, k_scale, q.dtype)
         v = _gather("v", v_cache, meta.block_tables[i : i + 1], length, v_scale, q.dtype)
         qq = q[s : s + n].transpose(0, 1).unsqueeze(0)

@@ -42,6 +42,13 @@ class EngineConfig:
     """``float32``/``float16``/``bfloat16``; ``None`` is fp32 on CPU, bf16 on GPU."""
     torch_threads: int | None = None
     """Intra-op threads for this engine; set it when several replicas share a machine's cores."""
+    async_scheduling: bool = True
+    """Schedule and prepare the next step, and turn the last one's tokens into outputs, while the device runs
+    the current one. False runs each step start to end before the next (``LLMEngine.step``)."""
+    device_thread: bool = False
+    """On the CPU, with ``async_scheduling``, run each step's forward pass in a worker thread so the host's
+    work overlaps it. Off by default: the two threads contend for the GIL, which costs more than it saves
+    unless a step's forward pass is long next to the host's work (``benchmarks/results/README.md``)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -38,9 +38,11 @@ class IncrementalDetokenizer:
         chunk = self._stream.step(self._tokenizer, token_id)
         if not chunk:
             return False
-        search_from = max(0, len(self.text) - self._holdback)
+        search_from = len(self.text) - self._holdback
         self.text += chunk
-        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        if not self._stop:
+            return False
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, max(0, search_from))) >= 0]
         if not hits:
             return False
         idx, stop = min(hits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -15,46 +17,85 @@ from kernels import check_block_size
 from replica.block_pool import BlockPool
 from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
 from replica.detokenizer import IncrementalDetokenizer
+from replica.device_queue import DeviceQueue, StepHandle, StepResult
 from replica.errors import InvalidRequest
 from replica.kv_cache_manager import KVCacheManager
 from replica.kv_events import KVEvent
 from replica.limits import check_for_model, check_prompt_ids, check_request_fields
 from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
-from replica.model_runner import ModelRunner, kv_bytes_per_block
-from replica.request import Request
-from replica.sampler import sample
+from replica.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
+from replica.request import Request, RequestStatus
+from replica.sampler import GREEDY, SamplingTensors, sample
 from replica.sampling_params import SamplingParams
-from replica.scheduler import Scheduler
-from replica.swap import SwapSpace
+from replica.scheduler import ScheduledRequest, Scheduler
+from replica.swap import SwapCopies, SwapSpace
 from router.hashing import BlockHash, first_block_extra, model_seed
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class RequestOutput:
     """One sequence's state after a step. ``text``/``token_ids`` are cumulative; ``delta_*`` are this step's.
 
     A request with ``n > 1`` reports each of its sequences separately, under the same ``request_id`` with
     its ``index`` (0..n-1), so streaming stays one flat list of outputs per step; the request is done when
-    all ``n`` have ``finished``, or at once when one output has ``finish_reason`` "error"."""
+    all ``n`` have ``finished``, or at once when one output has ``finish_reason`` "error".
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    num_cached_tokens: int
-    finish_reason: str | None = None
-    index: int = 0
-    error: str | None = None
-    """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
+    ``token_ids`` is read from the sequence's own token list when asked for (a step does not copy every
+    sequence's whole output): it holds the tokens up to this output's step."""
+
+    __slots__ = ("_end", "_start", "_tokens", "delta_text", "delta_token_ids", "error", "finish_reason", "index",
+                 "num_cached_tokens", "prompt_token_ids", "request_id", "text")  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        token_ids: list[int],
+        text: str,
+        delta_text: str,
+        delta_token_ids: list[int],
+        num_cached_tokens: int,
+        finish_reason: str | None = None,
+        index: int = 0,
+        error: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._tokens, self._start, self._end = token_ids, 0, len(token_ids)
+        self.text = text
+        self.delta_text = delta_text
+        self.delta_token_ids = delta_token_ids
+        self.num_cached_tokens = num_cached_tokens
+        self.finish_reason = finish_reason
+        self.index = index
+        self.error = error
+        """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
+
+    @classmethod
+    def of(cls, req: Request, delta_token_ids: list[int]) -> RequestOutput:
+        """The output of ``req`` now, without copying its tokens (``token_ids`` slices them when read)."""
+        out = cls.__new__(cls)
+        out.request_id, out.prompt_token_ids, out.index = req.request_id, req.prompt_token_ids, req.index
+        out._tokens, out._start, out._end = req.all_token_ids, len(req.prompt_token_ids), len(req.all_token_ids)
+        out.finish_reason, out.error = req.finish_reason, None
+        detok = req.detokenizer
+        out.text, out.delta_text = detok.text, detok.take_delta(req.finish_reason is not None)
+        out.delta_token_ids, out.num_cached_tokens = delta_token_ids, req.num_cached_tokens  # admitted: >= 0
+        return out
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens[self._start : self._end]
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput({self.request_id!r}, index={self.index}, tokens={len(self.token_ids)}, "
+                f"finish_reason={self.finish_reason!r})")  # fmt: skip
 
 
 @dataclass
@@ -81,6 +122,31 @@ class EngineStats:
     over any window is the ratio of their increments."""
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step handed to the device and not collected yet."""
+
+    batch: list[ScheduledRequest]
+    seqs: list[Request]
+    """The sequences this step samples, in the order of its tokens."""
+    forks: list[list[Request]]
+    """Families forked when it was launched (parent first)."""
+    handle: StepHandle
+    t0: float
+    prefill: int
+    decodes: int
+    failures: dict[int, Exception]
+    """Rows already known to fail (their settings), by row."""
+
+
+class _PrepareFailed(Exception):
+    """A step's inputs could not be built: nothing was launched or changed."""
+
+    def __init__(self, batch: list[ScheduledRequest]) -> None:
+        super().__init__(f"preparing a step of {len(batch)} requests failed")
+        self.batch = batch
+
+
 class StepRates:
     """Running estimates of this engine's speed, reported to routers to turn queues into seconds.
 
@@ -103,9 +169,8 @@ class StepRates:
     def observe_finished(self, output_tokens: int) -> None:
         self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
 
-    def observe(self, batch: list, seconds: float) -> None:
-        prefill = sum(sr.num_new_tokens for sr in batch if sr.num_new_tokens > 1)
-        decodes = len(batch) - sum(1 for sr in batch if sr.num_new_tokens > 1)
+    def observe(self, prefill: int, decodes: int, seconds: float) -> None:
+        """One step: ``prefill`` tokens of chunks longer than one token, ``decodes`` one-token sequences."""
         a = self.alpha
         self.step_s += a * (seconds - self.step_s)
         if prefill >= 64 and prefill >= 8 * decodes:
@@ -159,12 +224,19 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.kv_cache_dtype)
+        max_blocks_per_seq = -(-self.max_request_tokens // config.block_size) + 1
+        self.runner = ModelRunner(
+            self.loaded, num_blocks, config.block_size, config.kv_cache_dtype, config.max_num_batched_tokens,
+            config.max_num_seqs, max_blocks_per_seq,
+        )  # fmt: skip
         self.rates = StepRates()
         self.swap = self._swap_space()
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
-        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching, sliding, self.swap)
+        self.kv = KVCacheManager(
+            self.pool, config.block_size, config.enable_prefix_caching, sliding, self.swap, config.max_num_seqs,
+            max_blocks_per_seq,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
         self.hash_seed = model_seed(self.model_id)
         eos = self.loaded.config.eos_token_id
@@ -176,6 +248,12 @@ class LLMEngine:
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
         """Called with each step's KV events (the index publisher); they must not block."""
         self._ids = itertools.count()
+        self.async_scheduling = config.async_scheduling
+        self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
+        self._inflight: _Launched | None = None
+        self._last_tokens: torch.Tensor | None = None
+        self._last_collect = 0.0
+        """The tokens of the last step run on the device (device work only touches it)."""
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
             config.model, num_blocks, config.block_size, config.kv_cache_dtype, device,
@@ -273,92 +351,225 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every sequence that produced output or ended.
+        """Run one step; report every sequence that produced a token or ended.
 
-        Copy-on-write block copies queued by the scheduling run before the forward pass. A request with
-        ``n > 1`` whose prompt this step completes is forked here: its one row of logits is sampled once
-        per sequence, each with its own generator, and its sequences share the prompt's blocks.
+        With ``async_scheduling`` (the default) a call launches the step it schedules and then collects the
+        one launched by the call before: the host turns that step's tokens into outputs (detokenization,
+        stop strings) while the device runs the new one, which was scheduled before those tokens were
+        known (a sequence's next input is read on the device from the step before). So the outputs are one
+        call behind, and a sequence found finished when its tokens arrive has already run one more step,
+        whose token is dropped. Without it, each call launches and collects the same step.
 
-        A request whose data makes the step fail is failed alone (an output with ``finish_reason``
-        "error" and the cause in ``error``): the batch is run again one request at a time to find it, and
-        every other request gets exactly the tokens it would have got."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        t0 = time.perf_counter()
-        if self.swap is not None:
-            self.swap.run_swap_outs()  # before anything writes the blocks they leave
-        self.runner.copy_blocks(self.kv.take_copies())
-        if self.swap is not None:
-            self.swap.run_swap_ins()
-        tables = [self.kv.block_ids(sr.request) for sr in batch]
-        outputs: list[RequestOutput] = []
+        A request with ``n > 1`` whose prompt a step completes is forked when the step is launched: its one
+        row of logits is sampled once per sequence, and its sequences share the prompt's blocks.
+
+        A request whose data makes a step fail is failed alone (an output with ``finish_reason`` "error"
+        and the cause in ``error``): the step (and any launched after it) is undone and run again one
+        request at a time to find it, and every other request gets exactly the tokens it would have got."""
         try:
-            logits = self.runner.execute(batch, tables)
-        except Exception as exc:
-            log.warning("a step of %d requests failed (%r); running them one at a time", len(batch), exc)
-            batch, logits, failed = self._execute_alone(batch, tables)
-            outputs += [self._fail(req.request_id, err) for req, err in failed]
-        sampling = [sr.request for sr in batch if sr.samples]
-        for sr in batch:
-            sr.request.num_computed_tokens += sr.num_new_tokens
-            self.kv.cache_full_blocks(sr.request)
-        seqs: list[Request] = []
-        rows: list[int] = []
-        for row, req in enumerate(sampling):
-            family = self._fork(req) if req.fork_pending else [req]
-            seqs += family
-            rows += [row] * len(family)
-        if len(rows) > logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        for req, token in zip(seqs, self._sample(logits, seqs), strict=True):
-            if req.request_id not in self.requests:  # failed earlier in this step with a sibling sequence
-                continue
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                req.append_token(token)
-                if req.finish_reason:
-                    self.rates.observe_finished(len(req.output_token_ids))
-                    self._retire(req)
-                outputs.append(self._output(req, [token]))
-            except Exception as exc:
-                outputs.append(self._fail(req.request_id, exc))
+            launched = self._launch()
+        except _PrepareFailed as failed:  # nothing was launched: run the batch one request at a time
+            log.warning("preparing a step of %d requests failed (%r)", len(failed.batch), failed.__cause__)
+            outputs = self.drain() + self._run_alone(failed.batch)
+        else:
+            if self.async_scheduling:
+                launched, self._inflight = self._inflight, launched
+            outputs = self._collect(launched) if launched is not None else []
         self._flush_events()
-        self.rates.observe(batch, time.perf_counter() - t0)
         return outputs
 
-    def _execute_alone(self, batch: list, tables: list[list[int]]) -> tuple[list, torch.Tensor, list]:
-        """The failed step's forward again, one request at a time: the requests that ran, their logits rows
-        (in batch order) and the ``(request, exception)`` of those that failed alone too."""
-        ok, rows, failed = [], [], []
-        for sr, table in zip(batch, tables, strict=True):
-            try:
-                rows.append(self.runner.execute([sr], [table]))
-                ok.append(sr)
-            except Exception as exc:
-                failed.append((sr.request, exc))
-        vocab = self.loaded.config.vocab_size
-        logits = torch.cat(rows) if rows else torch.empty((0, vocab), device=self.runner.device)
-        return ok, logits, failed
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Request]) -> list[int | Exception]:
-        """One token per sequence; if the batch cannot be sampled, each row alone, failing only its own."""
+    def _launch(self, batch: list[ScheduledRequest] | None = None) -> _Launched | None:
+        """Schedule (unless ``batch`` is given), advance every scheduled sequence as if the step had run,
+        fork what completes its prompt, and hand the step's device work to the device queue."""
+        batch = self.scheduler.schedule() if batch is None else batch
+        if not batch:
+            return None
+        t0 = time.perf_counter()
         try:
-            return sample(logits, seqs)
+            prepared = self.runner.prepare(batch, self.kv.tables.array)
+        except Exception as exc:  # a request's data does not fit the step's buffers; nothing has changed yet
+            raise _PrepareFailed(batch) from exc
+        copies = self.kv.take_copies()
+        swaps = self.swap.take() if self.swap is not None else None
+        seqs: list[Request] = []
+        rows: list[int] = []
+        positions: list[int] = []
+        forks: list[list[Request]] = []
+        prefill = decodes = logits_row = 0
+        bs = self.block_size
+        for sr in batch:
+            req, n = sr.request, sr.num_new_tokens
+            sr.start = start = req.num_computed_tokens
+            req.num_computed_tokens = end = start + n
+            if end // bs > start // bs:
+                # Published now: a request that hits these blocks runs after this step on the device.
+                self.kv.cache_full_blocks(req)
+            if n > 1:
+                prefill += n
+            else:
+                decodes += 1
+            if end == len(req.all_token_ids) + req.num_pending:  # its last known token: this step samples
+                family = [req]
+                if req.fork_pending:
+                    family = self._fork(req)
+                    forks.append(family)
+                for seq in family:
+                    positions.append(seq.num_tokens - seq.num_prompt_tokens)
+                    seq.pending_row = len(seqs)
+                    seq.num_pending += 1
+                    seqs.append(seq)
+                    rows.append(logits_row)
+                logits_row += 1
+        sampling, failures = self._sampling_tensors(seqs, positions)
+        expand = torch.tensor(rows) if len(rows) > logits_row else None
+        work = functools.partial(self._device_step, prepared, copies, swaps, sampling, expand)
+        return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures)
+
+    def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
+        """The step's sampling settings; a row whose settings cannot be turned into tensors is sampled
+        greedily and failed when the step is collected (the others are not affected)."""
+        device = self.runner.device
+        params = [r.params for r in seqs]
+        if all(p.greedy for p in params):
+            return GREEDY, {}
+        values = [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                  [p.min_p for p in params], [r.sample_seed for r in seqs], positions]  # fmt: skip
+        try:
+            return SamplingTensors.build(*values, device), {}
+        except Exception:
+            failures: dict[int, Exception] = {}
+            for i in range(len(seqs)):
+                try:
+                    SamplingTensors.build(*([column[i]] for column in values), device)
+                except Exception as exc:
+                    failures[i] = exc
+                    for column, neutral in zip(values, (0.0, 0, 1.0, 0.0, 0, 0), strict=True):
+                        column[i] = neutral
+            return SamplingTensors.build(*values, device), failures
+
+    def _device_step(
+        self,
+        prepared: PreparedStep,
+        copies: list[tuple[int, int]],
+        swaps: SwapCopies | None,
+        sampling: SamplingTensors,
+        expand: torch.Tensor | None,
+    ) -> StepResult:
+        """A step's device work, in launch order (``replica/device_queue.py``): block copies, the forward
+        pass, sampling. A row whose sampling fails alone gets token 0 and its exception."""
+        if swaps is not None:
+            self.swap.copy_out(swaps)  # before anything writes the blocks they leave
+        self.runner.copy_blocks(copies)
+        if swaps is not None:
+            self.swap.copy_in(swaps)
+        logits = self.runner.forward(prepared, self._last_tokens)
+        if expand is not None:
+            logits = logits[expand.to(logits.device)]
+        failures: dict[int, Exception] = {}
+        try:
+            tokens = sample(logits, sampling)
         except Exception as exc:
-            log.warning("sampling %d rows failed (%r); sampling them one at a time", len(seqs), exc)
-        tokens: list[int | Exception] = []
-        for i, req in enumerate(seqs):
+            log.warning("sampling %d rows failed (%r); sampling them one at a time", logits.shape[0], exc)
+            tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+            for i in range(logits.shape[0]):
+                try:
+                    tokens[i] = sample(logits[i : i + 1], sampling.row(i))[0]
+                except Exception as row_exc:
+                    failures[i] = row_exc
+        self._last_tokens = tokens
+        return tokens, failures
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs: append them, publish the blocks
+        it completed, apply stop conditions, retire finished sequences."""
+        try:
+            tokens, failures = launched.handle.result()
+        except Exception as exc:
+            return self._isolate(launched, exc)
+        failures = {**launched.failures, **failures}
+        outputs = []
+        requests = self.requests
+        output = RequestOutput.of
+        for i, (req, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
+            req.num_pending -= 1
+            if req.finish_reason is not None or req.request_id not in requests:  # ended while in flight
+                continue
             try:
-                tokens += sample(logits[i : i + 1], [req])
+                if failures and i in failures:
+                    raise failures[i]
+                filled = req.append_token(token)
+                if filled and req.kv_row >= 0 and req.num_computed_tokens >= len(req.all_token_ids):
+                    self.kv.cache_full_blocks(req)  # a block whose KV was computed before its last token was known
+                if req.finish_reason:
+                    self.rates.observe_finished(len(req.all_token_ids) - req.num_prompt_tokens)
+                    self._retire(req)
+                outputs.append(output(req, [token]))
             except Exception as exc:
-                tokens.append(exc)
-        return tokens
+                outputs.append(self._fail(req.request_id, exc))
+        # A step's time is from its launch, or from the previous collection if it ran behind it: the period
+        # of the pipeline, what one more step costs.
+        now = time.perf_counter()
+        self.rates.observe(launched.prefill, launched.decodes, now - max(launched.t0, self._last_collect))
+        self._last_collect = now
+        return outputs
+
+    def _isolate(self, launched: _Launched, exc: Exception) -> list[RequestOutput]:
+        """A step failed on the device. Undo it (and the step launched on top of it, which read its tokens),
+        then run its requests again one at a time: the ones that fail alone are failed, the others get
+        exactly the tokens the step would have given them."""
+        log.warning("a step of %d requests failed (%r); running them one at a time", len(launched.batch), exc)
+        later, self._inflight = self._inflight, None
+        if later is not None and later is not launched:
+            with contextlib.suppress(Exception):
+                later.handle.result()
+            self._undo(later)
+        self._undo(launched)
+        return self._run_alone(launched.batch)
+
+    def _run_alone(self, batch: list[ScheduledRequest]) -> list[RequestOutput]:
+        """Run each still-running request of ``batch`` as a step of its own, to completion; a request whose
+        step fails is failed."""
+        outputs: list[RequestOutput] = []
+        for sr in batch:
+            req = sr.request
+            if req.status is not RequestStatus.RUNNING or req.request_id not in self.requests:
+                continue
+            try:
+                single = self._launch([ScheduledRequest(req, sr.num_new_tokens)])
+                single.handle.result()
+            except _PrepareFailed as err:
+                outputs.append(self._fail(req.request_id, err.__cause__))
+                continue
+            except Exception as err:
+                self._undo(single)
+                outputs.append(self._fail(req.request_id, err))
+                continue
+            outputs += self._collect(single)
+        return outputs
+
+    def _undo(self, launched: _Launched) -> None:
+        """Take back what launching a step did on the host: pending tokens, forks, computed positions. A
+        sequence preempted since is reset to recompute from scratch (what it kept may include the step)."""
+        for seq in launched.seqs:
+            seq.num_pending -= 1
+        for family in launched.forks:
+            parent, children = family[0], family[1:]
+            for child in children:
+                self.scheduler.finish(child, "abort")
+            if parent.request_id in self.requests:
+                self.requests[parent.request_id] = [parent]
+            parent.fork_pending = True
+        for sr in launched.batch:
+            req = sr.request
+            if req.status is RequestStatus.RUNNING:
+                req.num_computed_tokens = sr.start
+            elif req.status is RequestStatus.WAITING and req.num_computed_tokens:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput:
         """End a request (all its sequences) that made the step fail; its output names the cause."""
@@ -380,6 +591,13 @@ class LLMEngine:
             error=f"{type(exc).__name__}: {exc}"[:500],
         )
 
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step in flight, if any (its outputs); the engine then holds no pending token."""
+        previous, self._inflight = self._inflight, None
+        outputs = self._collect(previous) if previous is not None else []
+        self._flush_events()
+        return outputs
+
     def _fork(self, req: Request) -> list[Request]:
         family = self.scheduler.fork(req)
         self.requests[req.request_id] = list(family)
@@ -392,20 +610,6 @@ class LLMEngine:
         seqs.remove(req)
         if not seqs:
             del self.requests[req.request_id]
-
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        finished = req.finish_reason is not None
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=req.detokenizer.text,
-            delta_text=req.detokenizer.take_delta(finished),
-            delta_token_ids=new_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            finish_reason=req.finish_reason,
-            index=req.index,
-        )
 
     # ------------------------------------------------------------------ observability
     def _flush_events(self) -> None:
@@ -437,6 +641,7 @@ class LLMEngine:
                 self.step()
         for rid in rids:
             self.abort_request(rid)
+        self.drain()
         self.reset_prefix_cache()
         self.scheduler.reset_counters()
 
@@ -460,6 +665,11 @@ class LLMEngine:
             self.swap.check_integrity(self.kv.num_swapped_blocks)
         for block in self.pool.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref count != its owners"
+        rows = [r.kv_row for r in self.kv.req_blocks]
+        assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0, "sequences sharing a block-table row"
+        for req in self.kv.req_blocks:
+            table = self.kv.tables.array[req.kv_row, : len(self.kv.req_blocks[req])].tolist()
+            assert table == self.kv.block_ids(req), f"block-table row of {req.request_id} out of date"
 
     def load_report(self) -> dict:
         """What routers need to estimate a newcomer's wait here (Ray Serve ``record_routing_stats``)."""

@@ -22,9 +22,40 @@ readmission ``swap_in`` copies them back into fresh device blocks, so it resumes
 
 from __future__ import annotations
 
+import numpy as np
+
 from replica.block_pool import Block, BlockPool
 from replica.request import Request
 from replica.swap import SwapSpace
+
+
+class BlockTables:
+    """Every sequence's block ids in one int32 array, a row per sequence that holds blocks, kept current by
+    each change to its table: a step's batch preparation gathers its rows in one numpy operation instead of
+    building a table per sequence. Rows and columns grow on demand; entries past a sequence's blocks are
+    stale but always valid block ids (attention never reads past a sequence's length)."""
+
+    def __init__(self, rows: int = 16, cols: int = 16) -> None:
+        self.array = np.zeros((rows, cols), dtype=np.int32)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self._free:
+            rows = self.array.shape[0]
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        end = start + len(block_ids)
+        if end > self.array.shape[1]:
+            grown = np.zeros((self.array.shape[0], max(end, 2 * self.array.shape[1])), dtype=np.int32)
+            grown[:, : self.array.shape[1]] = self.array
+            self.array = grown
+        self.array[row, start:end] = block_ids
 
 
 class KVCacheManager:
@@ -35,6 +66,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         swap: SwapSpace | None = None,
+        max_seqs: int = 16,
+        max_blocks_per_seq: int = 16,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -48,6 +81,8 @@ class KVCacheManager:
         self.swap = swap
         self._swapped: dict[Request, tuple[list[int], list[int]]] = {}
         """Swapped-out sequences: the table positions their saved blocks came from, and the host blocks."""
+        self.tables = BlockTables(max_seqs, max_blocks_per_seq)
+        """The same tables as ``req_blocks``, as ids, one row per sequence (``Request.kv_row``)."""
 
     def computed_blocks(self, request: Request) -> list[Block]:
         """Leading blocks of ``request`` already in the cache, stopping at the first miss.
@@ -84,17 +119,34 @@ class KVCacheManager:
         if needed + pinned_free + copy_on_write > self.pool.num_free:
             return False
         self.pool.touch(hits)
+        if request.kv_row < 0:
+            request.kv_row = self.tables.acquire()
         if copy_on_write:
             shared, (own,) = blocks[write_at], self.pool.allocate(1)
             self._copies.append((shared.block_id, own.block_id))
             self.pool.free([shared])  # the siblings keep it
             blocks[write_at] = own
+            self.tables.write(request.kv_row, write_at, [own.block_id])
         new = self.pool.allocate(max(needed, 0))
         self.req_blocks[request] = blocks + hits + new
+        if hits or new:
+            self.tables.write(request.kv_row, len(blocks), [b.block_id for b in hits + new])
         if hits:
             self._num_cached_blocks[request] = len(hits)
         self._release_behind_window(request, num_computed)
         return True
+
+    def has_room_for_one(self, request: Request) -> bool:
+        """Whether one more token fits ``request``'s blocks with nothing to allocate or copy (``allocate``
+        would change nothing): the check a decode step makes for most running sequences."""
+        blocks = self.req_blocks.get(request)
+        pos = request.num_computed_tokens
+        return (
+            blocks is not None
+            and self.sliding_window is None
+            and pos < len(blocks) * self.block_size
+            and blocks[pos // self.block_size].ref_count == 1
+        )
 
     def _release_behind_window(self, request: Request, next_position: int) -> None:
         """Free the blocks no query from ``next_position`` on can see (all their keys are out of window)."""
@@ -105,6 +157,7 @@ class KVCacheManager:
         released = [b for b in blocks[:behind] if b is not None]
         if released:
             blocks[:behind] = [None] * behind
+            self.tables.write(request.kv_row, 0, [0] * behind)
             self.pool.free(reversed(released))
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -112,6 +165,8 @@ class KVCacheManager:
         blocks = self.req_blocks[parent]
         self.pool.touch([b for b in blocks if b is not None])
         self.req_blocks[child] = list(blocks)
+        child.kv_row = self.tables.acquire()
+        self.tables.write(child.kv_row, 0, self.block_ids(child))
         if parent in self._num_cached_blocks:  # the shared full blocks are published already
             self._num_cached_blocks[child] = self._num_cached_blocks[parent]
 
@@ -171,6 +226,9 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request, [])
         self._num_cached_blocks.pop(request, None)
         self.pool.free(reversed([b for b in blocks if b is not None]))
+        if request.kv_row >= 0:
+            self.tables.release(request.kv_row)
+            request.kv_row = -1
 
     def block_ids(self, request: Request) -> list[int]:
         """The sequence's block table; released entries read as block 0, which attention masks out."""

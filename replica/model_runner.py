@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
 import torch
 
 from kernels import AttentionMetadata
+from kernels.metadata import slot_mapping, token_positions
 from kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
 from replica.context import ForwardContext, LayerCache, forward_context
 from replica.kv_dtype import kv_bytes_per_token
@@ -25,7 +30,16 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        max_num_batched_tokens: int = 1024,
+        max_num_seqs: int = 64,
+        max_blocks_per_seq: int = 64,
+    ) -> None:
         self.model = loaded.model
         self.block_size = block_size
         param = next(self.model.parameters())
@@ -37,6 +51,10 @@ class ModelRunner:
         self.kv_caches = [self._layer_cache(shape, storage) for _ in self.model.layers]
         if storage in FP8_DTYPES:
             self._calibrate_fp8_scales(storage)
+        self._inputs = [
+            StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
+        ]
+        self._turn = 0
 
     def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype) -> LayerCache:
         k = torch.zeros(shape, dtype=storage, device=self.device)
@@ -84,23 +102,139 @@ class ModelRunner:
             for tensor in map(as_bytes, layer.per_block()):
                 tensor[dst] = tensor[src]
 
-    def execute(self, batch: list[ScheduledRequest], block_tables: list[list[int]]) -> torch.Tensor:
-        """Run one forward over ``batch``; returns fp32 logits for the requests whose chunk ends their tokens."""
-        tokens: list[int] = []
-        positions = []
-        query_lens, seq_lens, logits_rows = [], [], []
-        for sr in batch:
-            start = sr.request.num_computed_tokens
-            end = start + sr.num_new_tokens
-            tokens += sr.request.all_token_ids[start:end]
-            positions.append(torch.arange(start, end))
-            query_lens.append(sr.num_new_tokens)
-            seq_lens.append(end)
-            if sr.samples:
-                logits_rows.append(len(tokens) - 1)
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+    def execute(self, batch: list[ScheduledRequest], tables: np.ndarray) -> torch.Tensor:
+        """Prepare and run one forward at once (the synchronous path): fp32 logits for the sampling rows."""
+        return self.forward(self.prepare(batch, tables))
+
+    def prepare(self, batch: list[ScheduledRequest], tables: np.ndarray) -> PreparedStep:
+        """A step's inputs, built on the host with a few numpy operations over the whole batch into the
+        next set of persistent buffers (two sets alternate, so a step in flight keeps its own).
+
+        ``tables`` holds every sequence's block ids, a row per sequence (``KVCacheManager.tables``). A
+        sequence whose input token is still being sampled by the step in flight (``Request.num_pending``)
+        gets a placeholder, and the step fills it on the device from that step's tokens (``fill``)."""
+        n = len(batch)
+        reqs = [sr.request for sr in batch]
+        qlens = np.fromiter((sr.num_new_tokens for sr in batch), np.int64, n)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+        known = np.fromiter((len(r.all_token_ids) for r in reqs), np.int64, n)
+        rows = np.fromiter((r.kv_row for r in reqs), np.int64, n)
+        slens = starts + qlens
+        total = int(qlens.sum())
+        self._turn ^= 1
+        inp = self._inputs[self._turn]
+        ids = inp.host("input_ids", total)
+        starts_l, qlens_l = starts.tolist(), qlens.tolist()
+        if total == n:  # decode only: one token each, the one at its computed position
+            ids[:] = np.fromiter(
+                (t[s] if s < len(t) else 0 for t, s in zip((r.all_token_ids for r in reqs), starts_l, strict=True)),
+                np.int64,
+                n,
+            )
+        else:
+            flat = chain.from_iterable(
+                r.all_token_ids[s : s + q] or _PLACEHOLDER for r, s, q in zip(reqs, starts_l, qlens_l, strict=True)
+            )
+            ids[:] = np.fromiter(flat, np.int64, total)
+        qsl = inp.host("query_start_loc", n + 1)
+        qsl[0] = 0
+        np.cumsum(qlens, out=qsl[1:])
+        pending = np.flatnonzero(starts >= known)
+        fill = None
+        if len(pending):
+            src = np.fromiter((reqs[i].pending_row for i in pending.tolist()), np.int64, len(pending))
+            fill = (torch.from_numpy(qsl[pending].astype(np.int64)), torch.from_numpy(src))
+        positions, token_rows = token_positions(qlens, slens)
+        inp.host("positions", total)[:] = positions
+        inp.host("slot_mapping", total)[:] = slot_mapping(tables, rows[token_rows], positions, self.block_size)
+        inp.host("seq_lens", n)[:] = slens
+        width = -(-int(slens.max()) // self.block_size)
+        inp.host("block_tables", n, width)[:] = tables[rows, :width]
+        samples = slens == known + np.fromiter((r.num_pending for r in reqs), np.int64, n)
+        logits_rows = qsl[1:][samples] - 1
+        inp.host("logits_rows", len(logits_rows))[:] = logits_rows
+        return PreparedStep(inp, n, total, len(logits_rows), qlens, slens, width, fill)
+
+    def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the prepared step on the device; ``last_tokens``: the tokens of the step before, for the
+        placeholders of ``step.fill``. Returns fp32 logits for the sampling rows."""
+        inp, n, total = step.inputs, step.n, step.total
+        meta = AttentionMetadata(
+            slot_mapping=inp.device("slot_mapping", total),
+            query_start_loc=inp.device("query_start_loc", n + 1),
+            seq_lens=inp.device("seq_lens", n),
+            block_tables=inp.device("block_tables", n, step.width),
+            query_lens_cpu=step.qlens,
+            seq_lens_cpu=step.slens,
+        )
+        ids = inp.device("input_ids", total)
+        if step.fill is not None:
+            dst, src = (t.to(self.device, non_blocking=True) for t in step.fill)
+            ids[dst] = last_tokens[src]
+        positions = inp.device("positions", total)
         with forward_context(ForwardContext(meta, self.kv_caches)):
-            return self.model(input_ids, pos, rows)
+            return self.model(ids, positions, inp.device("logits_rows", step.num_logits))
+
+
+_PLACEHOLDER = (0,)
+"""The input id of a token still being sampled; the step overwrites it on the device before the forward."""
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, ready in their buffers: what ``ModelRunner.forward`` needs besides them."""
+
+    inputs: StepInputs
+    n: int
+    total: int
+    num_logits: int
+    qlens: np.ndarray
+    slens: np.ndarray
+    width: int
+    fill: tuple[torch.Tensor, torch.Tensor] | None
+    """(token index in the batch, row of the previous step's tokens) of each placeholder input."""
+
+
+class StepInputs:
+    """Persistent buffers of a step's inputs: filled on the host as numpy arrays (pinned memory on CUDA),
+    copied to fixed device buffers once per step. On the CPU both are the same memory: nothing is copied.
+    Fixed addresses are also what CUDA graphs replay on."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+            "logits_rows": ((max_tokens,), torch.int64),
+            "query_start_loc": ((max_seqs + 1,), torch.int32),
+            "seq_lens": ((max_seqs,), torch.int32),
+            "block_tables": ((max_seqs * max_blocks,), torch.int32),
+        }
+        cuda = device.type == "cuda"
+        self._host = {k: torch.zeros(shape, dtype=dt, pin_memory=cuda) for k, (shape, dt) in shapes.items()}
+        self._np = {k: t.numpy() for k, t in self._host.items()}
+        self._dev = {k: t.to(device) for k, t in self._host.items()} if cuda else self._host
+        self._device = device
+
+    def host(self, name: str, n: int, width: int | None = None) -> np.ndarray:
+        """The host buffer's first ``n`` entries (``n x width`` for a 2-D view) to fill; grows if needed."""
+        size = n * (width or 1)
+        if size > len(self._np[name]):
+            self._grow(name, size)
+        view = self._np[name][:size]
+        return view.reshape(n, width) if width else view
+
+    def device(self, name: str, n: int, width: int | None = None) -> torch.Tensor:
+        """The device copy of what ``host`` filled (the same memory on the CPU)."""
+        size = n * (width or 1)
+        dev = self._dev[name][:size]
+        if dev.data_ptr() != self._host[name].data_ptr():
+            dev.copy_(self._host[name][:size], non_blocking=True)
+        return dev.view(n, width) if width else dev
+
+    def _grow(self, name: str, size: int) -> None:
+        cuda = self._device.type == "cuda"
+        host = torch.zeros(max(size, 2 * len(self._np[name])), dtype=self._host[name].dtype, pin_memory=cuda)
+        self._host[name], self._np[name] = host, host.numpy()
+        if cuda:
+            self._dev[name] = host.to(self._device)

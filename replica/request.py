@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
-
-import torch
+import random
 
 from replica.detokenizer import IncrementalDetokenizer
 from replica.sampling_params import SamplingParams
@@ -52,13 +51,21 @@ class Request:
         self.num_cached_tokens = -1  # prefix hit of the first admission; -1 until admitted
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
-        prompt_len = len(prompt_token_ids)
+        prompt_len = self.num_prompt_tokens = len(prompt_token_ids)
         limit = max_total_tokens - prompt_len
         self.max_new_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
         self.index = 0
         self.fork_pending = params.n > 1
-        self.generator = self._seeded_generator()
+        self._seed_base = params.seed if params.seed is not None else random.getrandbits(64)
+        self.sample_seed = self._sample_seed()
+        self.kv_row = -1
+        """This sequence's row of the KV manager's block tables while it holds blocks; -1 otherwise."""
+        self.num_pending = 0
+        """Tokens sampled by a step still in flight (0 or 1): counted in ``num_tokens``, appended when the
+        step's results are collected."""
+        self.pending_row = -1
+        """Where the pending token sits in its step's sampled tokens: the next step reads it there."""
         self._block_size = block_size
         self._hash_seed = hash_seed
         self._hash_extra = hash_extra
@@ -69,19 +76,12 @@ class Request:
     # ------------------------------------------------------------------ sizes
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        """Tokens known or being sampled: the prompt, the output, and a token in flight."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     @property
     def num_seqs(self) -> int:
@@ -90,13 +90,14 @@ class Request:
         return self.params.n if self.fork_pending else 1
 
     # ------------------------------------------------------------------ parallel sampling
-    def _seeded_generator(self) -> torch.Generator | None:
-        seed = self.params.seed
-        # Modulo 2**64: torch's seed range, read as two's complement, so any seed keeps its meaning.
-        return None if seed is None else torch.Generator().manual_seed((seed + self.index) % 2**64)
+    def _sample_seed(self) -> int:
+        """The seed of this sequence's draws (``replica/sampler.py``): the request's seed + its index, modulo
+        2**64, as a signed 64-bit value; unseeded requests start from a random one."""
+        seed = (self._seed_base + self.index) % 2**64
+        return seed - 2**64 if seed >= 2**63 else seed
 
     def fork(self, index: int) -> Request:
-        """Sequence ``index`` of this request: same tokens, progress and hashes, its own random generator
+        """Sequence ``index`` of this request: same tokens, progress and hashes, its own draws
         (``seed + index``) and detokenizer. Only before the first output token: the detokenizer's decode
         state cannot be copied, so the child starts a fresh one. Blocks are shared by the KV manager."""
         if self.output_token_ids:
@@ -107,23 +108,29 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.detokenizer = self.detokenizer.fresh()
-        child.generator = child._seeded_generator()
+        child.sample_seed = child._sample_seed()
+        child.kv_row = -1
+        child.num_pending, child.pending_row = 0, -1
         return child
 
     # ------------------------------------------------------------------ progress
     def _extend_hashes(self) -> None:
         start = len(self.block_hashes)
-        if (self.num_tokens // self._block_size) > start:
+        if (len(self.all_token_ids) // self._block_size) > start:
             parent = self.block_hashes[-1] if start else None
             self.block_hashes += hash_blocks(
                 self.all_token_ids, self._block_size, self._hash_seed, self._hash_extra, parent, start
             )
 
-    def append_token(self, token_id: int) -> None:
-        """Record a sampled token and decide whether the request is done."""
-        self.all_token_ids.append(token_id)
-        self._extend_hashes()
+    def append_token(self, token_id: int) -> bool:
+        """Record a sampled token and decide whether the request is done; True when it filled a block."""
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        filled = len(tokens) % self._block_size == 0
+        if filled:
+            self._extend_hashes()
         if token_id in self._stop_ids or self.detokenizer.push(token_id):
             self.finish_reason = "stop"
-        elif len(self.all_token_ids) - self.num_prompt_tokens >= self.max_new_tokens:
+        elif len(tokens) - self.num_prompt_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
+        return filled

@@ -43,6 +43,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` x the most likely one (0: off)."""
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -58,6 +60,7 @@ class SamplingParams:
             check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
         check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_float("min_p", self.min_p, 0.0, 1.0)
         check_int("top_k", self.top_k, 0, MAX_TOKENS_LIMIT)
         if self.seed is not None:
             check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)

@@ -28,6 +28,8 @@ from replica.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    start: int = 0
+    """``num_computed_tokens`` before this step (set at launch): where a failed step rolls back to."""
 
     @property
     def samples(self) -> bool:
@@ -70,7 +72,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_tokens = len(req.all_token_ids) + req.num_pending
+            if req.num_pending and num_tokens - req.num_prompt_tokens >= req.max_new_tokens:
+                i += 1  # the token in flight is its last: nothing left to compute
+                continue
+            n = min(num_tokens - req.num_computed_tokens, budget)
+            if n == 1 and self.kv.has_room_for_one(req):  # a decode within its last block: the usual case
+                out.append(ScheduledRequest(req, 1))
+                budget -= 1
+                i += 1
+                continue
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()  # the newest running request goes first
                 self._preempt(victim)

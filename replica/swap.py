@@ -9,18 +9,28 @@ sequence is recomputed as before.
 
 Copies are queued during scheduling and run by the engine before the step's forward pass: swap-outs first
 (their device blocks may already be handed to other sequences this step, but nothing writes them before
-the forward pass), then copy-on-write copies, then swap-ins into freshly allocated blocks.
+the forward pass), then copy-on-write copies, then swap-ins into freshly allocated blocks. They run where
+the step runs (``replica/device_queue.py``), after every step launched before it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kernels.quant import as_bytes
 from replica.context import LayerCache
+
+
+@dataclass
+class SwapCopies:
+    """One step's swap copies: ``(device ids, host ids)`` out, then ``(host ids, device ids)`` in."""
+
+    outs: list[tuple[list[int], list[int]]]
+    ins: list[tuple[list[int], list[int]]]
 
 
 class SwapSpace:
@@ -64,16 +74,24 @@ class SwapSpace:
         """Give back the host blocks of a swapped sequence that will never come back (aborted)."""
         self._free += host_ids
 
-    def run_swap_outs(self) -> None:
-        for device_ids, host_ids in self._outs:
-            self._copy(self._device, device_ids, self._host, host_ids)
-        self._outs.clear()
-
-    def run_swap_ins(self) -> None:
-        for host_ids, device_ids in self._ins:
-            self._copy(self._host, host_ids, self._device, device_ids)
+    def take(self) -> SwapCopies:
+        """The copies queued since the last call, to run in order before the step's forward pass. The host
+        blocks swapped in are free again from here: a later swap-out may take them, and its copy runs after."""
+        copies = SwapCopies(self._outs, self._ins)
+        self._outs, self._ins = [], []
+        for host_ids, _ in copies.ins:
             self._free += host_ids
-        self._ins.clear()
+        return copies
+
+    def copy_out(self, copies: SwapCopies) -> None:
+        """Device work, before anything writes the blocks the swapped sequences leave."""
+        for device_ids, host_ids in copies.outs:
+            self._copy(self._device, device_ids, self._host, host_ids)
+
+    def copy_in(self, copies: SwapCopies) -> None:
+        """Device work, into the blocks the readmitted sequences were just given."""
+        for host_ids, device_ids in copies.ins:
+            self._copy(self._host, host_ids, self._device, device_ids)
 
     def check_integrity(self, held: int) -> None:
         """Free + held by swapped sequences == total, with no block counted twice."""

@@ -52,7 +52,9 @@ def run(engine: LLMEngine, prompt: list[int], params: SamplingParams, max_seqs: 
 
 @pytest.fixture(scope="module")
 def shared_engine(tiny_llama_dir) -> LLMEngine:
-    return make_engine(tiny_llama_dir)
+    """Synchronous: these tests count steps and read the KV cache between them. The engines built in the
+    other tests run the default asynchronous loop."""
+    return make_engine(tiny_llama_dir, async_scheduling=False)
 
 
 @pytest.fixture

@@ -247,7 +247,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     from cluster.ingress import Ingress
     from replica.model_files import load_tokenizer
 
-    ingress = object.__new__(Ingress.func_or_class)
+    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # our class, under Serve's ASGI wrapper
     ingress.tokenizer = load_tokenizer(smollm_dir)
     text = "the router keeps prefixes warm " * 30_000
 
@@ -311,7 +311,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
             self.attempts.append(Attempt(fail=len(self.attempts) == 0))
             return self.attempts[-1]
 
-    ingress = object.__new__(Ingress.func_or_class)
+    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # our class, under Serve's ASGI wrapper
     ingress.settings = IngressSettings(model="m", served_model_name="m", block_size=16)
     ingress.engine = Handle()
     shape = ResponseShape(chat=False, model="m")

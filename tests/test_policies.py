@@ -173,17 +173,13 @@ def test_kv_aware_keeps_a_conversation_with_its_history_despite_a_busier_replica
 def test_decode_cost_is_the_fitted_slope_not_the_average():
     from replica.engine import StepRates
 
-    class Step:
-        def __init__(self, n: int) -> None:
-            self.num_new_tokens = n
-
     rates = StepRates()
     for _ in range(50):
-        rates.observe([Step(1)] * 4, 0.080 + 4 * 0.005)
+        rates.observe(0, 4, 0.080 + 4 * 0.005)
     assert rates.decode_token_s is None  # one batch size only: base and slope not separable
     for _ in range(200):
         for running in (1, 8, 16):
-            rates.observe([Step(1)] * running, 0.080 + running * 0.005)
+            rates.observe(0, running, 0.080 + running * 0.005)
     assert rates.decode_token_s == pytest.approx(0.005, rel=0.05)
 
 
@@ -192,15 +188,12 @@ def test_decode_cost_never_exceeds_a_recent_step():
     sequence at a third of a second once steps take 16 ms: routers would move conversations for it."""
     from replica.engine import StepRates
 
-    class Step:
-        num_new_tokens = 1
-
     rates = StepRates()
     for running in (1, 4, 8, 1, 4, 8):
-        rates.observe([Step()] * running, 0.1 + running * 0.05)
+        rates.observe(0, running, 0.1 + running * 0.05)
     assert rates.decode_token_s == pytest.approx(0.05, rel=0.05)
     for _ in range(30):
-        rates.observe([Step()] * 3, 0.016)
+        rates.observe(0, 3, 0.016)
     assert rates.decode_token_s <= rates.step_s < 0.018
 
 

@@ -1,0 +1,88 @@
+"""Where a step's device work runs: in launch order, while the host goes on with the next step.
+
+The engine hands each step's device work (block copies, the forward pass, sampling) to ``submit`` and gets
+a handle; ``result()`` gives the sampled tokens on the host. On CUDA the work is launched from the calling
+thread and runs on the current stream (kernels are asynchronous); its tokens are copied to pinned memory
+behind an event. On the CPU, with ``overlap``, it runs in one worker thread: torch releases the GIL inside
+its kernels, so the host schedules the next step and turns the last one's tokens into outputs meanwhile.
+Without ``overlap`` (or for the engine's synchronous paths) it runs inline. Either way, work runs strictly
+in submission order, which is what makes freeing and reusing blocks between steps safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+StepResult = tuple[torch.Tensor, dict[int, Exception]]
+"""A step's sampled token ids (device tensor) and the rows whose sampling failed, by row."""
+
+
+class StepHandle:
+    """The tokens of one submitted step, on the host once ``result()`` returns."""
+
+    def __init__(self, future: Future | None = None) -> None:
+        self._future = future
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        self._failures: dict[int, Exception] = {}
+        self._error: BaseException | None = None
+
+    def result(self) -> tuple[list[int], dict[int, Exception]]:
+        """Token ids by row, and the rows whose sampling failed; raises what the device work raised."""
+        if self._future is not None:
+            tokens, failures = self._future.result()
+            return tokens.tolist(), failures
+        if self._error is not None:
+            raise self._error
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist(), self._failures
+
+
+class DeviceQueue:
+    def __init__(self, device: torch.device, worker_thread: bool, torch_threads: int | None = None) -> None:
+        self.device = device
+        self._worker = None
+        if worker_thread and device.type == "cpu":
+            self._worker = ThreadPoolExecutor(
+                1, thread_name_prefix="kvmesh-device", initializer=_init_worker, initargs=(torch_threads,)
+            )
+
+    def submit(self, work: Callable[[], StepResult]) -> StepHandle:
+        if self._worker is not None:
+            return StepHandle(self._worker.submit(_in_inference_mode, work))
+        handle = StepHandle()
+        try:
+            tokens, handle._failures = _in_inference_mode(work)
+        except Exception as exc:  # raised where the caller collects the step, as from the worker
+            handle._error = exc
+            return handle
+        if tokens.is_cuda:
+            handle._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            handle._host.copy_(tokens, non_blocking=True)
+            handle._event = torch.cuda.Event()
+            handle._event.record()
+        else:
+            handle._host = tokens
+        return handle
+
+    def run(self, work: Callable[[], StepResult]) -> tuple[list[int], dict[int, Exception]]:
+        """Submit and wait: for the engine's synchronous paths (isolating a failed step)."""
+        return self.submit(work).result()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def _init_worker(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)  # OpenMP's thread count is per thread: set it in the worker too
+
+
+def _in_inference_mode(work: Callable[[], StepResult]) -> StepResult:
+    with torch.inference_mode():
+        return work()
