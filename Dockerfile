@@ -24,7 +24,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 FROM base-${FLAVOR}
 # wget: KubeRay's readiness probes of RayService worker pods call it (`wget ... | grep success`).
-# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kernels/cpu_decode.py);
+# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kernels/cpu_extension.py);
 # on GPUs, Triton compiles a small launcher with the C compiler when kvmesh's kernels first run.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \

@@ -2,7 +2,7 @@
 
 CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode attention over SDPA on
 contiguous KV of the same size, for both CPU decode routes side by side: the compiled kernel that reads the
-paged cache in place (``kernels/cpu_decode.py``, the default) and the gather fallback (gather through
+paged cache in place (``kernels/cpu_extension.py``, the default) and the gather fallback (gather through
 block tables + SDPA). Batch 32, context 1,024, SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
 block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x.
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import kernels.torch_attention
 from benchmarks.report import median, print_table, write_json
 from kernels import AttentionMetadata
-from kernels.cpu_decode import paged_decode_kernel
+from kernels.cpu_extension import paged_decode_kernel
 from kernels.torch_attention import paged_attention_torch
 
 

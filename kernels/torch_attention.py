@@ -1,6 +1,6 @@
 """The vectorized torch path of paged attention, used on CPU (and as a fallback anywhere).
 
-On the CPU, decode sequences (one query each) go to the compiled kernel of ``cpu_decode.py``, which reads
+On the CPU, decode sequences (one query each) go to the compiled kernel of ``cpu_extension.py``, which reads
 the paged cache in place. Elsewhere, or where it cannot be built, they are sorted by context length and
 split into a few length buckets; each bucket's blocks are gathered into one padded
 ``[batch, kv_heads, context, head_dim]`` view and a single fused SDPA call with a length mask does the
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode import DTYPES, paged_decode_kernel
+from kernels.cpu_extension import DTYPES, paged_decode_kernel
 from kernels.metadata import AttentionMetadata
 from kernels.quant import as_bytes, dequantize, quantize
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_extension import argmax_kernel, sample_kernel
 from replica.sampling_params import GREEDY_TEMPERATURE
 
 MAX_TOP_K = 1024
@@ -115,10 +116,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seed: torch.Tensor, position: torch.Tensor, round_: int = 0) -> torch.Tensor:
-    """One number in (0, 1) per row, a function of (seed, position, round) alone (float64)."""
+def uniforms(seed: torch.Tensor, position: torch.Tensor, round_: int | torch.Tensor = 0) -> torch.Tensor:
+    """One number in (0, 1) per row (and round), a function of (seed, position, round) alone (float64);
+    the arguments broadcast, so ``round_`` may be a row of rounds."""
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    h = _mix32(lo ^ _mix32(hi ^ _mix32((position & _MASK32) ^ _mix32(torch.full_like(position, round_)))))
+    rounds = torch.as_tensor(round_, dtype=torch.int64, device=seed.device)
+    h = _mix32(lo ^ _mix32(hi ^ _mix32((position & _MASK32) ^ _mix32(rounds))))
     h = _mix32(h ^ 0x9E3779B9)
     return (h.double() + 0.5) * (1.0 / 2**32)
 
@@ -127,6 +130,25 @@ def _pick(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index where ``u`` of each row's total mass is reached in its non-decreasing ``cdf``."""
     target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
     return torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+
+
+def _pick_blocked(p: torch.Tensor, u: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``_pick`` on a row of probabilities without its full cumulative sum: sums of blocks of ``block``
+    tokens find the block holding the target, and only that block is accumulated (a cumulative sum runs
+    token by token; a block sum is one vectorised pass)."""
+    rows, vocab = p.shape
+    full = vocab // block * block
+    sums = p[:, :full].reshape(rows, -1, block).sum(dim=-1)
+    if full < vocab:
+        sums = torch.cat([sums, p[:, full:].sum(dim=-1, keepdim=True)], dim=1)
+    csum = sums.cumsum(dim=-1)
+    target = (u * csum[:, -1].double()).to(p.dtype)[:, None]
+    k = torch.searchsorted(csum, target).clamp_(max=csum.shape[1] - 1)
+    before = torch.where(k > 0, csum.gather(1, (k - 1).clamp(min=0)), 0.0)
+    idx = k * block + torch.arange(block, device=p.device)[None, :]
+    inner = p.gather(1, idx.clamp(max=vocab - 1)).masked_fill_(idx >= vocab, 0.0).cumsum_(dim=-1).add_(before)
+    off = torch.searchsorted(inner, target).clamp_(max=block - 1)
+    return (k * block + off).clamp_(max=vocab - 1).squeeze(1)
 
 
 def _keep(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, in_k: torch.Tensor) -> torch.Tensor:
@@ -160,13 +182,31 @@ def _sample_sorted(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor, roun
     return idx.gather(1, j[:, None]).squeeze(1)
 
 
+def _sample_rejection_compiled(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor) -> torch.Tensor | None:
+    """The rejection path in one compiled CPU kernel (``kernels/csrc/sample_cpu.cpp``); None without it."""
+    kernel = sample_kernel() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if kernel is None:
+        return None
+    rounds = torch.arange(MAX_ROUNDS, device=x.device)[None, :]
+    u = uniforms(s.seed[rows, None], s.position[rows, None], rounds)
+    out = torch.empty(len(rows), dtype=torch.int64)
+    kernel(x.contiguous(), s.top_p[rows], s.min_p[rows], u, out)
+    left = (out < 0).nonzero().squeeze(1)
+    if len(left):
+        out[left] = _sample_sorted(x[left], s, rows[left], MAX_ROUNDS)
+    return out
+
+
 def _sample_rejection(
     x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor, first: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rows without top-k: draw from the whole row, keep draws inside the top-p / min-p set.
 
-    On the CPU the rows go a group at a time, so each pass reads what the previous one left in cache.
-    ``first``: the rows' uniform numbers of round 0 (drawn for all groups at once)."""
+    On the CPU the compiled kernel does it where it could be built; otherwise the rows go a group at a time,
+    so each pass reads what the previous one left in cache. ``first``: the rows' uniform numbers of round 0
+    (drawn for all groups at once)."""
+    if first is None and (compiled := _sample_rejection_compiled(x, s, rows)) is not None:
+        return compiled
     first = uniforms(s.seed[rows], s.position[rows]) if first is None else first
     chunk = len(rows) if x.is_cuda else max(1, CACHE_BYTES // (4 * x.shape[1]))
     if len(rows) > chunk:
@@ -175,7 +215,6 @@ def _sample_rejection(
             [_sample_rejection(x[i : i + chunk], s, rows[i : i + chunk], first[i : i + chunk]) for i in groups]
         )
     p = torch.softmax(x, dim=-1)
-    cdf = p.cumsum(dim=-1)
     top_p, min_p = s.top_p[rows], s.min_p[rows]
     floor = min_p * p.amax(dim=-1)
     filtered = (top_p < 1) | (min_p > 0)
@@ -185,14 +224,14 @@ def _sample_rejection(
     for round_ in range(MAX_ROUNDS):
         sub = left if round_ else slice(None)  # the first round reads every row in place, no copy
         u = uniforms(s.seed[rows[sub]], s.position[rows[sub]], round_) if round_ else first
-        j = _pick(cdf[sub], u)
         ps = p[sub]
+        j = _pick_blocked(ps, u)
         pj = ps.gather(1, j[:, None])
         # Kept: the tokens more likely than j hold under top_p of the mass, and j is not under the min-p
         # floor. Their mass, from two cheap reductions: sum(max(p, pj)) = above + pj * (vocab - n_above).
         n_above = torch.count_nonzero(ps > pj, dim=-1)
         above = torch.clamp(ps, min=pj).sum(dim=-1) - pj.squeeze(1) * (vocab - n_above)
-        accept = ~filtered[sub] | ((above < top_p[sub] * cdf[sub, -1]) & (pj.squeeze(1) >= floor[sub]))
+        accept = ~filtered[sub] | ((above < top_p[sub] * ps.sum(dim=-1)) & (pj.squeeze(1) >= floor[sub]))
         out[left[accept]] = j[accept]
         left = left[~accept]
         if not len(left):
@@ -201,16 +240,26 @@ def _sample_rejection(
     return out
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first, on ties): the compiled kernel on the CPU where it is built."""
+    kernel = argmax_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernel is None:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    kernel(logits.contiguous(), out)
+    return out
+
+
 def sample(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
     """One token id per row of ``logits`` ([rows, vocab], fp32), on the logits' device."""
     if s.sampled is None:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     rows = s.sampled
     if len(rows) == logits.shape[0]:  # every row samples: scale in place
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         x = logits.div_(s.temperature[:, None])
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         x = logits[rows].div_(s.temperature[rows, None])
     chosen = torch.empty_like(rows)
     paths = ((s.by_top_k, _sample_top_k), (s.by_rejection, _sample_rejection), (s.by_sort, _sample_sorted))

@@ -39,4 +39,3 @@ def test_restart_keeps_the_port_and_loses_the_data():
         server.restart()
         assert server.port == port and client.get("k") is None
         client.close()
-

@@ -33,7 +33,11 @@ ops = st.lists(
 def engine(tiny_llama_dir):
     return LLMEngine(
         EngineConfig(
-            model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=POOL, max_num_seqs=4, max_num_batched_tokens=16,
+            model=str(tiny_llama_dir),
+            block_size=BLOCK,
+            num_kv_blocks=POOL,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
             device="cpu",  # tiny blocks stress the scheduler; the CUDA kernels take 8 slots or more
         )
     )

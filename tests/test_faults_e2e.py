@@ -163,8 +163,10 @@ def test_overload_is_refused_with_retry_after_never_a_hang(server):
     codes = [c for c, _, _, _ in results]
     assert set(codes) <= {200, 429, 503}, codes
     assert codes.count(200) >= 4 and (codes.count(429) + codes.count(503)) >= 8, codes
-    print(f"burst of 24: {codes.count(200)} completed, {codes.count(429)} x 429, {codes.count(503)} x 503, "
-          f"slowest refusal {max((e for c, _, e, _ in results if c != 200), default=0):.3f} s")
+    print(
+        f"burst of 24: {codes.count(200)} completed, {codes.count(429)} x 429, {codes.count(503)} x 503, "
+        f"slowest refusal {max((e for c, _, e, _ in results if c != 200), default=0):.3f} s"
+    )
     for code, retry_after, elapsed, body_ in results:
         if code != 200:
             assert retry_after == "1" and body_["error"]["type"] in ("rate_limit_error", "service_unavailable")

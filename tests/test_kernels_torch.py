@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import kernels.torch_attention
-from kernels.cpu_decode import paged_decode_kernel
+from kernels.cpu_extension import paged_decode_kernel, sample_kernel
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
 from tests.kernel_cases import check_against_reference, check_quantized
 
 
-def test_cpu_decode_kernel_builds():
-    """CI has a compiler: the kernel must build, so a broken build can't hide behind the gather fallback."""
-    assert paged_decode_kernel() is not None
+def test_cpu_kernels_build():
+    """CI has a compiler: the kernels must build, so a broken build can't hide behind the torch fallbacks."""
+    assert paged_decode_kernel() is not None and sample_kernel() is not None
 
 
 @pytest.mark.parametrize("case", range(12))

@@ -41,9 +41,7 @@ def test_triton_sliding_window_matches_reference(case):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol):
     seed = 2000 + case * 17 + len(kv_dtype) + (dtype == torch.float16)
-    check_quantized(
-        store_kv_triton, paged_attention_triton, seed, case, kv_dtype, dtype, tol, max_len=96, max_batch=3
-    )
+    check_quantized(store_kv_triton, paged_attention_triton, seed, case, kv_dtype, dtype, tol, max_len=96, max_batch=3)
 
 
 def test_store_kv_skips_negative_slots_and_touches_nothing_else():

@@ -94,9 +94,11 @@ def test_forks_copy_quantized_blocks_with_their_scales(tiny_llama_dir, kv):
     """n=4 greedy on a quantized cache: the copied partial block carries its int8 scales, so every sequence
     equals the n=1 answer (a 37-token prompt leaves a partly filled block to copy)."""
     prompt = list(range(500, 537))
-    single = LLM(str(tiny_llama_dir), num_kv_blocks=64, kv_cache_dtype=kv).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    )[0].token_ids
+    single = (
+        LLM(str(tiny_llama_dir), num_kv_blocks=64, kv_cache_dtype=kv)
+        .generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        .token_ids
+    )
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, kv_cache_dtype=kv)
     outs = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=4))
     assert [o.token_ids for o in outs] == [single] * 4

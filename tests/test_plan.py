@@ -25,8 +25,12 @@ LLAMA_70B = {  # Llama-3.1-70B's config.json, the fields that matter
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
-LLAMA_8B = LLAMA_70B | {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
-                        "intermediate_size": 14336}
+LLAMA_8B = LLAMA_70B | {
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+}
 LLAMA_8B_PARAMS = 8_030_261_248  # Llama-3.1-8B's published parameter count
 
 
@@ -81,8 +85,16 @@ def test_kv_bytes_reject_unknown_dtypes_and_empty_shapes():
 def test_config_quirks():
     mha = model_shape({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})
     assert (mha.num_kv_heads, mha.head_dim, mha.dtype) == (4, 16, "bfloat16")  # MHA, hidden / heads, GPU default
-    qwen3 = model_shape({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                         "hidden_size": 64, "head_dim": 128, "dtype": "float32"})
+    qwen3 = model_shape(
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_size": 64,
+            "head_dim": 128,
+            "dtype": "float32",
+        }
+    )
     assert (qwen3.num_kv_heads, qwen3.head_dim, qwen3.dtype, qwen3.dtype_source) == (2, 128, "float32", "config")
     multimodal = model_shape({"torch_dtype": "float16", "text_config": LLAMA_70B | {"torch_dtype": None}})
     assert (multimodal.num_layers, multimodal.num_kv_heads, multimodal.dtype) == (80, 8, "float16")
@@ -109,8 +121,14 @@ def test_plan_70b_seed_32_sequences_of_8k_fit_40gib_with_fp8(tmp_path, capsys):
     assert list(rows) == list(KV_CACHE_DTYPES)
     # 40 GiB / (163,840 B x 16 tokens) = 16,384 blocks; a 8k sequence takes 512: exactly 32 sequences
     for fp8 in ("fp8_e4m3", "fp8_e5m2"):
-        assert rows[fp8] == {"bytes_per_token": 163_840, "bytes_per_block": 2_621_440, "blocks_per_replica": 16_384,
-                             "tokens_per_replica": 262_144, "max_concurrent_sequences": 32, "replicas_needed": 1}
+        assert rows[fp8] == {
+            "bytes_per_token": 163_840,
+            "bytes_per_block": 2_621_440,
+            "blocks_per_replica": 16_384,
+            "tokens_per_replica": 262_144,
+            "max_concurrent_sequences": 32,
+            "replicas_needed": 1,
+        }
     assert rows["auto"]["max_concurrent_sequences"] == 16 and rows["auto"]["replicas_needed"] == 2
     assert rows["int8"]["blocks_per_replica"] == 40 * GIB // (166_400 * 16) == 16_131
     assert rows["int8"]["max_concurrent_sequences"] == 31 and rows["int8"]["replicas_needed"] == 2
@@ -128,17 +146,28 @@ def test_plan_budget_from_device_memory_follows_the_engine_rule(tmp_path, capsys
     """(device - weights) x GPU_KV_FRACTION, the weights estimated from the config alone."""
     from replica.config import GPU_KV_FRACTION
 
-    result = plan_json(capsys, "--model", write_config(tmp_path, LLAMA_8B), "--device-memory", "80GiB",
-                       "--context-len", "8192")
+    result = plan_json(
+        capsys, "--model", write_config(tmp_path, LLAMA_8B), "--device-memory", "80GiB", "--context-len", "8192"
+    )
     assert result["estimated_weight_bytes"] == 2 * LLAMA_8B_PARAMS
     assert result["memory_fraction"] == GPU_KV_FRACTION
     assert result["kv_budget_bytes"] == int((80 * GIB - 2 * LLAMA_8B_PARAMS) * GPU_KV_FRACTION)
-    half = plan_json(capsys, "--model", write_config(tmp_path, LLAMA_8B), "--device-memory", "80GiB",
-                     "--memory-fraction", "0.5", "--context-len", "8192")
+    half = plan_json(
+        capsys,
+        "--model",
+        write_config(tmp_path, LLAMA_8B),
+        "--device-memory",
+        "80GiB",
+        "--memory-fraction",
+        "0.5",
+        "--context-len",
+        "8192",
+    )
     assert half["kv_budget_bytes"] == (80 * GIB - 2 * LLAMA_8B_PARAMS) // 2
 
-    code, _, err = plan(capsys, "--model", write_config(tmp_path, LLAMA_70B), "--device-memory", "80GiB",
-                        "--context-len", "8192")
+    code, _, err = plan(
+        capsys, "--model", write_config(tmp_path, LLAMA_70B), "--device-memory", "80GiB", "--context-len", "8192"
+    )
     assert code == 2 and "leave no KV memory" in err
 
 
@@ -147,15 +176,19 @@ def test_plan_sizes_by_mean_or_percentile_of_a_length_distribution(tmp_path, cap
     plain = tmp_path / "lengths.txt"
     plain.write_text("10\n20\n\n40\n100\n")  # blocks of 16: 1, 2, 3, 7 -> mean 3.25
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"input_length": n - 5, "output_length": 5, "hash_ids": [0]}) + "\n"
-                             for n in (10, 20, 40, 100)))
+    trace.write_text(
+        "".join(
+            json.dumps({"input_length": n - 5, "output_length": 5, "hash_ids": [0]}) + "\n" for n in (10, 20, 40, 100)
+        )
+    )
     budget = str(13 * 163_840 * 16)  # 13 fp8 blocks: 4 mean sequences
     for lengths in (plain, trace):
         mean = plan_json(capsys, "--model", config, "--kv-memory", budget, "--lengths", str(lengths))
         assert mean["workload"]["tokens_per_sequence"] == 42.5 and mean["workload"]["blocks_per_sequence"] == 3.25
         assert mean["kv_cache_dtypes"]["fp8_e4m3"]["max_concurrent_sequences"] == 4
-        p50 = plan_json(capsys, "--model", config, "--kv-memory", budget, "--lengths", str(lengths),
-                        "--percentile", "50")
+        p50 = plan_json(
+            capsys, "--model", config, "--kv-memory", budget, "--lengths", str(lengths), "--percentile", "50"
+        )
         assert p50["workload"]["tokens_per_sequence"] == 20 and p50["workload"]["source"].startswith("p50 of 4")
         assert p50["kv_cache_dtypes"]["fp8_e4m3"]["max_concurrent_sequences"] == 6
     # nearest rank on the decimal percentile (float arithmetic would round p99.9 of 1,000 up to the maximum)

@@ -1,6 +1,7 @@
 """The sampler against its definition: empirical frequencies over many seeded draws match the exact
-renormalised temperature / top-k / top-p / min-p distribution (chi-square), on every path (whole
-vocabulary, candidates, the full-sort fallback), and a seeded row's token does not depend on its batch."""
+renormalised temperature / top-k / top-p / min-p distribution (chi-square), on every path (candidates for
+top-k, rejection over the whole row compiled and in torch, the sort fallback), and a seeded row's token
+does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from scipy.stats import chisquare
 from replica.sampler import MAX_TOP_K, SamplingTensors, sample, uniforms
 
 DRAWS = 20_000
+
+
+@pytest.fixture(params=["compiled", "torch"], autouse=True)
+def rejection_path(request, monkeypatch):
+    """Every test runs with the compiled CPU rejection kernel and with the torch path that serves without
+    a compiler (and on GPUs)."""
+    import replica.sampler
+
+    if request.param == "torch":
+        monkeypatch.setattr(replica.sampler, "sample_kernel", lambda: None)
+    elif replica.sampler.sample_kernel() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    return request.param
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -105,3 +119,12 @@ def test_uniforms_are_uniform_and_depend_on_seed_and_position():
     assert chisquare(counts.numpy()).pvalue > 1e-4
     assert not torch.equal(u, uniforms(seeds, torch.full_like(seeds, 8)))
     assert torch.equal(u, uniforms(seeds.clone(), torch.full_like(seeds, 7)))
+
+
+def test_argmax_takes_the_first_of_tied_maxima_like_torch():
+    from replica.sampler import argmax
+
+    x = torch.randn(7, 3000, generator=torch.Generator().manual_seed(3))
+    x[2, 10] = x[2, 2500] = x[5, 0] = x[5, 2999] = 99.0
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert argmax(x)[2] == 10 and argmax(x)[5] == 0
