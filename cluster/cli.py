@@ -69,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
         "preemption_mode": args.preemption_mode,
         "device": args.device,
         "torch_threads": args.threads,
+        "enforce_eager": args.enforce_eager,
     }
     autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
     overrides = {
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
                      help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute")
     srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    srv.add_argument("--enforce-eager", action="store_true", default=None,
+                     help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)")
     srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     srv.set_defaults(func=_serve)
 

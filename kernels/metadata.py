@@ -9,6 +9,7 @@ Everything here is built with a few numpy operations over the whole batch, never
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,9 @@ class AttentionMetadata:
     query_lens_cpu: np.ndarray
     """[batch] int64, on the host: what the backends plan their launches with."""
     seq_lens_cpu: np.ndarray
+    decode_splits: int | None = None
+    """Parts each decode context is split into on a GPU; None lets the backend choose from the batch
+    (a CUDA graph fixes it, since a replay cannot choose)."""
 
     @property
     def max_query_len(self) -> int:
@@ -78,3 +82,21 @@ def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray) -> tuple[np.nd
 def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The cache slot of each token: ``tables[row, pos // block_size] * block_size + pos % block_size``."""
     return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+MAX_SPLITS = 32
+"""Most parts a decode sequence's context is split into (flash-decoding, the Triton decode kernel)."""
+MIN_SPLIT_TOKENS = 256
+"""Shortest context part worth a program of its own."""
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def decode_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """How many parts each decode sequence's context is split into on a GPU: enough programs for two per
+    multiprocessor when the batch alone has fewer, each part at least ``MIN_SPLIT_TOKENS`` long."""
+    wanted = -(-2 * _multiprocessors(device) // (batch * kv_heads))
+    return max(1, min(wanted, MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS))

@@ -5,9 +5,12 @@ Two attention kernels, not one unified kernel, because decode and extend are bou
 - **decode** (one query token per sequence) is memory-bound: every KV byte is read once per step. The
   kernel runs one program per (sequence, KV head) and packs that KV head's whole GQA group of query heads
   into the rows of one tile, so each KV tile is loaded once and used by all query heads that share it.
+  When the batch has fewer (sequence, KV head) pairs than the GPU has multiprocessors, each context is
+  also split into parts (flash-decoding), whose partial softmaxes a second kernel combines.
 - **extend/prefill** (many new tokens attending causally to themselves and to the cached prefix) is
-  compute-bound: one program per (sequence, tile of BLOCK_M query tokens, query head), flash-attention
-  style with online softmax, stopping at the last key its tile can see.
+  compute-bound: one program per (sequence, tile of query tokens, KV head), flash-attention style with
+  online softmax, stopping at the last key its tile can see; the tile's rows are its tokens x the GQA
+  group's query heads, so each KV tile is loaded once per group, not once per query head.
 
 Both kernels walk the context in tiles of BLOCK_N tokens and translate each token's position to its
 physical slot through the block table (``table[pos // block_size] * block_size + pos % block_size``), so
@@ -27,11 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, decode_splits
 from kernels.quant import FP8_DTYPES, INT8_MAX
 
 FULL = 1 << 30
 """The ``window`` of full attention: further back than any context."""
+EXTEND_ROWS = 64
+"""Rows of an extend tile: query tokens x the GQA group's heads (BLOCK_M = EXTEND_ROWS / group)."""
 MIN_BLOCK_SIZE = 8
 """The smallest cache block the kernels take: a store or tile spans at least this many slots."""
 
@@ -94,9 +99,11 @@ def _attend(
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
-    """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over keys ``[start, end)`` of one
-    sequence and one KV head, read tile by tile through its block table ``table``; online softmax in fp32.
-    Keys more than ``window - 1`` positions behind a query are masked (sliding window; huge for full)."""
+    """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over the tiles from ``start``'s to
+    ``end`` of one sequence and one KV head, read through its block table ``table``; online softmax in fp32.
+    Keys more than ``window - 1`` positions behind a query are masked (sliding window; huge for full).
+    Returns the unnormalised output, the running maximum and the sum of exponentials per row (a split
+    of the keys combines with the others through them)."""
     kv_off = kv_head * stride_ch
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
@@ -132,19 +139,24 @@ def _attend(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    return acc / l_i[:, None]
+    return acc, m_i, l_i
 
 
 @triton.jit
 def _decode_kernel(
     q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
-    scale,
+    scale, part_acc, part_ml,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
+    """One program per (sequence, KV head, split of its context). With one split it writes the output;
+    with more (flash-decoding: a short batch over long contexts would leave most of the GPU idle) each
+    writes its partial output, maximum and sum to ``part_acc`` / ``part_ml`` for ``_combine_kernel``."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     tok = tl.load(query_start_loc + seq)
     if tl.load(query_start_loc + seq + 1) - tok == 1:
         seq_len = tl.load(seq_lens + seq)
@@ -154,14 +166,48 @@ def _decode_kernel(
         heads = kvh * GROUP + g
         qt = tl.load(q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
         q_pos = tl.full([GROUP_P], 0, tl.int32) + seq_len - 1  # the one new token is the last position
-        start = tl.maximum(seq_len - window, 0)
-        o = _attend(
-            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, seq_len,
+        first = (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N
+        # Each split takes a whole number of tiles, so splits never share a key.
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N
+        start = first + split * per_split
+        end = tl.minimum(seq_len, start + per_split)
+        acc, m_i, l_i = _attend(
+            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, end,
             window, kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
             GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
-        dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
+        if SPLITS == 1:
+            dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(dst, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
+        else:
+            row = (seq * tl.num_programs(1) * GROUP + heads) * SPLITS + split  # [batch, heads, splits]
+            tl.store(part_acc + row[:, None] * BLOCK_D + d[None, :], acc, mask=qmask)
+            tl.store(part_ml + row * 2, m_i, mask=g < GROUP)
+            tl.store(part_ml + row * 2 + 1, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _combine_kernel(
+    out, query_start_loc, part_acc, part_ml, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+):  # fmt: skip
+    """One program per (decode sequence, query head): merge its splits' partial softmaxes."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_loc + seq)
+    if tl.load(query_start_loc + seq + 1) - tok == 1:
+        sp = tl.arange(0, SPLITS_P)
+        d = tl.arange(0, BLOCK_D)
+        row = (seq * tl.num_programs(1) + head) * SPLITS + sp
+        smask = sp < SPLITS
+        m = tl.load(part_ml + row * 2, mask=smask, other=float("-inf"))
+        sums = tl.load(part_ml + row * 2 + 1, mask=smask, other=0.0)
+        acc = tl.load(part_acc + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM),
+                      other=0.0)  # fmt: skip
+        m_all = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # an empty split weighs nothing
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
+        tl.store(out + tok * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -169,30 +215,37 @@ def _extend_kernel(
     q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
+    """One program per (sequence, tile of BLOCK_M query tokens, KV head): the rows of its tile are every
+    (query token, query head of the GQA group) pair, so each KV tile is loaded once for the whole group."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
+    kvh = tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     if (q_len > 1) & (tile * BLOCK_M < q_len):
         seq_len = tl.load(seq_lens + seq)
         ctx = seq_len - q_len
-        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_M * GROUP_P)
+        m = tile * BLOCK_M + r // GROUP_P
+        g = r % GROUP_P
+        head = kvh * GROUP + g
         d = tl.arange(0, BLOCK_D)
-        qmask = (m[:, None] < q_len) & (d[None, :] < HEAD_DIM)
-        qt = tl.load(q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qmask, other=0.0)
+        qmask = ((m < q_len) & (g < GROUP))[:, None] & (d[None, :] < HEAD_DIM)
+        src = q + (q_start + m)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        qt = tl.load(src, mask=qmask, other=0.0)
         end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
         start = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)  # nor its first query further back
-        o = _attend(
+        acc, _, l_i = _attend(
             qt, ctx + m, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, end,
-            window, head // GROUP, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
+            window, kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_M * GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
         )  # fmt: skip
-        dst = out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :]
-        tl.store(dst, o.to(out.dtype.element_ty), mask=qmask)
+        dst = out + (q_start + m)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
 
 
 def _check_cache(cache: torch.Tensor) -> None:
@@ -247,23 +300,37 @@ def paged_attention_triton(
     if heads % kvh:
         raise ValueError(f"{heads} query heads do not divide into {kvh} KV heads")
     group = heads // kvh
+    group_p = triton.next_power_of_2(group)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = triton.next_power_of_2(d)
+    splits = meta.decode_splits or decode_splits(batch, kvh, meta.max_seq_len, q.device)
+    part_acc = part_ml = out  # unused with one split
+    if splits > 1:
+        part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
     common = (
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, kvh, window or FULL, scale,
+    )  # fmt: skip
+    strides = (
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
     )  # fmt: skip
-    block_d = triton.next_power_of_2(d)
     if 1 in meta.query_lens_cpu:
-        _decode_kernel[(batch, kvh)](
-            *common, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
+        _decode_kernel[(batch, kvh, splits)](
+            *common, part_acc, part_ml, *strides, GROUP=group, GROUP_P=max(16, group_p), HEAD_DIM=d,
+            BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision,
+            QUANT=_quant_mode(k_cache), SPLITS=splits,
         )  # fmt: skip
+        if splits > 1:
+            _combine_kernel[(batch, heads)](
+                out, meta.query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), HEAD_DIM=d,
+                BLOCK_D=block_d, SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
+            )  # fmt: skip
     if meta.max_query_len > 1:
-        block_m = 32 if meta.max_query_len >= 32 else 16
-        _extend_kernel[(batch, triton.cdiv(meta.max_query_len, block_m), heads)](
-            *common, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
-            BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
+        block_m = max(1, EXTEND_ROWS // group_p)
+        _extend_kernel[(batch, triton.cdiv(meta.max_query_len, block_m), kvh)](
+            *common, *strides, GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
         )  # fmt: skip
     return out

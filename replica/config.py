@@ -45,6 +45,11 @@ class EngineConfig:
     async_scheduling: bool = True
     """Schedule and prepare the next step, and turn the last one's tokens into outputs, while the device runs
     the current one. False runs each step start to end before the next (``LLMEngine.step``)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs (``replica/cuda_graphs.py``; they capture decode steps on CUDA)."""
+    cuda_graph_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs (a batch runs in the smallest that holds it); None: 1, 2, 4,
+    8, then steps of 8 to 64, 16 to 256, 32 beyond, up to ``max_num_seqs``."""
     device_thread: bool = False
     """On the CPU, with ``async_scheduling``, run each step's forward pass in a worker thread so the host's
     work overlaps it. Off by default: the two threads contend for the GIL, which costs more than it saves
@@ -66,3 +71,5 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.cuda_graph_sizes is not None and not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes}")

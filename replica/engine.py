@@ -16,6 +16,7 @@ import torch
 from kernels import check_block_size
 from replica.block_pool import BlockPool
 from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
+from replica.cuda_graphs import default_sizes
 from replica.detokenizer import IncrementalDetokenizer
 from replica.device_queue import DeviceQueue, StepHandle, StepResult
 from replica.errors import InvalidRequest
@@ -238,6 +239,13 @@ class LLMEngine:
             max_blocks_per_seq,
         )  # fmt: skip
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
+        if device.type == "cuda" and not config.enforce_eager:
+            sizes = [
+                s for s in config.cuda_graph_sizes or default_sizes(config.max_num_seqs) if s <= config.max_num_seqs
+            ]
+            started = time.perf_counter()
+            self.runner.capture_decode_graphs(sizes)
+            log.info("captured %d CUDA graphs of decode steps in %.1f s", len(sizes), time.perf_counter() - started)
         self.hash_seed = model_seed(self.model_id)
         eos = self.loaded.config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

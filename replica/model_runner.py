@@ -12,6 +12,7 @@ from kernels import AttentionMetadata
 from kernels.metadata import slot_mapping, token_positions
 from kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
 from replica.context import ForwardContext, LayerCache, forward_context
+from replica.cuda_graphs import DecodeGraphs
 from replica.kv_dtype import kv_bytes_per_token
 from replica.model_loader import LoadedModel
 from replica.scheduler import ScheduledRequest
@@ -55,6 +56,14 @@ class ModelRunner:
             StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
         ]
         self._turn = 0
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode steps (CUDA); ``forward`` replays them for the decode batches they fit."""
+
+    def capture_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
+        """Capture a CUDA graph of a decode step per batch size in ``sizes`` (``capture=False``: the same
+        padded static path run eagerly, for tests on the CPU)."""
+        self.graphs = DecodeGraphs(self, sizes, self.max_blocks_per_seq, capture)
 
     def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype) -> LayerCache:
         k = torch.zeros(shape, dtype=storage, device=self.device)
@@ -158,6 +167,8 @@ class ModelRunner:
     def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prepared step on the device; ``last_tokens``: the tokens of the step before, for the
         placeholders of ``step.fill``. Returns fp32 logits for the sampling rows."""
+        if self.graphs is not None and (logits := self.graphs.run(step, last_tokens)) is not None:
+            return logits
         inp, n, total = step.inputs, step.n, step.total
         meta = AttentionMetadata(
             slot_mapping=inp.device("slot_mapping", total),
@@ -223,6 +234,11 @@ class StepInputs:
             self._grow(name, size)
         view = self._np[name][:size]
         return view.reshape(n, width) if width else view
+
+    def host_tensor(self, name: str, n: int, width: int | None = None) -> torch.Tensor:
+        """The host buffer's filled part as a tensor (pinned on CUDA): a source for device copies."""
+        view = self._host[name][: n * (width or 1)]
+        return view.view(n, width) if width else view
 
     def device(self, name: str, n: int, width: int | None = None) -> torch.Tensor:
         """The device copy of what ``host`` filled (the same memory on the CPU)."""

@@ -66,6 +66,7 @@ def check_against_reference(
     tol: float,
     window: int | None = None,
     device: str = "cpu",
+    splits: int | None = None,
     **shape,
 ) -> None:
     """Store a random batch's new K/V and attend with the implementation under test, against float64.
@@ -73,7 +74,8 @@ def check_against_reference(
     Shapes are fresh per case: block 16/32, GQA ratio 1/3/4/8 by case, 1-2 KV heads, head_dim 64/128. The
     output starts as NaN, so any element the implementation forgets to write fails the comparison.
     ``window``: sliding-window attention over the same batch. ``device``: where the implementation under
-    test runs (the float64 reference always runs on the CPU).
+    test runs (the float64 reference always runs on the CPU). ``splits``: the parts each decode context is
+    split into (the Triton kernels' flash-decoding; None lets them choose).
     """
     from kernels.reference import paged_attention_reference, store_kv_reference
 
@@ -86,7 +88,11 @@ def check_against_reference(
     ref_kc, ref_vc = kc.clone(), vc.clone()
     store_kv_reference(k, v, ref_kc, ref_vc, meta.slot_mapping)
     expected = paged_attention_reference(q, ref_kc, ref_vc, meta, scale, window)
-    kc_t, vc_t, dmeta = kc.to(device, dtype), vc.to(device, dtype), to_device(meta, device)
+    kc_t, vc_t, dmeta = (
+        kc.to(device, dtype),
+        vc.to(device, dtype),
+        replace(to_device(meta, device), decode_splits=splits),
+    )
     store_kv(k.to(device, dtype), v.to(device, dtype), kc_t, vc_t, dmeta.slot_mapping)
     assert torch.equal(kc_t.cpu(), ref_kc.to(dtype)) and torch.equal(vc_t.cpu(), ref_vc.to(dtype))
     out = torch.full_like(q, float("nan"), dtype=dtype, device=device)

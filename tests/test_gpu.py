@@ -71,6 +71,35 @@ def test_compiled_block_size_eight_and_odd_head_dim():
     assert relative_error(paged_attention_triton(*dev, to_device(meta, "cuda"), 80**-0.5), expected) <= 1e-5
 
 
+@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("case", range(4))
+def test_compiled_split_kv_decode_matches_reference(case, splits):
+    """Flash-decoding on the GPU: contexts up to 2k split into parts, partial softmaxes combined."""
+    check_against_reference(
+        store_kv_triton, paged_attention_triton, 8000 + 13 * case + splits, case, torch.bfloat16,
+        TOLERANCE[torch.bfloat16], [None, 300][case % 2], device="cuda", splits=splits, **BIG,
+    )  # fmt: skip
+
+
+def test_cuda_graph_replay_equals_eager_across_changing_batches(tiny_llama_dir):
+    """Decode steps replayed from CUDA graphs (batches padded to their bucket, sizes changing as requests
+    finish, are preempted and fork) give the eager engine's greedy tokens. (Greedy: padding changes the
+    GEMMs' row count, and a sampled draw near a boundary can feel the last bits, as with any batch change.)"""
+    prompts = [list(range(100, 120 + 9 * i)) for i in range(7)]
+    params = [SamplingParams(max_tokens=8 + 6 * i, temperature=0, ignore_eos=True, n=3 if i == 3 else 1)
+              for i in range(7)]  # fmt: skip
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_blocks=24, max_num_seqs=12,
+                  enforce_eager=eager)  # fmt: skip
+        assert (llm.engine.runner.graphs is None) == eager
+        runs[eager] = [(o.request_id, o.index, o.token_ids) for o in llm.generate(prompts, params)]
+        assert llm.engine.stats().num_preemptions > 0
+        if not eager:
+            assert llm.engine.runner.graphs.steps > 20 and llm.engine.runner.graphs.padded_steps > 0
+    assert runs[False] == runs[True]
+
+
 @pytest.fixture(scope="module")
 def smol_ids(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)

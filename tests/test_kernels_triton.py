@@ -29,6 +29,17 @@ def test_triton_kernels_match_reference(case, dtype, tol):
     check_against_reference(store_kv_triton, paged_attention_triton, seed, case, dtype, tol, max_len=160, max_batch=4)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("case", range(4))
+def test_split_kv_decode_matches_reference(case, splits):
+    """Flash-decoding: each decode context split into parts whose partial softmaxes are combined (some parts
+    empty for short contexts), with and without a sliding window; extend rows in the same batch."""
+    seed, shape = 4000 + 7 * case + splits, {"max_len": 200, "max_batch": 3}
+    window = [None, 50][case % 2]
+    check_against_reference(store_kv_triton, paged_attention_triton, seed, case, torch.float32, 1e-5, window,
+                            splits=splits, **shape)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", range(4))
 def test_triton_sliding_window_matches_reference(case):
     window = [1, 9, 40, 500][case]

