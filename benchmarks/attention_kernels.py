@@ -84,9 +84,17 @@ def cpu_overhead(repeats: int) -> dict:
         gather.append(timeit(gather_route, repeats))
         sdpa.append(timeit(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True), repeats))
     paged, gather, sdpa = median(paged), median(gather), median(sdpa)
-    return {"batch": batch, "context": ctx, "threads": torch.get_num_threads(), "paged_ms": 1000 * paged,
-            "gather_ms": 1000 * gather, "sdpa_contiguous_ms": 1000 * sdpa, "overhead": paged / sdpa,
-            "gather_overhead": gather / sdpa, "goal": 1.5}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": ctx,
+        "threads": torch.get_num_threads(),
+        "paged_ms": 1000 * paged,
+        "gather_ms": 1000 * gather,
+        "sdpa_contiguous_ms": 1000 * sdpa,
+        "overhead": paged / sdpa,
+        "gather_overhead": gather / sdpa,
+        "goal": 1.5,
+    }
 
 
 def copy_bandwidth(device) -> float:
@@ -154,19 +162,44 @@ def main() -> None:
     c = out.get("cpu")
     if c:
         print_table(
-            ["CPU decode, batch 32 x 1k ctx", "SDPA contiguous ms", "paged (kernel) ms", "overhead",
-             "paged (gather) ms", "overhead", "goal"],
-            [["SmolLM2 shapes", c["sdpa_contiguous_ms"], c["paged_ms"], f"{c['overhead']:.2f}x", c["gather_ms"],
-              f"{c['gather_overhead']:.2f}x", "<= 1.5x"]],
-        )  # fmt: skip
+            [
+                "CPU decode, batch 32 x 1k ctx",
+                "SDPA contiguous ms",
+                "paged (kernel) ms",
+                "overhead",
+                "paged (gather) ms",
+                "overhead",
+                "goal",
+            ],
+            [
+                [
+                    "SmolLM2 shapes",
+                    c["sdpa_contiguous_ms"],
+                    c["paged_ms"],
+                    f"{c['overhead']:.2f}x",
+                    c["gather_ms"],
+                    f"{c['gather_overhead']:.2f}x",
+                    "<= 1.5x",
+                ]
+            ],
+        )
     if torch.cuda.is_available():
         out["cuda"] = g = cuda_sweep(args.repeats)
         print(f"\n{g['device']}: copy bandwidth {g['copy_bandwidth_GBps']:.0f} GB/s")
         print_table(
             ["batch", "context", "triton ms", "torch ms", "SDPA contiguous ms", "triton % of copy BW"],
-            [[r["batch"], r["context"], r["triton_ms"], r["torch_ms"], r["sdpa_contiguous_ms"],
-              f"{100 * r['triton_bw_fraction']:.0f}%"] for r in g["decode"]],
-        )  # fmt: skip
+            [
+                [
+                    r["batch"],
+                    r["context"],
+                    r["triton_ms"],
+                    r["torch_ms"],
+                    r["sdpa_contiguous_ms"],
+                    f"{100 * r['triton_bw_fraction']:.0f}%",
+                ]
+                for r in g["decode"]
+            ],
+        )
         print_table(
             ["new tokens", "cached", "triton ms", "torch ms"],
             [[r["new"], r["cached"], r["triton_ms"], r["torch_ms"]] for r in g["extend"]],

@@ -62,8 +62,13 @@ class StepPrompts:
         n = a.short if t < a.base_s else round(a.short + (a.long - a.short) * grown)
         n = self.rng.randint(int(0.9 * n), int(1.1 * n))
         ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
-        session = Session(f"s{len(self.sessions)}", t, [Step(token_ids=ids, max_tokens=a.max_tokens)], chat=False,
-                          labels={"phase": "step" if t >= a.base_s else "base"})  # fmt: skip
+        session = Session(
+            f"s{len(self.sessions)}",
+            t,
+            [Step(token_ids=ids, max_tokens=a.max_tokens)],
+            chat=False,
+            labels={"phase": "step" if t >= a.base_s else "base"},
+        )
         self.sessions.append(session)
         return session
 
@@ -115,8 +120,9 @@ def summarise(results: list[Result], timeline: list, sessions: list[Session], ba
     ttft = [r.ttft_s for r in step if r.ttft_s is not None]
     base = [r.ttft_s for r in results if phase[r.session_id] == "base" and r.ttft_s is not None]
     before = {rid for t, reps in timeline if t <= base_s for rid in reps}
-    new_serving = next((t for t, reps in timeline if t > base_s and any(n > 0 for rid, n in reps.items()
-                                                                        if rid not in before)), None)  # fmt: skip
+    new_serving = next(
+        (t for t, reps in timeline if t > base_s and any(n > 0 for rid, n in reps.items() if rid not in before)), None
+    )
     counts = [(t, len(reps)) for t, reps in timeline]
 
     def replica_s(lo: float, hi: float) -> float:
@@ -142,16 +148,29 @@ def summarise(results: list[Result], timeline: list, sessions: list[Session], ba
 
 def serve_config(args: argparse.Namespace, policy: str) -> dict:
     name, _, target = policy.partition(":")
-    autoscaling = {"metrics_interval_s": args.metrics_interval_s, "look_back_period_s": args.look_back_s,
-                   "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}  # fmt: skip
+    autoscaling = {
+        "metrics_interval_s": args.metrics_interval_s,
+        "look_back_period_s": args.look_back_s,
+        "upscale_delay_s": args.upscale_delay_s,
+        "downscale_delay_s": args.downscale_delay_s,
+    }
     if name == "ongoing_requests":
         autoscaling["target_ongoing_requests"] = float(target or 2)
     return {
-        "model": args.model, "replicas": 1, "min_replicas": 1, "max_replicas": args.max_replicas,
-        "scaling_policy": name, "target_kv_util": args.target_kv_util, "autoscaling": autoscaling,
-        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs, "torch_threads": 1,
-                   **({"device": args.device} if args.device else {})},
-    }  # fmt: skip
+        "model": args.model,
+        "replicas": 1,
+        "min_replicas": 1,
+        "max_replicas": args.max_replicas,
+        "scaling_policy": name,
+        "target_kv_util": args.target_kv_util,
+        "autoscaling": autoscaling,
+        "engine": {
+            "num_kv_blocks": args.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "torch_threads": 1,
+            **({"device": args.device} if args.device else {}),
+        },
+    }
 
 
 def run_policy(args: argparse.Namespace, policy: str, log_dir: Path) -> dict:
@@ -160,8 +179,9 @@ def run_policy(args: argparse.Namespace, policy: str, log_dir: Path) -> dict:
     print(f"\n== {policy}: starting kvmesh serve", file=sys.stderr, flush=True)
     with ServeProcess(["--config", str(config)], log=log_dir / f"{policy.replace(':', '-')}.log") as server:
         ready_s = server.wait_ready()
-        warm = [Session(f"w{i}", 0.0, [Step(token_ids=[1000 + i] * args.short, max_tokens=4)], chat=False)
-                for i in range(2)]  # fmt: skip
+        warm = [
+            Session(f"w{i}", 0.0, [Step(token_ids=[1000 + i] * args.short, max_tokens=4)], chat=False) for i in range(2)
+        ]
         asyncio.run(run_sessions(server.url, args.model, warm, concurrency=1))
         results, timeline, sessions = asyncio.run(_drive(server.url, args.model, args))
     out = summarise(results, timeline, sessions, args.base_s)
@@ -191,23 +211,36 @@ def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvmesh bench autoscale", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench autoscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--policies", default=POLICIES, help="kv_pressure and/or ongoing_requests:<target>")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rate", type=float, default=0.4, help="request arrivals per second (Poisson)")
     ap.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients instead")
     ap.add_argument("--base-s", type=float, default=40.0, help="seconds of short prompts before the step")
     ap.add_argument("--step-s", type=float, default=90.0, help="seconds of long prompts (the ramp included)")
-    ap.add_argument("--ramp-s", type=float, default=0.0,
-                    help="grow the prompts from --short to --long over this many seconds (0: a step)")  # fmt: skip
+    ap.add_argument(
+        "--ramp-s",
+        type=float,
+        default=0.0,
+        help="grow the prompts from --short to --long over this many seconds (0: a step)",
+    )
     ap.add_argument("--short", type=int, default=100, help="prompt tokens before the step")
     ap.add_argument("--long", type=int, default=640, help="prompt tokens during the step")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-replicas", type=int, default=2,
-                    help="2 on a 2-core machine: one 1-thread replica per core, as one per GPU in a pool")  # fmt: skip
-    ap.add_argument("--num-kv-blocks", type=int, default=48,
-                    help="KV pool per replica (16-token blocks); must hold 1.1 x --long + --max-tokens")  # fmt: skip
+    ap.add_argument(
+        "--max-replicas",
+        type=int,
+        default=2,
+        help="2 on a 2-core machine: one 1-thread replica per core, as one per GPU in a pool",
+    )
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=48,
+        help="KV pool per replica (16-token blocks); must hold 1.1 x --long + --max-tokens",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default=None, help="replicas' device (default: cuda when present, else cpu)")
     ap.add_argument("--target-kv-util", type=float, default=0.7)
@@ -239,21 +272,50 @@ def main(argv: list[str] | None = None) -> None:
         values = [r[key] for r in runs[policy] if r[key] is not None]
         return statistics.median(values) if values else None
 
-    keys = ("new_replica_serving_after_s", "ttft_step_p50_s", "ttft_step_p99_s", "ttft_base_p50_s", "errors",
-            "peak_replicas", "replica_seconds_base", "replica_seconds")  # fmt: skip
+    keys = (
+        "new_replica_serving_after_s",
+        "ttft_step_p50_s",
+        "ttft_step_p99_s",
+        "ttft_base_p50_s",
+        "errors",
+        "peak_replicas",
+        "replica_seconds_base",
+        "replica_seconds",
+    )
     summary = {p: {k: med(p, k) for k in keys} for p in policies}
     ref = summary[policies[0]]["ttft_step_p99_s"]
     print_table(
-        ["policy", "new replica serving after (s)", "TTFT p50 step (s)", "TTFT p99 step (s)", "p99 vs first",
-         "TTFT p50 base (s)", "errors", "peak replicas", "replica-s base", "replica-s"],
-        [[p, s["new_replica_serving_after_s"] if s["new_replica_serving_after_s"] is not None else "never",
-          s["ttft_step_p50_s"], s["ttft_step_p99_s"],
-          f"{s['ttft_step_p99_s'] / ref:.2f}x" if ref and s["ttft_step_p99_s"] else "-",
-          s["ttft_base_p50_s"], s["errors"], s["peak_replicas"], s["replica_seconds_base"], s["replica_seconds"]]
-         for p, s in summary.items()],
-    )  # fmt: skip
-    path = write_json("autoscale", {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                    "runs": runs}, args.json)  # fmt: skip
+        [
+            "policy",
+            "new replica serving after (s)",
+            "TTFT p50 step (s)",
+            "TTFT p99 step (s)",
+            "p99 vs first",
+            "TTFT p50 base (s)",
+            "errors",
+            "peak replicas",
+            "replica-s base",
+            "replica-s",
+        ],
+        [
+            [
+                p,
+                s["new_replica_serving_after_s"] if s["new_replica_serving_after_s"] is not None else "never",
+                s["ttft_step_p50_s"],
+                s["ttft_step_p99_s"],
+                f"{s['ttft_step_p99_s'] / ref:.2f}x" if ref and s["ttft_step_p99_s"] else "-",
+                s["ttft_base_p50_s"],
+                s["errors"],
+                s["peak_replicas"],
+                s["replica_seconds_base"],
+                s["replica_seconds"],
+            ]
+            for p, s in summary.items()
+        ],
+    )
+    path = write_json(
+        "autoscale", {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs}, args.json
+    )
     plot({p: r[-1] for p, r in runs.items()}, args.base_s, args.png or path.with_suffix(".png"))
 
 

@@ -130,9 +130,13 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
-        "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-        "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p99_s": pct(itl, 99),
+        "e2e_p50_s": pct(e2e, 50),
+        "e2e_p99_s": pct(e2e, 99),
         "output_tok_s": sum(r.output_tokens for r in ok) / wall_s if wall_s else 0.0,
         "wall_s": wall_s,
         "hit_rate": cached / prompt if prompt else 0.0,
@@ -140,7 +144,7 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "requests_per_replica": admitted,
         "imbalance": max(counts) / statistics.mean(counts) if counts and statistics.mean(counts) else None,
         "ttft_all_s": ttft.tolist(),
-    }  # fmt: skip
+    }
 
 
 def run_router(
@@ -149,8 +153,17 @@ def run_router(
     engine = ["--max-num-seqs", str(args.max_num_seqs)] + (["--threads", str(args.threads)] if args.threads else [])
     if args.kv_cache_gib:
         engine += ["--kv-cache-gib", str(args.kv_cache_gib)]
-    server_args = ["--model", args.model, "--replicas", str(args.replicas), "--policy", router, *engine,
-                   "--ingress-replicas", str(args.ingress_replicas)]  # fmt: skip
+    server_args = [
+        "--model",
+        args.model,
+        "--replicas",
+        str(args.replicas),
+        "--policy",
+        router,
+        *engine,
+        "--ingress-replicas",
+        str(args.ingress_replicas),
+    ]
     if policy_kwargs:
         config = Path(tempfile.mkstemp(prefix="kvmesh-bench-", suffix=".yaml")[1])
         config.write_text(yaml.safe_dump({"policy_kwargs": policy_kwargs}))
@@ -199,8 +212,9 @@ def plot(path: Path, runs: dict[str, dict], bound: float | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvmesh bench run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workload", choices=["multi_turn", "shared_prefix", "mooncake"], default="multi_turn")
     ap.add_argument("--routers", default=ROUTERS)
     ap.add_argument("--replicas", type=int, default=4)
@@ -247,18 +261,44 @@ def main(argv: list[str] | None = None) -> None:
         return 1000 * x if x is not None else "-"
 
     rows = [
-        [name, ms(s["ttft_p50_s"]), ms(s["ttft_p90_s"]), ms(s["ttft_p99_s"]), ms(s["itl_p50_s"]), ms(s["e2e_p50_s"]),
-         s["output_tok_s"], f"{100 * s['hit_rate']:.1f}%", f"{s['imbalance']:.2f}" if s["imbalance"] else "-",
-         s["errors"]]
+        [
+            name,
+            ms(s["ttft_p50_s"]),
+            ms(s["ttft_p90_s"]),
+            ms(s["ttft_p99_s"]),
+            ms(s["itl_p50_s"]),
+            ms(s["e2e_p50_s"]),
+            s["output_tok_s"],
+            f"{100 * s['hit_rate']:.1f}%",
+            f"{s['imbalance']:.2f}" if s["imbalance"] else "-",
+            s["errors"],
+        ]
         for name, s in runs.items()
-    ]  # fmt: skip
+    ]
     print(
         f"\n{args.workload}, {args.replicas} x {args.model}, {len(sessions)} sessions; pooled bound {100 * bound:.1f}%"
     )
-    print_table(["router", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "E2E p50 ms", "out tok/s", "hit rate",
-                 "imbalance", "errors"], rows)  # fmt: skip
-    payload = {"workload": args.workload, "args": {k: str(v) for k, v in vars(args).items()}, "pooled_bound": bound,
-               "routers": runs}  # fmt: skip
+    print_table(
+        [
+            "router",
+            "TTFT p50 ms",
+            "p90",
+            "p99",
+            "ITL p50 ms",
+            "E2E p50 ms",
+            "out tok/s",
+            "hit rate",
+            "imbalance",
+            "errors",
+        ],
+        rows,
+    )
+    payload = {
+        "workload": args.workload,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "pooled_bound": bound,
+        "routers": runs,
+    }
     path = write_json(f"bench_run_{args.workload}", payload, args.json)
     plot(args.png or path.with_suffix(".png"), runs, bound)
 

@@ -43,10 +43,17 @@ def tiny_model(path: Path, vocab: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
         eos_token_id=2,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     smollm = resolve_model_dir("smollm2-135m", weights=False)
@@ -76,11 +83,15 @@ def step_times(model: Path, batch: int, vocab: int, params, steps: int) -> dict[
     outputs, detokenization."""
     engine = LLMEngine(
         EngineConfig(
-            model=str(model), max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_TOKENS,
-            num_kv_blocks=batch * (-(-(PROMPT_TOKENS + steps + 8) // 16)) + 16, torch_threads=1, dtype="float32",
+            model=str(model),
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * PROMPT_TOKENS,
+            num_kv_blocks=batch * (-(-(PROMPT_TOKENS + steps + 8) // 16)) + 16,
+            torch_threads=1,
+            dtype="float32",
             device="cpu",
         )
-    )  # fmt: skip
+    )
     for i, p in enumerate(prompts(batch, vocab)):
         engine.add_request(p, params(i, steps + 8))
     for _ in range(4):  # every prompt in the first step, then decodes
@@ -152,8 +163,10 @@ def main() -> None:
     ratios = [s["step"] / g["step"] for s, g in zip(runs.get(sampled_big, []), runs.get(greedy_big, []), strict=True)]
     if runs:
         print()
-        print_table(["decode step, one thread", "step ms", "forward ms", "host ms"],
-                    [[k, v["step"], v["forward"], v["host"]] for k, v in med.items()])  # fmt: skip
+        print_table(
+            ["decode step, one thread", "step ms", "forward ms", "host ms"],
+            [[k, v["step"], v["forward"], v["host"]] for k, v in med.items()],
+        )
         print(f"\nsampled / greedy step at vocab 49,152, batch 256: {median(ratios):.2f}x (goal <= 1.5x)")
 
     compare: dict[str, dict[str, list[float]]] = {}
@@ -164,9 +177,14 @@ def main() -> None:
         workloads = [
             ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
             ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
-            ("SmolLM2-135M, engine_throughput workload", resolve_model_dir("smollm2-135m"), smol_prompts, smol_olens,
-             False),
-        ]  # fmt: skip
+            (
+                "SmolLM2-135M, engine_throughput workload",
+                resolve_model_dir("smollm2-135m"),
+                smol_prompts,
+                smol_olens,
+                False,
+            ),
+        ]
         for r in range(args.repeats):
             for name, model, work, olens, samp in workloads:
                 llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu")
@@ -180,9 +198,13 @@ def main() -> None:
                 compare[name]["vllm"].append(theirs)
                 print(f"repeat {r + 1}: {name}: kvmesh {ours:.0f} tok/s, vLLM {theirs:.0f} tok/s")
         print()
-        print_table(["workload", "kvmesh tok/s", "vLLM CPU tok/s", "kvmesh / vLLM"],
-                    [[k, median(v["kvmesh"]), median(v["vllm"]), median(v["kvmesh"]) / median(v["vllm"])]
-                     for k, v in compare.items()])  # fmt: skip
+        print_table(
+            ["workload", "kvmesh tok/s", "vLLM CPU tok/s", "kvmesh / vLLM"],
+            [
+                [k, median(v["kvmesh"]), median(v["vllm"]), median(v["kvmesh"]) / median(v["vllm"])]
+                for k, v in compare.items()
+            ],
+        )
     write_json(
         args.json,
         {

@@ -108,8 +108,17 @@ def main() -> None:
                 row = {"replicas": replicas, "chain_blocks": length, **m}
                 row.update({k: pop[k] for k in ("entries", "ingest_events_per_s", "bytes_per_entry")})
                 results.append(row)
-                rows.append([replicas, length, m["p50_ms"], m["p99_ms"], m["lookups_per_s"],
-                             pop["ingest_events_per_s"], pop["bytes_per_entry"]])  # fmt: skip
+                rows.append(
+                    [
+                        replicas,
+                        length,
+                        m["p50_ms"],
+                        m["p99_ms"],
+                        m["lookups_per_s"],
+                        pop["ingest_events_per_s"],
+                        pop["bytes_per_entry"],
+                    ]
+                )
             for p in pop["publishers"]:
                 p.close(remove_entries=False)
             redis.Redis.from_url(server.url).flushall()

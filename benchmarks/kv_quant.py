@@ -66,10 +66,18 @@ def concurrency(model: str, dtype: str, requests: int, prompt: int, output: int,
             done += sum(o.finished for o in engine.step())
             peak = max(peak, engine.stats().num_running)
         engine.check_integrity()
-        rows.append({"model_dtype": dtype, "kv_cache_dtype": kv, "budget_bytes": budget,
-                     "blocks": engine.num_blocks, "peak_running": peak, "completed": done,
-                     "preemptions": engine.stats().num_preemptions,
-                     "seconds": time.perf_counter() - t0})  # fmt: skip
+        rows.append(
+            {
+                "model_dtype": dtype,
+                "kv_cache_dtype": kv,
+                "budget_bytes": budget,
+                "blocks": engine.num_blocks,
+                "peak_running": peak,
+                "completed": done,
+                "preemptions": engine.stats().num_preemptions,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
         print(f"  {dtype} {kv}: {engine.num_blocks} blocks, peak {peak} running", flush=True)
     auto = rows[0]["peak_running"]
     for r in rows:
@@ -112,10 +120,17 @@ def quality(model: str, max_tokens: int) -> list[dict]:
             target = torch.tensor(ref_out)[:, None]
             dlogp.append(float((lp.gather(1, target) - ref_lp.gather(1, target)).abs().mean()))
             top1.append(float((lp.argmax(-1) == target[:, 0]).float().mean()))
-        results.append({"kv_cache_dtype": kv, "prompts": len(chats), "tokens_each": max_tokens,
-                        "greedy_prefix_agreement": float(np.mean(prefix_share)),
-                        "identical_sequences": identical, "mean_abs_logprob_diff": float(np.mean(dlogp)),
-                        "teacher_forced_top1": float(np.mean(top1))})  # fmt: skip
+        results.append(
+            {
+                "kv_cache_dtype": kv,
+                "prompts": len(chats),
+                "tokens_each": max_tokens,
+                "greedy_prefix_agreement": float(np.mean(prefix_share)),
+                "identical_sequences": identical,
+                "mean_abs_logprob_diff": float(np.mean(dlogp)),
+                "teacher_forced_top1": float(np.mean(top1)),
+            }
+        )
         print(f"  quality {kv}: done", flush=True)
     return results
 
@@ -134,16 +149,34 @@ def main() -> None:
         out["concurrency"] += concurrency(args.model, dtype, args.requests, args.prompt, args.output, args.fit)
     print_table(
         ["model dtype", "KV dtype", "budget MiB", "blocks", "peak running", "vs auto", "preemptions", "s"],
-        [[r["model_dtype"], r["kv_cache_dtype"], r["budget_bytes"] / 2**20, r["blocks"], r["peak_running"],
-          f"{r['vs_auto']:.2f}x", r["preemptions"], r["seconds"]] for r in out["concurrency"]],
-    )  # fmt: skip
+        [
+            [
+                r["model_dtype"],
+                r["kv_cache_dtype"],
+                r["budget_bytes"] / 2**20,
+                r["blocks"],
+                r["peak_running"],
+                f"{r['vs_auto']:.2f}x",
+                r["preemptions"],
+                r["seconds"],
+            ]
+            for r in out["concurrency"]
+        ],
+    )
     out["quality"] = quality(args.model, args.max_tokens)
     print_table(
         ["KV dtype", "greedy prefix agreement", "identical seqs", "mean |dlogp|", "teacher-forced top-1"],
-        [[r["kv_cache_dtype"], f"{100 * r['greedy_prefix_agreement']:.1f}%",
-          f"{r['identical_sequences']}/{r['prompts']}", f"{r['mean_abs_logprob_diff']:.4f}",
-          f"{100 * r['teacher_forced_top1']:.1f}%"] for r in out["quality"]],
-    )  # fmt: skip
+        [
+            [
+                r["kv_cache_dtype"],
+                f"{100 * r['greedy_prefix_agreement']:.1f}%",
+                f"{r['identical_sequences']}/{r['prompts']}",
+                f"{r['mean_abs_logprob_diff']:.4f}",
+                f"{100 * r['teacher_forced_top1']:.1f}%",
+            ]
+            for r in out["quality"]
+        ],
+    )
     write_json("kv_quant", out)
 
 

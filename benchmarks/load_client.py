@@ -45,9 +45,14 @@ async def _send(client: httpx.AsyncClient, model: str, session: Session, history
         path = "/v1/completions"
         body = {"prompt": step.token_ids if step.token_ids is not None else step.text}
     body |= {
-        "model": model, "max_tokens": step.max_tokens, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}, "session_id": session.session_id, "ignore_eos": True,
-    }  # fmt: skip
+        "model": model,
+        "max_tokens": step.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "session_id": session.session_id,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     ttft, last, itls, text, usage = None, t0, [], [], None
     async with client.stream("POST", path, json=body) as resp:
@@ -124,8 +129,12 @@ async def run_closed_loop(
             _, pending = await asyncio.wait(pending, timeout=5.0)
             if progress_label:
                 errors = sum(r.error is not None for r in results)
-                print(f"  [{progress_label}] {time.perf_counter() - t_start:6.1f} s: {len(results)} requests"
-                      f"{f', {errors} errors' if errors else ''}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  [{progress_label}] {time.perf_counter() - t_start:6.1f} s: {len(results)} requests"
+                    f"{f', {errors} errors' if errors else ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return results, time.perf_counter() - t_start
 
 

@@ -50,10 +50,14 @@ def main() -> None:
     )
     write_json(
         "model_load",
-        {"model": args.model, "cold": {"engine_s": cold[0], "process_s": cold[1]},
-         "warm": [{"engine_s": e, "process_s": t} for e, t in warm], "warm_engine_median_s": warm_engine,
-         "goal_warm_s": 5.0},
-    )  # fmt: skip
+        {
+            "model": args.model,
+            "cold": {"engine_s": cold[0], "process_s": cold[1]},
+            "warm": [{"engine_s": e, "process_s": t} for e, t in warm],
+            "warm_engine_median_s": warm_engine,
+            "goal_warm_s": 5.0,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ class StandInReplica:
 
 def pending(body: dict, i: int) -> SimpleNamespace:
     return SimpleNamespace(
-        args=[body], kwargs={}, metadata=SimpleNamespace(internal_request_id=f"r{i}", session_id=None),
+        args=[body],
+        kwargs={},
+        metadata=SimpleNamespace(internal_request_id=f"r{i}", session_id=None),
         routing_context=SimpleNamespace(should_backoff=False),
-    )  # fmt: skip
+    )
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -69,11 +71,17 @@ async def decisions(url: str, n: int) -> dict:
     replicas = [
         StandInReplica(
             ReplicaID(p.replica_id, dep),
-            {"index_id": p.replica_id, "num_running": rng.randrange(8), "pending_prefill_tokens": rng.randrange(4000),
-             "prefill_tok_s": 5000.0, "decode_token_s": 0.002, "reported_at": now},
+            {
+                "index_id": p.replica_id,
+                "num_running": rng.randrange(8),
+                "pending_prefill_tokens": rng.randrange(4000),
+                "prefill_tok_s": 5000.0,
+                "decode_token_s": 0.002,
+                "reported_at": now,
+            },
         )
         for p in pubs
-    ]  # fmt: skip
+    ]
     bodies = [{"block_hashes": ch, "num_tokens": TOKENS, "block_size": 16} for ch in chains]
     for i in range(50):  # warm up the connection pool and script cache
         await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))

@@ -53,8 +53,13 @@ def one_run(model: str, replicas: int) -> dict:
         t_stop = time.perf_counter()
         code = server.stop()
         stop_s = time.perf_counter() - t_stop
-    return {"ready_s": ready_s, "first_answer_s": answer_s, "http_ttft_s": median(ttfts), "stop_s": stop_s,
-            "exit_code": code}  # fmt: skip
+    return {
+        "ready_s": ready_s,
+        "first_answer_s": answer_s,
+        "http_ttft_s": median(ttfts),
+        "stop_s": stop_s,
+        "exit_code": code,
+    }
 
 
 def engine_ttft(model: str) -> float:
@@ -102,9 +107,15 @@ def main() -> None:
     print_table(["measure", "value"], rows)
     write_json(
         "serve_startup",
-        {"model": args.model, "replicas": args.replicas, "runs": runs, "median": summary, "engine_ttft_s": floor,
-         "command": f"python -m benchmarks.serve_startup --replicas {args.replicas} --repeats {args.repeats}"},
-    )  # fmt: skip
+        {
+            "model": args.model,
+            "replicas": args.replicas,
+            "runs": runs,
+            "median": summary,
+            "engine_ttft_s": floor,
+            "command": f"python -m benchmarks.serve_startup --replicas {args.replicas} --repeats {args.repeats}",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -105,11 +105,17 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
-            self.rid, pending_prefill_tokens=self.queued_tokens, num_running=self.running,
-            num_waiting=len(self.slot_waiters), prefill_tok_s=self.costs.prefill_tok_s,
-            decode_token_s=self.costs.decode_token_s, max_num_seqs=self.costs.slots, step_s=self.costs.min_step_s,
-            mean_output_tokens=300.0, cache_fill=len(self.cache) / self.capacity,
-        )  # fmt: skip
+            self.rid,
+            pending_prefill_tokens=self.queued_tokens,
+            num_running=self.running,
+            num_waiting=len(self.slot_waiters),
+            prefill_tok_s=self.costs.prefill_tok_s,
+            decode_token_s=self.costs.decode_token_s,
+            max_num_seqs=self.costs.slots,
+            step_s=self.costs.min_step_s,
+            mean_output_tokens=300.0,
+            cache_fill=len(self.cache) / self.capacity,
+        )
 
 
 def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], int]]:
@@ -296,16 +302,31 @@ def main(argv: list[str] | None = None) -> None:
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res
         print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True)
-        table.append([label, f"{res['hit_rate']:.1%}", f"{res['hit_rate'] / pooled:.1%}", res["ttft_mean_s"],
-                      res["ttft_p99_s"], res["imbalance"]])  # fmt: skip
+        table.append(
+            [
+                label,
+                f"{res['hit_rate']:.1%}",
+                f"{res['hit_rate'] / pooled:.1%}",
+                res["ttft_mean_s"],
+                res["ttft_p99_s"],
+                res["imbalance"],
+            ]
+        )
     print(f"\n{len(rows)} requests, {args.replicas} replicas x {args.capacity_blocks} blocks, load {args.target_load}")
     print(f"bounds: infinite cache {infinite:.1%}, pooled LRU {pooled:.1%}")
     print_table(["router", "hit rate", "of pooled", "TTFT mean s", "TTFT p99 s", "imbalance"], table)
-    payload = {"requests": len(rows), "replicas": args.replicas, "capacity_blocks": args.capacity_blocks,
-               "target_load": args.target_load, "router_processes": args.router_processes,
-               "costs": costs.__dict__, "calibration": str(args.calibration) if args.calibration else None,
-               "speedup": speedup,
-               "bounds": {"infinite": infinite, "pooled_lru": pooled}, "routers": results}  # fmt: skip
+    payload = {
+        "requests": len(rows),
+        "replicas": args.replicas,
+        "capacity_blocks": args.capacity_blocks,
+        "target_load": args.target_load,
+        "router_processes": args.router_processes,
+        "costs": costs.__dict__,
+        "calibration": str(args.calibration) if args.calibration else None,
+        "speedup": speedup,
+        "bounds": {"infinite": infinite, "pooled_lru": pooled},
+        "routers": results,
+    }
     write_json("simulate_calibrated" if args.calibration else "simulate", payload, args.json)
 
 

@@ -57,8 +57,13 @@ async def _sample(server: ServeProcess, stop: asyncio.Event, period_s: float, sa
                 replicas = (await client.get("/status")).json()["replicas"]
             except (httpx.HTTPError, ValueError, KeyError):
                 replicas = {}
-            samples.append({"t": time.perf_counter() - t0, "rss_mib": _rss_mib(server),
-                            "kv_usage": {k: r.get("kv_usage") for k, r in replicas.items()}})  # fmt: skip
+            samples.append(
+                {
+                    "t": time.perf_counter() - t0,
+                    "rss_mib": _rss_mib(server),
+                    "kv_usage": {k: r.get("kv_usage") for k, r in replicas.items()},
+                }
+            )
             print(f"  [soak] {samples[-1]['t']:6.0f} s: RSS {samples[-1]['rss_mib']:.0f} MiB", file=sys.stderr)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), period_s)
@@ -87,8 +92,9 @@ def classify(error: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvmesh bench soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -103,10 +109,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    serve_args = ["--model", args.model, "--replicas", str(args.replicas), "--threads", "1",
-                  "--max-num-seqs", str(args.max_num_seqs), "--max-ongoing-requests", str(args.max_ongoing_requests),
-                  "--max-queued-requests", str(args.max_queued_requests),
-                  "--max-inflight-requests", str(args.max_inflight_requests)]  # fmt: skip
+    serve_args = [
+        "--model",
+        args.model,
+        "--replicas",
+        str(args.replicas),
+        "--threads",
+        "1",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-ongoing-requests",
+        str(args.max_ongoing_requests),
+        "--max-queued-requests",
+        str(args.max_queued_requests),
+        "--max-inflight-requests",
+        str(args.max_inflight_requests),
+    ]
     with ServeProcess(serve_args) as server:
         server.wait_ready()
         slots = args.replicas * args.max_num_seqs
@@ -115,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         capacity = sum(r.error is None for r in done) / wall
         rate = args.overload * capacity
         n = int(rate * args.minutes * 60)
-        print(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s for {args.minutes} min ({n} requests)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s for {args.minutes} min ({n} requests)",
+            file=sys.stderr,
+        )
         results, wall, samples = asyncio.run(
             _soak(server, args.model, _requests(2, n, rate, args.prompt_tokens, args.max_tokens), args.timeout_s)
         )
@@ -129,23 +149,54 @@ def main(argv: list[str] | None = None) -> None:
     slope = None
     if len(half) > 2:
         slope = float(np.polyfit([s["t"] / 60 for s in half], [s["rss_mib"] for s in half], 1)[0])
-    leaked = {rid: {"kv_usage": r["kv_usage"], "num_running": r["num_running"]} for rid, r in end.items()
-              if r["kv_usage"] > 0 or r["num_running"] or r["num_waiting"]}  # fmt: skip
+    leaked = {
+        rid: {"kv_usage": r["kv_usage"], "num_running": r["num_running"]}
+        for rid, r in end.items()
+        if r["kv_usage"] > 0 or r["num_running"] or r["num_waiting"]
+    }
     refused_latency = [r.e2e_s for r in results if classify(r.error) == "refused" and r.e2e_s is not None]
     summary = {
-        "capacity_req_s": capacity, "offered_req_s": rate, "minutes": args.minutes, **outcomes,
+        "capacity_req_s": capacity,
+        "offered_req_s": rate,
+        "minutes": args.minutes,
+        **outcomes,
         "rss_start_mib": samples[0]["rss_mib"] if samples else None,
         "rss_end_mib": samples[-1]["rss_mib"] if samples else None,
-        "rss_slope_second_half_mib_per_min": slope, "replicas_with_pinned_blocks_after": leaked,
+        "rss_slope_second_half_mib_per_min": slope,
+        "replicas_with_pinned_blocks_after": leaked,
         "refusal_p99_s": float(np.percentile(refused_latency, 99)) if refused_latency else None,
-    }  # fmt: skip
-    print_table(["capacity req/s", "offered req/s", "completed", "refused", "failed", "hung", "RSS start MiB",
-                 "RSS end MiB", "RSS slope MiB/min (2nd half)", "leaked replicas"],
-                [[capacity, rate, outcomes["completed"], outcomes["refused"], outcomes["failed"], outcomes["hung"],
-                  summary["rss_start_mib"], summary["rss_end_mib"], slope if slope is not None else "-",
-                  len(leaked)]])  # fmt: skip
-    write_json("soak", {"args": vars(args) | {"json": str(args.json)}, "summary": summary, "samples": samples},
-               args.json)  # fmt: skip
+    }
+    print_table(
+        [
+            "capacity req/s",
+            "offered req/s",
+            "completed",
+            "refused",
+            "failed",
+            "hung",
+            "RSS start MiB",
+            "RSS end MiB",
+            "RSS slope MiB/min (2nd half)",
+            "leaked replicas",
+        ],
+        [
+            [
+                capacity,
+                rate,
+                outcomes["completed"],
+                outcomes["refused"],
+                outcomes["failed"],
+                outcomes["hung"],
+                summary["rss_start_mib"],
+                summary["rss_end_mib"],
+                slope if slope is not None else "-",
+                len(leaked),
+            ]
+        ],
+    )
+    write_json(
+        "soak", {"args": vars(args) | {"json": str(args.json)}, "summary": summary, "samples": samples}, args.json
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,15 @@ def run(model: str, mode: str, prompts: list[list[int]], output: int, blocks: in
     seconds = time.perf_counter() - start
     llm.engine.check_integrity()
     s = llm.stats()
-    return {"mode": mode, "seconds": seconds, "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-            "preemptions": s.num_preemptions, "swapped": s.num_swapped_out,
-            "recomputed_tokens": s.num_recomputed_tokens, "tokens": [o.token_ids for o in outs]}  # fmt: skip
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+        "preemptions": s.num_preemptions,
+        "swapped": s.num_swapped_out,
+        "recomputed_tokens": s.num_recomputed_tokens,
+        "tokens": [o.token_ids for o in outs],
+    }
 
 
 def main() -> None:
@@ -55,18 +61,34 @@ def main() -> None:
     reference = runs["recompute"][0]["tokens"]
     rows = []
     for mode, results in runs.items():
-        rows.append({
-            "mode": mode, "output_tok_s": median([x["output_tok_s"] for x in results]),
-            "seconds": median([x["seconds"] for x in results]), "preemptions": results[0]["preemptions"],
-            "swapped": results[0]["swapped"], "recomputed_tokens": results[0]["recomputed_tokens"],
-            "same_tokens_as_recompute": all(x["tokens"] == reference for x in results),
-        })  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "output_tok_s": median([x["output_tok_s"] for x in results]),
+                "seconds": median([x["seconds"] for x in results]),
+                "preemptions": results[0]["preemptions"],
+                "swapped": results[0]["swapped"],
+                "recomputed_tokens": results[0]["recomputed_tokens"],
+                "same_tokens_as_recompute": all(x["tokens"] == reference for x in results),
+            }
+        )
     base = rows[0]["output_tok_s"]
     print_table(
         ["mode", "output tok/s", "vs recompute", "s", "preemptions", "swapped", "recomputed tokens", "same tokens"],
-        [[r["mode"], r["output_tok_s"], f"{r['output_tok_s'] / base:.2f}x", r["seconds"], r["preemptions"],
-          r["swapped"], r["recomputed_tokens"], r["same_tokens_as_recompute"]] for r in rows],
-    )  # fmt: skip
+        [
+            [
+                r["mode"],
+                r["output_tok_s"],
+                f"{r['output_tok_s'] / base:.2f}x",
+                r["seconds"],
+                r["preemptions"],
+                r["swapped"],
+                r["recomputed_tokens"],
+                r["same_tokens_as_recompute"],
+            ]
+            for r in rows
+        ],
+    )
     config = {k: getattr(args, k) for k in ("model", "prompt", "output", "requests", "fit", "repeats")}
     write_json(f"swap_p{args.prompt}", {"config": {**config, "kv_blocks": blocks}, "results": rows})
 

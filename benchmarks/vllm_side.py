@@ -29,9 +29,13 @@ def main() -> None:
 
     longest = max(len(p) for p in work["prompts"]) + max(work["output_lens"])
     llm = LLM(
-        model=model, dtype="float32", max_num_seqs=256, max_model_len=max(longest, 256), seed=0,
+        model=model,
+        dtype="float32",
+        max_num_seqs=256,
+        max_model_len=max(longest, 256),
+        seed=0,
         max_num_batched_tokens=max(2048, longest),
-    )  # fmt: skip
+    )
 
     def params(i: int, n: int) -> SamplingParams:
         if work["sampled"]:

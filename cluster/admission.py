@@ -132,8 +132,10 @@ def _error(status: int, message: str, code: str, kind: str, headers: dict[str, s
     body = json.dumps(APIError(message, status, code=code, kind=kind).body()).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    return [{"type": "http.response.start", "status": status, "headers": head},
-            {"type": "http.response.body", "body": body}]  # fmt: skip
+    return [
+        {"type": "http.response.start", "status": status, "headers": head},
+        {"type": "http.response.body", "body": body},
+    ]
 
 
 class AdmissionMiddleware:
@@ -159,19 +161,33 @@ class AdmissionMiddleware:
         if path in DOCS_PATHS and not guard.enable_docs:
             refusal = _error(404, "Not Found", "not_found", "invalid_request_error")
         elif path.startswith(PROTECTED_PREFIXES) and tenant is None:
-            refusal = _error(401, "Invalid or missing API key (send Authorization: Bearer <key>)", "invalid_api_key",
-                             "authentication_error", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+            refusal = _error(
+                401,
+                "Invalid or missing API key (send Authorization: Bearer <key>)",
+                "invalid_api_key",
+                "authentication_error",
+                {"WWW-Authenticate": "Bearer"},
+            )
         elif scope.get("method") == "POST" and guard.max_body_bytes:
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > guard.max_body_bytes):
-                refusal = _error(413, f"Request body over the limit of {guard.max_body_bytes} bytes",
-                                 "request_too_large", "invalid_request_error")  # fmt: skip
+                refusal = _error(
+                    413,
+                    f"Request body over the limit of {guard.max_body_bytes} bytes",
+                    "request_too_large",
+                    "invalid_request_error",
+                )
             elif length is None:  # chunked: read it here, bounded, then replay it to the app
                 receive, refusal = await _bounded_body(receive, guard.max_body_bytes)
         if refusal is None and path in GENERATION_PATHS:
             if not guard.inflight.acquire():
-                refusal = _error(429, "The server is at capacity; retry shortly", "rate_limit_exceeded",
-                                 "rate_limit_error", {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+                refusal = _error(
+                    429,
+                    "The server is at capacity; retry shortly",
+                    "rate_limit_exceeded",
+                    "rate_limit_error",
+                    {"Retry-After": str(RETRY_AFTER_S)},
+                )
             else:
                 try:
                     return await self.app(scope, receive, send)
@@ -197,8 +213,9 @@ async def _bounded_body(receive, limit: int):
             break
         size += len(message.get("body", b""))
         if size > limit:
-            return receive, _error(413, f"Request body over the limit of {limit} bytes", "request_too_large",
-                                   "invalid_request_error")  # fmt: skip
+            return receive, _error(
+                413, f"Request body over the limit of {limit} bytes", "request_too_large", "invalid_request_error"
+            )
         parts.append(message.get("body", b""))
         if not message.get("more_body", False):
             first = {"type": "http.request", "body": b"".join(parts), "more_body": False}

@@ -172,38 +172,73 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
     srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
-    srv.add_argument("--redis-url", help="index Redis (default: $KVMESH_REDIS_URL, else an embedded one on loopback "
-                                         "with a random password)")
+    srv.add_argument(
+        "--redis-url",
+        help="index Redis (default: $KVMESH_REDIS_URL, else an embedded one on loopback with a random password)",
+    )
     srv.add_argument("--host", help="HTTP and gRPC bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
     srv.add_argument("--grpc-port", type=int, help="gRPC port on --host (default 9000; 0: no gRPC)")
     srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
-    srv.add_argument("--max-queued-requests", type=int,
-                     help="requests a router holds for busy replicas; more get 503 (default 256, -1 unbounded)")
-    srv.add_argument("--max-inflight-requests", type=int,
-                     help="generations one ingress replica runs at once; more get 429 (default 1024, 0 unbounded)")
-    srv.add_argument("--max-request-bytes", type=int,
-                     help="largest request body, HTTP and gRPC (default: what the longest prompt that fits takes)")
-    srv.add_argument("--api-key", action="append",
-                     help="require this Bearer key (repeatable; also $KVMESH_API_KEYS, comma-separated)")
-    srv.add_argument("--share-prefix-cache", action="store_true", default=None,
-                     help="let requests of different API keys share cached prefixes (default: one cache per key)")
-    srv.add_argument("--enable-docs", action="store_true", default=None,
-                     help="serve the API's /docs, /redoc and /openapi.json (default: off)")
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="requests a router holds for busy replicas; more get 503 (default 256, -1 unbounded)",
+    )
+    srv.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        help="generations one ingress replica runs at once; more get 429 (default 1024, 0 unbounded)",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="largest request body, HTTP and gRPC (default: what the longest prompt that fits takes)",
+    )
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        help="require this Bearer key (repeatable; also $KVMESH_API_KEYS, comma-separated)",
+    )
+    srv.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        default=None,
+        help="let requests of different API keys share cached prefixes (default: one cache per key)",
+    )
+    srv.add_argument(
+        "--enable-docs",
+        action="store_true",
+        default=None,
+        help="serve the API's /docs, /redoc and /openapi.json (default: off)",
+    )
     srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
     srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
     srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     srv.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
     srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
-    srv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                     help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8")
-    srv.add_argument("--swap-space-gib", type=float,
-                     help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)")
-    srv.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
-                     help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute")
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8",
+    )
+    srv.add_argument(
+        "--swap-space-gib",
+        type=float,
+        help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)",
+    )
+    srv.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute",
+    )
     srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    srv.add_argument("--enforce-eager", action="store_true", default=None,
-                     help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)")
+    srv.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)",
+    )
     srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     srv.set_defaults(func=_serve)
 
@@ -225,18 +260,29 @@ def build_parser() -> argparse.ArgumentParser:
     budget = plan.add_mutually_exclusive_group(required=True)
     budget.add_argument("--device-memory", help="memory of the GPU each replica runs on, e.g. 80GiB")
     budget.add_argument("--kv-memory", help="the KV budget of one replica, e.g. 40GiB")
-    plan.add_argument("--memory-fraction", type=float,
-                      help=f"share of the memory the weights leave that goes to KV (default {GPU_KV_FRACTION}, "
-                           "the engine's on GPU)")
+    plan.add_argument(
+        "--memory-fraction",
+        type=float,
+        help=f"share of the memory the weights leave that goes to KV (default {GPU_KV_FRACTION}, the engine's on GPU)",
+    )
     work = plan.add_mutually_exclusive_group(required=True)
     work.add_argument("--context-len", type=int, help="tokens per sequence, prompt + output")
-    work.add_argument("--lengths", help="file of sequence lengths: one per line, or JSONL with input_length and "
-                                        "output_length (Mooncake traces)")
+    work.add_argument(
+        "--lengths",
+        help="file of sequence lengths: one per line, or JSONL with input_length and output_length (Mooncake traces)",
+    )
     plan.add_argument("--percentile", type=float, help="size for this percentile of --lengths (default: the mean)")
-    plan.add_argument("--block-size", type=int, default=EngineConfig.block_size,
-                      help=f"KV block size in tokens (default {EngineConfig.block_size})")
-    plan.add_argument("--dtype", help=f"model dtype for the `auto` KV dtype: {', '.join(MODEL_DTYPE_BYTES)} "
-                                      "(default: the config's, else bfloat16)")
+    plan.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"KV block size in tokens (default {EngineConfig.block_size})",
+    )
+    plan.add_argument(
+        "--dtype",
+        help=f"model dtype for the `auto` KV dtype: {', '.join(MODEL_DTYPE_BYTES)} "
+        "(default: the config's, else bfloat16)",
+    )
     plan.add_argument("--target-concurrency", type=int, help="concurrent sequences the pool must hold")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=_plan)

@@ -90,8 +90,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ingress_replicas < 1:
-            raise ValueError(f"replicas and ingress_replicas must be at least 1, got {self.replicas}, "
-                             f"{self.ingress_replicas}")  # fmt: skip
+            raise ValueError(
+                f"replicas and ingress_replicas must be at least 1, got {self.replicas}, {self.ingress_replicas}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         if not 0 < self.http_port < 65536:
@@ -122,9 +123,13 @@ class ClusterConfig:
         if self.max_replicas is None:
             return None
         return autoscaling_config(
-            self.min_replicas, self.max_replicas, self.replicas, self.scaling_policy, self.target_kv_util,
+            self.min_replicas,
+            self.max_replicas,
+            self.replicas,
+            self.scaling_policy,
+            self.target_kv_util,
             self.autoscaling,
-        )  # fmt: skip
+        )
 
     def engine_settings(self) -> dict[str, Any]:
         """Engine settings for each replica. Threads default to an equal share of the cores among the most

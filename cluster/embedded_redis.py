@@ -61,14 +61,21 @@ class EmbeddedRedis:
         args = [
             redis_server_binary(),
             "-",  # the rest of the configuration (the password) from stdin: not on the command line for ps to show
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", self._dir.name,
-            "--protected-mode", "yes",
-            "--loglevel", "warning",
-        ]  # fmt: skip
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
         secret = f"requirepass {self.password}\n".encode() if self.password else b""
         log = open(os.path.join(self._dir.name, "redis.log"), "wb")  # noqa: SIM115 - owned by the process
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)

@@ -291,8 +291,11 @@ class Ingress:
         except InvalidRequest as exc:
             raise APIError(str(exc), param=exc.param) from exc
         if params.n > self.settings.max_n:
-            raise APIError(f"n must be at most {self.settings.max_n} on this server (a replica's choices run at "
-                           f"once), got {params.n}", param="n")  # fmt: skip
+            raise APIError(
+                f"n must be at most {self.settings.max_n} on this server (a replica's choices run at "
+                f"once), got {params.n}",
+                param="n",
+            )
         param = "messages" if messages is not None else "prompt"
         if messages is not None:
             if len(messages) > MAX_MESSAGES:
@@ -381,24 +384,33 @@ class Ingress:
                         raise
                     stream.cancel()
                     metrics.RETRIES.labels(model).inc()
-                    log.warning("request %s: its replica failed before the first token (%r); retrying",
-                                prep.shape.id, exc)  # fmt: skip
+                    log.warning(
+                        "request %s: its replica failed before the first token (%r); retrying", prep.shape.id, exc
+                    )
                     # Routers learn of a death through Serve's long poll; until then a retry may be offered
                     # the same dead replica, so back off a little before each new attempt.
                     await asyncio.sleep(RETRY_BACKOFF_S * attempt)
         except BackPressureError as exc:
             outcome = "rejected"
-            raise APIError("Every replica is busy and the queue is full; retry shortly", 503, code="overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc  # fmt: skip
+            raise APIError(
+                "Every replica is busy and the queue is full; retry shortly",
+                503,
+                code="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
         except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
             outcome = "client_error"
             cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
             raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
         except REPLICA_FAILURES as exc:
             log.warning("request %s: its replica failed after %d tokens: %r", prep.shape.id, n_out, exc)
-            raise APIError(f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens;"
-                           " retry the request", 503, code="replica_failed",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from exc  # fmt: skip
+            raise APIError(
+                f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens;"
+                " retry the request",
+                503,
+                code="replica_failed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
         except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
             stream.cancel()
             cause = getattr(exc, "cause", None) or exc
@@ -472,9 +484,15 @@ class Ingress:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         params = body.check()
         prep = await self._prepare(
-            body.model, body.single_prompt(), None, params, "completions", _tenant(raw), body.cache_salt,
+            body.model,
+            body.single_prompt(),
+            None,
+            params,
+            "completions",
+            _tenant(raw),
+            body.cache_salt,
             body.session_id or body.user,
-        )  # fmt: skip
+        )
         return await self._respond(prep, body.stream, body.include_usage)
 
     @app.get("/v1/models")
@@ -532,9 +550,15 @@ class Ingress:
         if messages and any(m["role"] not in CHAT_ROLES for m in messages):
             raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
         return await self._prepare(
-            request.model, request.prompt, messages, params, "grpc", tenant, request.cache_salt or None,
+            request.model,
+            request.prompt,
+            messages,
+            params,
+            "grpc",
+            tenant,
+            request.cache_salt or None,
             request.session_id or None,
-        )  # fmt: skip
+        )
 
     def _grpc_admit(self, grpc_context) -> str:
         """gRPC's admission: the same API keys (``authorization`` metadata) and in-flight limit as HTTP;
@@ -543,8 +567,9 @@ class Ingress:
         tenant = self.admission.keys.tenant(metadata.get("authorization"))
         if tenant is None:
             metrics.REFUSED.labels("unauthenticated").inc()
-            raise APIError("Invalid or missing API key (metadata authorization: Bearer <key>)", 401,
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                "Invalid or missing API key (metadata authorization: Bearer <key>)", 401, code="invalid_api_key"
+            )
         if not self.admission.inflight.acquire():
             metrics.REFUSED.labels("over_capacity").inc()
             raise APIError("The server is at capacity; retry shortly", 429, code="rate_limit_exceeded")

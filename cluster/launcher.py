@@ -119,9 +119,11 @@ def serve_cluster(
         watcher.start()
         try:
             serve.run(
-                build_app(config, serve_grpc=True), name=APP_NAME, route_prefix="/",
+                build_app(config, serve_grpc=True),
+                name=APP_NAME,
+                route_prefix="/",
                 logging_config={"log_level": "WARNING"},
-            )  # fmt: skip
+            )
         finally:
             deployed.set()
         host = "localhost" if config.host in ("127.0.0.1", "0.0.0.0") else config.host

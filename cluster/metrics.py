@@ -18,13 +18,17 @@ import router.metrics  # noqa: F401  (registers the routers' metrics in this pro
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 TTFT = Histogram(
-    "kvmesh_time_to_first_token_seconds", "Request arrival at the ingress to its first token.", ["model"],
+    "kvmesh_time_to_first_token_seconds",
+    "Request arrival at the ingress to its first token.",
+    ["model"],
     buckets=LATENCY_BUCKETS,
-)  # fmt: skip
+)
 INTER_TOKEN = Histogram(
-    "kvmesh_inter_token_latency_seconds", "Time between consecutive output tokens of a request.", ["model"],
+    "kvmesh_inter_token_latency_seconds",
+    "Time between consecutive output tokens of a request.",
+    ["model"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-)  # fmt: skip
+)
 E2E = Histogram(
     "kvmesh_e2e_request_latency_seconds", "Request arrival to its last token.", ["model"], buckets=LATENCY_BUCKETS
 )
@@ -32,8 +36,9 @@ PROMPT_TOKENS = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished reque
 CACHED_TOKENS = Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a replica's prefix cache.", ["model"])
 GENERATED_TOKENS = Counter("kvmesh_generation_tokens", "Output tokens generated.", ["model"])
 REQUESTS = Counter("kvmesh_requests", "Requests answered, by API and outcome.", ["model", "api", "outcome"])
-RETRIES = Counter("kvmesh_request_retries", "Requests sent again because their replica failed before any token.",
-                  ["model"])  # fmt: skip
+RETRIES = Counter(
+    "kvmesh_request_retries", "Requests sent again because their replica failed before any token.", ["model"]
+)
 REFUSED = Counter("kvmesh_requests_refused", "Requests refused at the door (401, 413, 429).", ["reason"])
 
 _GAUGES = {

@@ -88,9 +88,15 @@ class _Request(BaseModel):
         if self.logprobs:
             raise APIError("logprobs are not supported", param="logprobs")
         return sampling_params(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos, n=self.n,
-        )  # fmt: skip
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -184,8 +190,14 @@ class ResponseShape:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict], usage_: dict | None) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage_}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_,
+        }
 
     def whole(self, texts: list[str], finish_reasons: list[str | None], usage_: dict) -> dict:
         choices = []

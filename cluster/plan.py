@@ -86,7 +86,12 @@ def model_shape(config: dict, dtype: str | None = None) -> ModelShape:
     named = next((c[k] for c in (text, config) for k in ("torch_dtype", "dtype") if c.get(k)), None)
     source = "--dtype" if dtype else "config" if named else "default: the engine's on GPU"
     return ModelShape(
-        layers, heads, kv_heads, head_dim, model_dtype_name(dtype or named or DEFAULT_MODEL_DTYPE), source,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        model_dtype_name(dtype or named or DEFAULT_MODEL_DTYPE),
+        source,
         text.get("max_position_embeddings"),
     )
 
@@ -223,8 +228,11 @@ def run(args: argparse.Namespace) -> int:
         "kv_budget_bytes": budget,
         "kv_budget_source": how,
         **memory,
-        "workload": {"source": workload.source, "tokens_per_sequence": workload.tokens,
-                     "blocks_per_sequence": float(workload.blocks)},
+        "workload": {
+            "source": workload.source,
+            "tokens_per_sequence": workload.tokens,
+            "blocks_per_sequence": float(workload.blocks),
+        },
         "target_concurrency": args.target_concurrency,
         "kv_cache_dtypes": plan(shape, budget, args.block_size, workload, args.target_concurrency),
     }
@@ -247,8 +255,13 @@ def render(result: dict, shape: ModelShape) -> str:
         f"{_number(work['blocks_per_sequence'])} blocks of {result['block_size']}",
         "",
     ]
-    columns = ["bytes_per_token", "bytes_per_block", "blocks_per_replica", "tokens_per_replica",
-               "max_concurrent_sequences"]
+    columns = [
+        "bytes_per_token",
+        "bytes_per_block",
+        "blocks_per_replica",
+        "tokens_per_replica",
+        "max_concurrent_sequences",
+    ]
     table = [["kv dtype", "bytes/token", "bytes/block", "blocks/replica", "tokens/replica", "max seqs/replica"]]
     if target is not None:
         table[0].append(f"replicas for {target:,}")
@@ -262,8 +275,10 @@ def render(result: dict, shape: ModelShape) -> str:
         lines.append("  ".join([cells[0].ljust(widths[0]), *padded[1:]]))
     lines += ["", "No prefix sharing assumed: sequences sharing cached prefixes (system prompt, history) fit more."]
     if max(row["max_concurrent_sequences"] for row in rows.values()) > EngineConfig.max_num_seqs:
-        lines.append(f"A replica runs at most max_num_seqs sequences at once (default {EngineConfig.max_num_seqs}, "
-                     "kvmesh serve --max-num-seqs): raise it to use the whole pool.")
+        lines.append(
+            f"A replica runs at most max_num_seqs sequences at once (default {EngineConfig.max_num_seqs}, "
+            "kvmesh serve --max-num-seqs): raise it to use the whole pool."
+        )
     context = shape.max_position_embeddings
     if context and work["tokens_per_sequence"] > context:
         lines.append(f"The sequences are longer than the model's context ({context:,} tokens).")

@@ -1,6 +1,6 @@
 """Stream a chat completion from a running ``kvmesh serve`` over gRPC, then ask for one whole reply.
 
-    python examples/grpc_client.py [--target localhost:9000] [--api-key KEY] "Why is the sky blue?"
+python examples/grpc_client.py [--target localhost:9000] [--api-key KEY] "Why is the sky blue?"
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def main() -> None:
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
                 u = chunk.usage
-                print(f"\n[{chunk.finish_reason}: {u.prompt_tokens} prompt ({u.cached_tokens} cached), "
-                      f"{u.completion_tokens} generated]")  # fmt: skip
+                print(
+                    f"\n[{chunk.finish_reason}: {u.prompt_tokens} prompt ({u.cached_tokens} cached), "
+                    f"{u.completion_tokens} generated]"
+                )
         whole = stub.Complete(request, metadata=metadata)
         print(f"unary Complete: {whole.text!r} ({whole.finish_reason})")
 

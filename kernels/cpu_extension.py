@@ -69,9 +69,12 @@ def _load() -> bool:
     start = time.perf_counter()
     try:
         cpp_extension.load(
-            name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags, extra_ldflags=ldflags,
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
             is_python_module=False,
-        )  # fmt: skip
+        )
     except Exception as exc:  # no compiler, no ninja, unsupported flags: serve anyway, slower
         log.warning("CPU kernels unavailable (%s); using the torch paths", str(exc).splitlines()[0])
         return False

@@ -70,11 +70,28 @@ def _quantize(
 
 @triton.jit
 def _store_kv_kernel(
-    key, value, k_cache, v_cache, slots, k_scale, v_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr, LIMIT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-):  # fmt: skip
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slots,
+    k_scale,
+    v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    LIMIT: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+):
     """One program per (token, KV head): a head's vector is the unit an int8 scale covers."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -94,11 +111,31 @@ def _store_kv_kernel(
 
 @triton.jit
 def _attend(
-    qt, q_pos, k_cache, v_cache, k_scale, v_scale, table, seq_len, start, end, window, kv_head, num_kv_heads,
-    scale, stride_cb, stride_cs, stride_ch,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-):  # fmt: skip
+    qt,
+    q_pos,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    table,
+    seq_len,
+    start,
+    end,
+    window,
+    kv_head,
+    num_kv_heads,
+    scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     """Softmax attention of ``ROWS`` query rows (at positions ``q_pos``) over the tiles from ``start``'s to
     ``end`` of one sequence and one KV head, read through its block table ``table``; online softmax in fp32.
     Keys more than ``window - 1`` positions behind a query are masked (sliding window; huge for full).
@@ -144,13 +181,38 @@ def _attend(
 
 @triton.jit
 def _decode_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
-    scale, part_acc, part_ml,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    k_scale,
+    v_scale,
+    num_kv_heads,
+    window,
+    scale,
+    part_acc,
+    part_ml,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
     SPLITS: tl.constexpr,
-):  # fmt: skip
+):
     """One program per (sequence, KV head, split of its context). With one split it writes the output;
     with more (flash-decoding: a short batch over long contexts would leave most of the GPU idle) each
     writes its partial output, maximum and sum to ``part_acc`` / ``part_ml`` for ``_combine_kernel``."""
@@ -172,10 +234,31 @@ def _decode_kernel(
         start = first + split * per_split
         end = tl.minimum(seq_len, start + per_split)
         acc, m_i, l_i = _attend(
-            qt, q_pos, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, end,
-            window, kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
-            GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
-        )  # fmt: skip
+            qt,
+            q_pos,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            block_tables + seq * stride_bt,
+            seq_len,
+            start,
+            end,
+            window,
+            kvh,
+            num_kv_heads,
+            scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            GROUP_P,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            PRECISION,
+            QUANT,
+        )
         if SPLITS == 1:
             dst = out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
             tl.store(dst, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
@@ -188,9 +271,17 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out, query_start_loc, part_acc, part_ml, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
-):  # fmt: skip
+    out,
+    query_start_loc,
+    part_acc,
+    part_ml,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
     """One program per (decode sequence, query head): merge its splits' partial softmaxes."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -202,8 +293,9 @@ def _combine_kernel(
         smask = sp < SPLITS
         m = tl.load(part_ml + row * 2, mask=smask, other=float("-inf"))
         sums = tl.load(part_ml + row * 2 + 1, mask=smask, other=0.0)
-        acc = tl.load(part_acc + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM),
-                      other=0.0)  # fmt: skip
+        acc = tl.load(
+            part_acc + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0
+        )
         m_all = tl.max(m, 0)
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))  # an empty split weighs nothing
         o = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
@@ -212,13 +304,36 @@ def _combine_kernel(
 
 @triton.jit
 def _extend_kernel(
-    q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale, num_kv_heads, window,
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    k_scale,
+    v_scale,
+    num_kv_heads,
+    window,
     scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
     QUANT: tl.constexpr,
-):  # fmt: skip
+):
     """One program per (sequence, tile of BLOCK_M query tokens, KV head): the rows of its tile are every
     (query token, query head of the GQA group) pair, so each KV tile is loaded once for the whole group."""
     seq = tl.program_id(0)
@@ -240,10 +355,31 @@ def _extend_kernel(
         end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # the tile's last query sees no further
         start = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)  # nor its first query further back
         acc, _, l_i = _attend(
-            qt, ctx + m, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, seq_len, start, end,
-            window, kvh, num_kv_heads, scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_M * GROUP_P, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, PRECISION, QUANT,
-        )  # fmt: skip
+            qt,
+            ctx + m,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            block_tables + seq * stride_bt,
+            seq_len,
+            start,
+            end,
+            window,
+            kvh,
+            num_kv_heads,
+            scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_M * GROUP_P,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            PRECISION,
+            QUANT,
+        )
         dst = out + (q_start + m)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(dst, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
 
@@ -270,13 +406,26 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_
     if n == 0:
         return
     _store_kv_kernel[(n, kvh)](
-        key, value, k_cache, v_cache, slot_mapping,
-        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=triton.next_power_of_2(d),
-        QUANT=_quant_mode(k_cache), **_grid(k_cache),
-    )  # fmt: skip
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HEAD_DIM=d,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(d),
+        QUANT=_quant_mode(k_cache),
+        **_grid(k_cache),
+    )
 
 
 def paged_attention_triton(
@@ -309,28 +458,71 @@ def paged_attention_triton(
         part_acc = torch.empty((batch, heads, splits, block_d), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)
     common = (
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, kvh, window or FULL, scale,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
+        kvh,
+        window or FULL,
+        scale,
+    )
     strides = (
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-    )  # fmt: skip
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_tables.stride(0),
+    )
     if 1 in meta.query_lens_cpu:
         _decode_kernel[(batch, kvh, splits)](
-            *common, part_acc, part_ml, *strides, GROUP=group, GROUP_P=max(16, group_p), HEAD_DIM=d,
-            BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=32, PRECISION=precision,
-            QUANT=_quant_mode(k_cache), SPLITS=splits,
-        )  # fmt: skip
+            *common,
+            part_acc,
+            part_ml,
+            *strides,
+            GROUP=group,
+            GROUP_P=max(16, group_p),
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_N=32,
+            PRECISION=precision,
+            QUANT=_quant_mode(k_cache),
+            SPLITS=splits,
+        )
         if splits > 1:
             _combine_kernel[(batch, heads)](
-                out, meta.query_start_loc, part_acc, part_ml, out.stride(0), out.stride(1), HEAD_DIM=d,
-                BLOCK_D=block_d, SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
-            )  # fmt: skip
+                out,
+                meta.query_start_loc,
+                part_acc,
+                part_ml,
+                out.stride(0),
+                out.stride(1),
+                HEAD_DIM=d,
+                BLOCK_D=block_d,
+                SPLITS=splits,
+                SPLITS_P=triton.next_power_of_2(splits),
+            )
     if meta.max_query_len > 1:
         block_m = max(1, EXTEND_ROWS // group_p)
         _extend_kernel[(batch, triton.cdiv(meta.max_query_len, block_m), kvh)](
-            *common, *strides, GROUP=group, GROUP_P=group_p, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=32, PRECISION=precision, QUANT=_quant_mode(k_cache),
-        )  # fmt: skip
+            *common,
+            *strides,
+            GROUP=group,
+            GROUP_P=group_p,
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=block_m,
+            BLOCK_N=32,
+            PRECISION=precision,
+            QUANT=_quant_mode(k_cache),
+        )
     return out

@@ -56,11 +56,14 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         kv_heads = self.runner.model.layers[0].self_attn.num_kv_heads
         meta = AttentionMetadata(
-            slot_mapping=self.slots[:size], query_start_loc=self.query_start[: size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.tables[:size],
-            query_lens_cpu=np.ones(size, dtype=np.int64), seq_lens_cpu=np.full(size, self.max_seq_len),
+            slot_mapping=self.slots[:size],
+            query_start_loc=self.query_start[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.tables[:size],
+            query_lens_cpu=np.ones(size, dtype=np.int64),
+            seq_lens_cpu=np.full(size, self.max_seq_len),
             decode_splits=decode_splits(size, kv_heads, self.max_seq_len, self.runner.device),
-        )  # fmt: skip
+        )
         with torch.inference_mode(), forward_context(ForwardContext(meta, self.runner.kv_caches)):
             return self.runner.model(self.ids[:size], self.positions[:size], self.rows[:size])
 

@@ -46,8 +46,20 @@ class RequestOutput:
     ``token_ids`` is read from the sequence's own token list when asked for (a step does not copy every
     sequence's whole output): it holds the tokens up to this output's step."""
 
-    __slots__ = ("_end", "_start", "_tokens", "delta_text", "delta_token_ids", "error", "finish_reason", "index",
-                 "num_cached_tokens", "prompt_token_ids", "request_id", "text")  # fmt: skip
+    __slots__ = (
+        "_end",
+        "_start",
+        "_tokens",
+        "delta_text",
+        "delta_token_ids",
+        "error",
+        "finish_reason",
+        "index",
+        "num_cached_tokens",
+        "prompt_token_ids",
+        "request_id",
+        "text",
+    )
 
     def __init__(
         self,
@@ -95,8 +107,10 @@ class RequestOutput:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (f"RequestOutput({self.request_id!r}, index={self.index}, tokens={len(self.token_ids)}, "
-                f"finish_reason={self.finish_reason!r})")  # fmt: skip
+        return (
+            f"RequestOutput({self.request_id!r}, index={self.index}, tokens={len(self.token_ids)}, "
+            f"finish_reason={self.finish_reason!r})"
+        )
 
 
 @dataclass
@@ -227,17 +241,27 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         max_blocks_per_seq = -(-self.max_request_tokens // config.block_size) + 1
         self.runner = ModelRunner(
-            self.loaded, num_blocks, config.block_size, config.kv_cache_dtype, config.max_num_batched_tokens,
-            config.max_num_seqs, max_blocks_per_seq,
-        )  # fmt: skip
+            self.loaded,
+            num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            max_blocks_per_seq,
+        )
         self.rates = StepRates()
         self.swap = self._swap_space()
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(
-            self.pool, config.block_size, config.enable_prefix_caching, sliding, self.swap, config.max_num_seqs,
+            self.pool,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding,
+            self.swap,
+            config.max_num_seqs,
             max_blocks_per_seq,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
         if device.type == "cuda" and not config.enforce_eager:
             sizes = [
@@ -264,8 +288,12 @@ class LLMEngine:
         """The tokens of the last step run on the device (device work only touches it)."""
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
-            config.model, num_blocks, config.block_size, config.kv_cache_dtype, device,
-        )  # fmt: skip
+            config.model,
+            num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            device,
+        )
 
     def _swap_space(self) -> SwapSpace | None:
         """The host swap tier: ``swap_space_bytes``, by default half the KV pool's bytes (at most 4 GiB)."""
@@ -444,8 +472,14 @@ class LLMEngine:
         params = [r.params for r in seqs]
         if all(p.greedy for p in params):
             return GREEDY, {}
-        values = [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                  [p.min_p for p in params], [r.sample_seed for r in seqs], positions]  # fmt: skip
+        values = [
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [r.sample_seed for r in seqs],
+            positions,
+        ]
         try:
             return SamplingTensors.build(*values, device), {}
         except Exception:

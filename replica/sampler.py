@@ -84,16 +84,25 @@ class SamplingTensors:
             return tensor(values, torch.int64) if values else None
 
         return cls(
-            tensor(temperature, torch.float32), tensor(top_k, torch.int64), tensor(top_p, torch.float32),
-            tensor(min_p, torch.float32), tensor(seed, torch.int64), tensor(position, torch.int64),
-            index(sampled), index(by_top_k), index(by_rejection), index(by_sort),
+            tensor(temperature, torch.float32),
+            tensor(top_k, torch.int64),
+            tensor(top_p, torch.float32),
+            tensor(min_p, torch.float32),
+            tensor(seed, torch.int64),
+            tensor(position, torch.int64),
+            index(sampled),
+            index(by_top_k),
+            index(by_rejection),
+            index(by_sort),
             max((ks[j] for j in by_top_k), default=0),
-        )  # fmt: skip
+        )
 
     def row(self, i: int) -> SamplingTensors:
         """Row ``i`` alone (to sample rows one at a time after a batch failed)."""
-        values = [t[i : i + 1].tolist() for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
-                                                 self.position)]  # fmt: skip
+        values = [
+            t[i : i + 1].tolist()
+            for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.position)
+        ]
         return SamplingTensors.build(*values, self.temperature.device)
 
 

@@ -34,9 +34,19 @@ from router.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 LOAD_FIELDS = (
-    "pending_prefill_tokens", "num_running", "num_waiting", "kv_usage", "prefill_tok_s", "decode_token_s",
-    "max_num_seqs", "step_s", "mean_output_tokens", "cache_fill", "kv_free_blocks", "kv_total_blocks",
-)  # fmt: skip
+    "pending_prefill_tokens",
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "prefill_tok_s",
+    "decode_token_s",
+    "max_num_seqs",
+    "step_s",
+    "mean_output_tokens",
+    "cache_fill",
+    "kv_free_blocks",
+    "kv_total_blocks",
+)
 """Fields of a replica's ``record_routing_stats`` report copied into ``ReplicaLoad``."""
 MAX_TRACKED = 100_000
 """Most requests a router remembers as planned or in flight: its memory stays bounded whatever happens."""

@@ -42,8 +42,13 @@ def test_api_keys_guard_the_api_but_not_probes(monkeypatch):
     async def main():
         async with client_for(admission) as c:
             out = {}
-            sent = {"none": None, "wrong": "Bearer k2", "basic": "Basic k1", "k1": "Bearer k1",
-                    "env": "bearer from-secret"}  # fmt: skip
+            sent = {
+                "none": None,
+                "wrong": "Bearer k2",
+                "basic": "Basic k1",
+                "k1": "Bearer k1",
+                "env": "bearer from-secret",
+            }
             for name, auth in sent.items():
                 headers = {"Authorization": auth} if auth else {}
                 out[name] = await c.post("/v1/completions", content=b"x", headers=headers)

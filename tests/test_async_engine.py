@@ -34,9 +34,10 @@ def workload(stop: str) -> list[tuple[list[int], SamplingParams]]:
 
 def run(model_dir, mode: str, stop: str, abort_at: int | None = None, **config) -> dict:
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), num_kv_blocks=16, max_num_seqs=6, max_num_batched_tokens=64,
-                     **MODES[mode], **config)
-    )  # fmt: skip
+        EngineConfig(
+            model=str(model_dir), num_kv_blocks=16, max_num_seqs=6, max_num_batched_tokens=64, **MODES[mode], **config
+        )
+    )
     ids = [engine.add_request(p, params, f"r{i}") for i, (p, params) in enumerate(workload(stop))]
     finals, texts, steps = {}, {}, 0
     while engine.has_unfinished:
@@ -56,8 +57,9 @@ def run(model_dir, mode: str, stop: str, abort_at: int | None = None, **config) 
     return finals
 
 
-@pytest.mark.parametrize("config", [{}, {"preemption_mode": "recompute"}, {"preemption_mode": "swap"}],
-                         ids=["default", "recompute", "swap"])  # fmt: skip
+@pytest.mark.parametrize(
+    "config", [{}, {"preemption_mode": "recompute"}, {"preemption_mode": "swap"}], ids=["default", "recompute", "swap"]
+)
 def test_async_and_threaded_loops_match_the_synchronous_one(tiny_llama_dir, config):
     """A small pool (preemptions), chunked prefills, n=3 forks, a stop string, a one-token request."""
     sync = run(tiny_llama_dir, "sync", stop="zz")

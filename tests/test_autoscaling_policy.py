@@ -58,13 +58,24 @@ def run(
     target, state, history, t0 = start, {}, [], clock.now
     while clock.now - t0 < seconds:
         ctx = AutoscalingContext(
-            deployment_id=None, deployment_name="engine", app_name="kvmesh", current_num_replicas=target,
-            target_num_replicas=target, running_replicas=[], total_num_requests=0.0, total_queued_requests=queued,
-            aggregated_metrics=load(clock.now - t0, target), raw_metrics={},
-            capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=max_replicas,
-            policy_state=state, last_scale_up_time=None, last_scale_down_time=None, current_time=clock.now,
+            deployment_id=None,
+            deployment_name="engine",
+            app_name="kvmesh",
+            current_num_replicas=target,
+            target_num_replicas=target,
+            running_replicas=[],
+            total_num_requests=0.0,
+            total_queued_requests=queued,
+            aggregated_metrics=load(clock.now - t0, target),
+            raw_metrics={},
+            capacity_adjusted_min_replicas=min_replicas,
+            capacity_adjusted_max_replicas=max_replicas,
+            policy_state=state,
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=clock.now,
             config=config,
-        )  # fmt: skip
+        )
         decision, state = decide(ctx)
         target = max(min_replicas, min(max_replicas, decision))  # Ray's apply_bounds
         history.append((clock.now - t0, target))
@@ -94,8 +105,9 @@ def test_waiting_prompts_and_router_queue_count_as_demand(monkeypatch):
 
 
 def test_preemptions_add_a_replica_even_when_the_average_looks_fine(monkeypatch):
-    history = run(KVPressurePolicy(0.7), lambda t, n: metrics(n, 30 * n, preemptions=0.5), 7,
-                  start=2, monkeypatch=monkeypatch)  # fmt: skip
+    history = run(
+        KVPressurePolicy(0.7), lambda t, n: metrics(n, 30 * n, preemptions=0.5), 7, start=2, monkeypatch=monkeypatch
+    )
     assert history[-1][1] == 3
 
 
@@ -112,8 +124,9 @@ def test_holds_under_steady_load_near_a_boundary(monkeypatch):
 
 
 def test_scales_down_only_after_the_downscale_delay_and_stops_at_the_minimum(monkeypatch):
-    history = run(KVPressurePolicy(0.7), lambda t, n: metrics(n, 5), 90, start=4, min_replicas=1,
-                  monkeypatch=monkeypatch)  # fmt: skip
+    history = run(
+        KVPressurePolicy(0.7), lambda t, n: metrics(n, 5), 90, start=4, min_replicas=1, monkeypatch=monkeypatch
+    )
     t, n = first_change(history, 4)
     assert 60 <= t <= 60.5 and n == 1
     idle = run(KVPressurePolicy(0.7), lambda t, n: metrics(n, 0), 90, start=4, min_replicas=2, monkeypatch=monkeypatch)
@@ -121,8 +134,9 @@ def test_scales_down_only_after_the_downscale_delay_and_stops_at_the_minimum(mon
 
 
 def test_respects_the_maximum_and_holds_without_reports(monkeypatch):
-    history = run(KVPressurePolicy(0.5), lambda t, n: metrics(n, 50 * POOL), 20, max_replicas=6,
-                  monkeypatch=monkeypatch)  # fmt: skip
+    history = run(
+        KVPressurePolicy(0.5), lambda t, n: metrics(n, 50 * POOL), 20, max_replicas=6, monkeypatch=monkeypatch
+    )
     assert max(n for _, n in history) == 6
     silent = run(KVPressurePolicy(0.7), lambda t, n: {}, 90, start=3, monkeypatch=monkeypatch)
     assert {n for _, n in silent} == {3}

@@ -70,12 +70,25 @@ def test_kv_pressure_scales_out_and_drains_back_without_losing_requests(ray_serv
     model = str(tiny_llama_dir)
     engine = {"model": model, "num_kv_blocks": POOL_BLOCKS, "torch_threads": 1, "max_num_seqs": 8}
     scaling = autoscaling_config(
-        1, 4, 1, target_kv_util=0.5,
-        overrides={"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 0.5,
-                   "downscale_delay_s": 4.0},
-    )  # fmt: skip
-    app = engine_deployment(engine, redis_url=redis_server.url, deployment=INDEX, stats_period_s=0.5,
-                            autoscaling=scaling, drain_timeout_s=30)  # fmt: skip
+        1,
+        4,
+        1,
+        target_kv_util=0.5,
+        overrides={
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2.0,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 4.0,
+        },
+    )
+    app = engine_deployment(
+        engine,
+        redis_url=redis_server.url,
+        deployment=INDEX,
+        stats_period_s=0.5,
+        autoscaling=scaling,
+        drain_timeout_s=30,
+    )
     handle = ray_serve.run(app, name=APP, route_prefix=None).options(method_name="generate", stream=True)
     try:
         assert running_replicas(ray_serve) == 1

@@ -14,10 +14,34 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_bench_run_reports_routers_side_by_side(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "-m", "cluster.cli", "bench", "run", "--model", str(tiny_llama_dir), "--routers",
-        "kv_aware,round_robin", "--replicas", "2", "--sessions", "3", "--turns", "3", "--rate", "4", "--warmup", "1",
-        "--max-tokens", "8", "--threads", "1", "--json", str(out), "--png", str(tmp_path / "bench.png"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "cluster.cli",
+        "bench",
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--routers",
+        "kv_aware,round_robin",
+        "--replicas",
+        "2",
+        "--sessions",
+        "3",
+        "--turns",
+        "3",
+        "--rate",
+        "4",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+        "--png",
+        str(tmp_path / "bench.png"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "router" in proc.stdout and "kv_aware" in proc.stdout and "round_robin" in proc.stdout

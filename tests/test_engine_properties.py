@@ -100,8 +100,11 @@ def test_random_workloads_keep_integrity(engine, ops):
 def test_kv_exhaustion_completes_every_request_through_preemption(tiny_llama_dir):
     """64 concurrent long requests against a pool that holds about two of them at full length: every one
     completes with all its tokens, through preemption, and the pool's accounting holds after every step."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=24, max_num_seqs=16,
-                                    max_num_batched_tokens=512))  # fmt: skip
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), block_size=16, num_kv_blocks=24, max_num_seqs=16, max_num_batched_tokens=512
+        )
+    )
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     ids = [engine.add_request([3000 + 97 * r + i for i in range(120)], params, f"long-{r}") for r in range(64)]
     produced = dict.fromkeys(ids, 0)

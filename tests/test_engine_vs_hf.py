@@ -30,9 +30,12 @@ def hf_greedy(
     out = []
     for ids in prompt_ids:  # one at a time: no padding in the reference
         gen = hf.generate(
-            torch.tensor([ids], device=device), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+            torch.tensor([ids], device=device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
-        )  # fmt: skip
+        )
         out.append(gen[0, len(ids) :].tolist())
     return out
 

@@ -22,8 +22,16 @@ from router.index_schema import index_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-LIMITS = ["--max-num-seqs", "1", "--max-ongoing-requests", "2", "--max-queued-requests", "2",
-          "--max-inflight-requests", "8"]  # fmt: skip
+LIMITS = [
+    "--max-num-seqs",
+    "1",
+    "--max-ongoing-requests",
+    "2",
+    "--max-queued-requests",
+    "2",
+    "--max-inflight-requests",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,17 @@ def redis_for_faults():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory, redis_for_faults):
-    args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--redis-url", redis_for_faults.url,
-            *LIMITS]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_llama_dir),
+        "--replicas",
+        "2",
+        "--threads",
+        "1",
+        "--redis-url",
+        redis_for_faults.url,
+        *LIMITS,
+    ]
     with ServeProcess(args, tmp_path_factory.mktemp("faults") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
         srv.wait_ready(timeout_s=180)
@@ -51,8 +68,14 @@ def complete(server, prompt: str, max_tokens: int = 8) -> httpx.Response:
 
 def stream(server, prompt: str, max_tokens: int, out: dict, started: threading.Event | None = None) -> None:
     """Stream a completion; ``out`` gets the replica header, the tokens seen and the error event, if any."""
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     out.update(chunks=0, error=None, finish=None, status=None)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as resp:
         out["status"], out["replica"] = resp.status_code, resp.headers.get("x-kvmesh-replica")
@@ -134,12 +157,16 @@ def test_killed_replica_fails_only_its_started_streams_and_is_replaced(server, r
     # The index forgets the dead incarnation within 5 s; Serve starts a replacement that serves.
     client = redis.Redis.from_url(redis_for_faults.url)
     prefix = index_prefix("kvmesh", server.model)
-    gone = wait_for(lambda: not client.hexists(prefix + "reg", victim) and not client.exists(prefix + "hb:" + victim),
-                    10, 0.1)  # fmt: skip
+    gone = wait_for(
+        lambda: not client.hexists(prefix + "reg", victim) and not client.exists(prefix + "hb:" + victim), 10, 0.1
+    )
     forgot_s = time.monotonic() - t_kill
     assert gone and forgot_s <= 5.5, f"dead replica still in the index after {forgot_s:.1f} s"
-    retried = [ln for ln in server.http_client.get("/metrics").text.splitlines()
-               if ln.startswith("kvmesh_request_retries_total")]  # fmt: skip
+    retried = [
+        ln
+        for ln in server.http_client.get("/metrics").text.splitlines()
+        if ln.startswith("kvmesh_request_retries_total")
+    ]
     print(f"index forgot the killed replica {forgot_s:.1f} s after the kill; {retried}")
     replaced = wait_for(lambda: (p := replica_pids(server)) and len(p) == 2 and victim not in p and p, 120, 1.0)
     assert replaced, "Serve did not replace the killed replica"

@@ -20,8 +20,9 @@ FULL = list(range(200, 232))  # 32 tokens: exactly 2 full blocks
 
 
 def make_engine(model_dir, num_blocks: int = 96, caching: bool = True, **kw) -> LLMEngine:
-    config = EngineConfig(model=str(model_dir), block_size=BLOCK, num_kv_blocks=num_blocks,
-                          enable_prefix_caching=caching, **kw)  # fmt: skip
+    config = EngineConfig(
+        model=str(model_dir), block_size=BLOCK, num_kv_blocks=num_blocks, enable_prefix_caching=caching, **kw
+    )
     return LLMEngine(config)
 
 

@@ -35,9 +35,16 @@ def test_chat_request_translates_to_sampling_params():
 
 @pytest.mark.parametrize(
     "fields, param",
-    [({"n": 0}, "n"), ({"n": 17}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
-     ({"logprobs": True}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop")],
-)  # fmt: skip
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
     with pytest.raises(APIError) as err:
@@ -56,10 +63,17 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     chat = ResponseShape(chat=True, model="m", n=3)
     whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage(5, 9, 0))
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
-        (0, "a", "stop"), (1, "b", "length"), (2, "c", "stop")]  # fmt: skip
+        (0, "a", "stop"),
+        (1, "b", "length"),
+        (2, "c", "stop"),
+    ]
     assert whole["usage"]["total_tokens"] == 14
-    assert chat.chunk("x", index=2)["choices"][0] == {"index": 2, "delta": {"content": "x"}, "finish_reason": None,
-                                                        "logprobs": None}  # fmt: skip
+    assert chat.chunk("x", index=2)["choices"][0] == {
+        "index": 2,
+        "delta": {"content": "x"},
+        "finish_reason": None,
+        "logprobs": None,
+    }
     text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage(1, 2, 0))
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
 
@@ -156,9 +170,15 @@ def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("replica: 2\n", "unknown settings"), ("policy: magic\n", "unknown policy"), ("replicas: 0\n", "at least 1"),
-     ("engine:\n  block_size: 12\n", "power of two"), ("engine:\n  blocksize: 16\n", "engine:"), ("- 1\n", "mapping")],
-)  # fmt: skip
+    [
+        ("replica: 2\n", "unknown settings"),
+        ("policy: magic\n", "unknown policy"),
+        ("replicas: 0\n", "at least 1"),
+        ("engine:\n  block_size: 12\n", "power of two"),
+        ("engine:\n  blocksize: 16\n", "engine:"),
+        ("- 1\n", "mapping"),
+    ],
+)
 def test_config_errors_name_the_problem(tmp_path: Path, text: str, message: str):
     file = tmp_path / "bad.yaml"
     file.write_text(text)
@@ -168,12 +188,22 @@ def test_config_errors_name_the_problem(tmp_path: Path, text: str, message: str)
 
 def test_status_table_lists_replicas_and_decisions():
     status = {
-        "model": "m", "policy": "kv_aware", "index": {"entries": 12},
+        "model": "m",
+        "policy": "kv_aware",
+        "index": {"entries": 12},
         "redis": {"ok": True, "ping_ms": 0.2, "used_memory": "1M"},
-        "replicas": {"r1": {"kv_usage": 0.5, "prefix_hit_rate": 0.25, "num_running": 2, "num_waiting": 1,
-                            "num_preemptions": 0, "index_entries": 12}},
+        "replicas": {
+            "r1": {
+                "kv_usage": 0.5,
+                "prefix_hit_rate": 0.25,
+                "num_running": 2,
+                "num_waiting": 1,
+                "num_preemptions": 0,
+                "index_entries": 12,
+            }
+        },
         "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
-    }  # fmt: skip
+    }
     rows = [line.split() for line in render_status(status).splitlines()]
     assert ["r1", "50.0%", "25.0%", "2", "1", "0", "12"] in rows
     assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
@@ -230,8 +260,9 @@ def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path
     from replica.model_files import resolve_model_dir
 
     asked = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns)
-                        or str(tmp_path))  # fmt: skip
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(allow_patterns) or str(tmp_path)
+    )
     resolve_model_dir("org/some-model", weights=False)
     resolve_model_dir("org/some-model")
     assert "*.safetensors" not in asked[0] and "tokenizer*" in asked[0] and "*.json" in asked[0]

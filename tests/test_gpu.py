@@ -48,9 +48,16 @@ def test_compiled_kernels_match_reference(case, dtype):
 def test_compiled_sliding_window_matches_reference(case):
     window = [1, 9, 40, 500][case]
     check_against_reference(
-        store_kv_triton, paged_attention_triton, 6000 + case, case, torch.bfloat16, TOLERANCE[torch.bfloat16], window,
-        device="cuda", **BIG,
-    )  # fmt: skip
+        store_kv_triton,
+        paged_attention_triton,
+        6000 + case,
+        case,
+        torch.bfloat16,
+        TOLERANCE[torch.bfloat16],
+        window,
+        device="cuda",
+        **BIG,
+    )
 
 
 @pytest.mark.parametrize("case", range(2))
@@ -76,9 +83,17 @@ def test_compiled_block_size_eight_and_odd_head_dim():
 def test_compiled_split_kv_decode_matches_reference(case, splits):
     """Flash-decoding on the GPU: contexts up to 2k split into parts, partial softmaxes combined."""
     check_against_reference(
-        store_kv_triton, paged_attention_triton, 8000 + 13 * case + splits, case, torch.bfloat16,
-        TOLERANCE[torch.bfloat16], [None, 300][case % 2], device="cuda", splits=splits, **BIG,
-    )  # fmt: skip
+        store_kv_triton,
+        paged_attention_triton,
+        8000 + 13 * case + splits,
+        case,
+        torch.bfloat16,
+        TOLERANCE[torch.bfloat16],
+        [None, 300][case % 2],
+        device="cuda",
+        splits=splits,
+        **BIG,
+    )
 
 
 def test_cuda_graph_replay_equals_eager_across_changing_batches(tiny_llama_dir):
@@ -86,12 +101,14 @@ def test_cuda_graph_replay_equals_eager_across_changing_batches(tiny_llama_dir):
     finish, are preempted and fork) give the eager engine's greedy tokens. (Greedy: padding changes the
     GEMMs' row count, and a sampled draw near a boundary can feel the last bits, as with any batch change.)"""
     prompts = [list(range(100, 120 + 9 * i)) for i in range(7)]
-    params = [SamplingParams(max_tokens=8 + 6 * i, temperature=0, ignore_eos=True, n=3 if i == 3 else 1)
-              for i in range(7)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=8 + 6 * i, temperature=0, ignore_eos=True, n=3 if i == 3 else 1) for i in range(7)
+    ]
     runs = {}
     for eager in (True, False):
-        llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_blocks=24, max_num_seqs=12,
-                  enforce_eager=eager)  # fmt: skip
+        llm = LLM(
+            str(tiny_llama_dir), device="cuda", dtype="float32", num_kv_blocks=24, max_num_seqs=12, enforce_eager=eager
+        )
         assert (llm.engine.runner.graphs is None) == eager
         runs[eager] = [(o.request_id, o.index, o.token_ids) for o in llm.generate(prompts, params)]
         assert llm.engine.stats().num_preemptions > 0

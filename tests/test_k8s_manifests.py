@@ -48,15 +48,24 @@ REQUIRED_SECRETS = {
 # (helm-chart/kuberay-operator, v1.7.0: nameOverride and componentOverride kuberay-operator; instance = the
 # release); the Prometheus pods' are those the Prometheus operator sets on every Prometheus it runs (the
 # kube-prometheus-stack's too: pkg/prometheus/server/operator.go, makeSelectorLabels).
-KUBERAY_OPERATOR_POD = ("kuberay-system", {
-    "app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "kuberay-operator",
-    "app.kubernetes.io/component": "kuberay-operator",
-})  # fmt: skip
-PROMETHEUS_POD = ("monitoring", {
-    "app.kubernetes.io/name": "prometheus", "app.kubernetes.io/managed-by": "prometheus-operator",
-    "app.kubernetes.io/instance": "kube-prometheus-stack-prometheus", "prometheus": "kube-prometheus-stack-prometheus",
-    "operator.prometheus.io/name": "kube-prometheus-stack-prometheus",
-})  # fmt: skip
+KUBERAY_OPERATOR_POD = (
+    "kuberay-system",
+    {
+        "app.kubernetes.io/name": "kuberay-operator",
+        "app.kubernetes.io/instance": "kuberay-operator",
+        "app.kubernetes.io/component": "kuberay-operator",
+    },
+)
+PROMETHEUS_POD = (
+    "monitoring",
+    {
+        "app.kubernetes.io/name": "prometheus",
+        "app.kubernetes.io/managed-by": "prometheus-operator",
+        "app.kubernetes.io/instance": "kube-prometheus-stack-prometheus",
+        "prometheus": "kube-prometheus-stack-prometheus",
+        "operator.prometheus.io/name": "kube-prometheus-stack-prometheus",
+    },
+)
 DASHBOARD_PORT = 8265
 RAY_METRICS_PORT = 8080
 RAY_INTERNAL_PORTS = (6379, 10001, 52365, 8076, 10002, 20000)
@@ -152,10 +161,12 @@ def admitted(policies: list[dict], pod: tuple[str, dict, dict], source: tuple[st
     no Ingress policy selects admits everything, otherwise what one rule of one of them admits."""
     namespace, labels, port_names = pod
     isolating = [
-        p for p in policies
-        if p["metadata"]["namespace"] == namespace and selects(p["spec"]["podSelector"], labels)
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == namespace
+        and selects(p["spec"]["podSelector"], labels)
         and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-    ]  # fmt: skip
+    ]
     if not isolating:
         return True
 
@@ -207,10 +218,14 @@ def secret_refs(template: dict) -> list[tuple[str, str | None, bool | None]]:
             if "secretKeyRef" in env.get("valueFrom", {}):
                 ref = env["valueFrom"]["secretKeyRef"]
                 refs.append((ref["name"], ref["key"], ref.get("optional")))
-        refs += [(e["secretRef"]["name"], None, e["secretRef"].get("optional"))
-                 for e in container.get("envFrom", []) if "secretRef" in e]  # fmt: skip
-    refs += [(v["secret"]["secretName"], None, v["secret"].get("optional"))
-             for v in spec.get("volumes", []) if "secret" in v]  # fmt: skip
+        refs += [
+            (e["secretRef"]["name"], None, e["secretRef"].get("optional"))
+            for e in container.get("envFrom", [])
+            if "secretRef" in e
+        ]
+    refs += [
+        (v["secret"]["secretName"], None, v["secret"].get("optional")) for v in spec.get("volumes", []) if "secret" in v
+    ]
     return refs
 
 
@@ -251,9 +266,22 @@ overlays = pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 @overlays
 def test_core_objects_validate_against_the_kubernetes_schemas(overlay):
     kinds = sorted(o["kind"] for o in render(overlay))
-    assert kinds == sorted(["Namespace", "Service", "Deployment", "NetworkPolicy", "NetworkPolicy", "ConfigMap",
-                            "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
-                            "PodMonitor", "PodMonitor", "RayService"])  # fmt: skip
+    assert kinds == sorted(
+        [
+            "Namespace",
+            "Service",
+            "Deployment",
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "ConfigMap",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "PodMonitor",
+            "PodMonitor",
+            "RayService",
+        ]
+    )
     for obj in render(overlay):
         if obj["apiVersion"].split("/")[0] in ("ray.io", "monitoring.coreos.com"):
             continue
@@ -450,8 +478,10 @@ def test_every_ray_container_gets_the_api_keys_from_their_secret_required_on_gpu
 @overlays
 def test_no_secret_is_rendered_and_the_readme_creates_every_one_the_pods_read(overlay):
     # A committed Secret or a secretGenerator would put its value in git: the Secrets are created in the cluster.
-    assert [(s["metadata"]["name"], sorted({**s.get("data", {}), **s.get("stringData", {})})) for s in
-            objects(overlay, "Secret")] == []  # fmt: skip
+    assert [
+        (s["metadata"]["name"], sorted({**s.get("data", {}), **s.get("stringData", {})}))
+        for s in objects(overlay, "Secret")
+    ] == []
     namespace = one(overlay, "Namespace")["metadata"]["name"]
     created = {(name, key) for ns, name, key in documented_secrets() if ns == namespace}
     read = {(where, ref) for where, template in pod_templates(overlay) for ref in secret_refs(template)}
@@ -609,8 +639,15 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert ports[ray_endpoint["port"]] == int(group["rayStartParams"]["metrics-export-port"])
 
-    report = {"kv_usage": 0.5, "prefix_hit_rate": 0.5, "num_running": 1, "num_waiting": 0,
-              "num_cached_blocks": 1, "index_entries": 1, "num_preemptions": 0}  # fmt: skip
+    report = {
+        "kv_usage": 0.5,
+        "prefix_hit_rate": 0.5,
+        "num_running": 1,
+        "num_waiting": 0,
+        "num_cached_blocks": 1,
+        "index_entries": 1,
+        "num_preemptions": 0,
+    }
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     exported = {
         family.name + suffix

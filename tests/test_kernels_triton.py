@@ -36,8 +36,9 @@ def test_split_kv_decode_matches_reference(case, splits):
     empty for short contexts), with and without a sliding window; extend rows in the same batch."""
     seed, shape = 4000 + 7 * case + splits, {"max_len": 200, "max_batch": 3}
     window = [None, 50][case % 2]
-    check_against_reference(store_kv_triton, paged_attention_triton, seed, case, torch.float32, 1e-5, window,
-                            splits=splits, **shape)  # fmt: skip
+    check_against_reference(
+        store_kv_triton, paged_attention_triton, seed, case, torch.float32, 1e-5, window, splits=splits, **shape
+    )
 
 
 @pytest.mark.parametrize("case", range(4))

@@ -299,10 +299,12 @@ def test_counts_of_conversation_starts_decay():
 def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     """r0 runs one request that is decoding (empty prefill queue) but pins 42 of its 48 blocks; r1 is idle
     and measured a little slower. A 640-token prompt placed on r0 would wait for that request to finish."""
-    full = ReplicaLoad("r0", prefill_tok_s=500, num_running=1, kv_free_blocks=6, kv_total_blocks=48,
-                       mean_output_tokens=16, step_s=0.07)  # fmt: skip
-    empty = ReplicaLoad("r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16,
-                        step_s=0.07)  # fmt: skip
+    full = ReplicaLoad(
+        "r0", prefill_tok_s=500, num_running=1, kv_free_blocks=6, kv_total_blocks=48, mean_output_tokens=16, step_s=0.07
+    )
+    empty = ReplicaLoad(
+        "r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16, step_s=0.07
+    )
     req = request(list(range(640)))
     assert full.kv_wait_s(640, 16) == pytest.approx(34 / 42 * 16 * 0.07)
     assert empty.kv_wait_s(640, 16) == 0.0 and full.kv_wait_s(64, 16) == 0.0  # a short prompt fits

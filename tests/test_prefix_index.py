@@ -214,10 +214,14 @@ def test_nothing_from_redis_or_the_network_is_unpickled_or_evaluated():
     risky = re.compile(
         r"\b(pickle|cPickle|marshal|dill|shelve)\.loads?\b|(?<![.\w])(eval|exec)\(|yaml\.load\(|yaml\.unsafe_load"
     )
-    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}"
-            for package in ("cluster", "router", "replica", "benchmarks")
-            for path in (root / package).rglob("*.py") if "_pb2" not in path.name
-            for n, line in enumerate(path.read_text().splitlines(), 1) if risky.search(line)]  # fmt: skip
+    hits = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for package in ("cluster", "router", "replica", "benchmarks")
+        for path in (root / package).rglob("*.py")
+        if "_pb2" not in path.name
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if risky.search(line)
+    ]
     assert not hits, hits
 
 

@@ -47,15 +47,25 @@ def draws(logits: torch.Tensor, n: int, **params) -> torch.Tensor:
     rows = logits.expand(n, -1).contiguous()
     seeds = torch.arange(n).mul_(7919).add_(12345).tolist()
     st = SamplingTensors.build(
-        [params.get("temperature", 1.0)] * n, [params.get("top_k", 0)] * n, [params.get("top_p", 1.0)] * n,
-        [params.get("min_p", 0.0)] * n, seeds, [3] * n, torch.device("cpu"),
-    )  # fmt: skip
+        [params.get("temperature", 1.0)] * n,
+        [params.get("top_k", 0)] * n,
+        [params.get("top_p", 1.0)] * n,
+        [params.get("min_p", 0.0)] * n,
+        seeds,
+        [3] * n,
+        torch.device("cpu"),
+    )
     return sample(rows, st)
 
 
 def assert_matches(logits: torch.Tensor, **params) -> None:
-    expected = reference(logits[0], params.get("temperature", 1.0), params.get("top_k", 0),
-                         params.get("top_p", 1.0), params.get("min_p", 0.0))  # fmt: skip
+    expected = reference(
+        logits[0],
+        params.get("temperature", 1.0),
+        params.get("top_k", 0),
+        params.get("top_p", 1.0),
+        params.get("min_p", 0.0),
+    )
     tokens = draws(logits, DRAWS, **params)
     counts = torch.bincount(tokens, minlength=logits.shape[1]).double()
     assert counts[expected == 0].sum() == 0, "a token outside the kept set was drawn"
@@ -101,13 +111,21 @@ def test_flat_rows_small_nuclei_and_huge_top_k_match_too():
 def test_greedy_rows_take_the_argmax_and_seeded_rows_ignore_their_batch():
     logits = peaked(512, seed=2).expand(6, -1).contiguous()
     logits[3] = peaked(512, seed=3)
-    st = SamplingTensors.build([0.0, 1.0, 1.0, 1.0, 0.0, 1.0], [0, 0, 10, 1, 0, 0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.5],
-                               [0.0] * 6, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], torch.device("cpu"))  # fmt: skip
+    st = SamplingTensors.build(
+        [0.0, 1.0, 1.0, 1.0, 0.0, 1.0],
+        [0, 0, 10, 1, 0, 0],
+        [1.0, 0.9, 1.0, 1.0, 1.0, 0.5],
+        [0.0] * 6,
+        [1, 2, 3, 4, 5, 6],
+        [0, 1, 2, 3, 4, 5],
+        torch.device("cpu"),
+    )
     batch = sample(logits, st)
     assert batch[0] == batch[4] == logits[0].argmax() and batch[3] == logits[3].argmax()  # temperature 0, top_k 1
     for i in (1, 2, 5):
-        alone = SamplingTensors.build([1.0], [st.top_k[i].item()], [st.top_p[i].item()], [0.0], [i + 1], [i],
-                                      torch.device("cpu"))  # fmt: skip
+        alone = SamplingTensors.build(
+            [1.0], [st.top_k[i].item()], [st.top_p[i].item()], [0.0], [i + 1], [i], torch.device("cpu")
+        )
         assert sample(logits[i : i + 1], alone).item() == batch[i]
 
 

@@ -31,8 +31,22 @@ LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one repli
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    args = ["--model", str(tiny_llama_dir), "--replicas", "2", "--threads", "1", "--max-num-seqs", "8",
-            "--api-key", KEY, "--api-key", OTHER_KEY, "--max-request-bytes", str(1 << 20)]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_llama_dir),
+        "--replicas",
+        "2",
+        "--threads",
+        "1",
+        "--max-num-seqs",
+        "8",
+        "--api-key",
+        KEY,
+        "--api-key",
+        OTHER_KEY,
+        "--max-request-bytes",
+        str(1 << 20),
+    ]
     with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
         srv.wait_ready(timeout_s=180)
@@ -53,9 +67,14 @@ def test_chat_and_completions_whole_and_streamed_agree(client, server):
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
     stream = chat(
-        client, server, "Tell me about caches", max_tokens=12, temperature=0, stream=True,
+        client,
+        server,
+        "Tell me about caches",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -119,8 +138,18 @@ def test_n_choices_whole_and_streamed(client, server):
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert [c.message.content for c in whole.choices] == [single.choices[0].message.content] * 3
     assert whole.usage.prompt_tokens == single.usage.prompt_tokens and whole.usage.completion_tokens == 30
-    chunks = list(chat(client, server, "Tell me about forks", max_tokens=10, temperature=0, n=3, stream=True,
-                       stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        chat(
+            client,
+            server,
+            "Tell me about forks",
+            max_tokens=10,
+            temperature=0,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     choices = [c.choices[0] for c in chunks if c.choices]
     assert [c.index for c in choices if c.delta.role == "assistant"] == [0, 1, 2]
     texts = ["".join(c.delta.content or "" for c in choices if c.index == i) for i in range(3)]
@@ -129,8 +158,9 @@ def test_n_choices_whole_and_streamed(client, server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
     def sample(n: int = 3, **kw):
-        return client.completions.create(model=server.model, prompt="Pick words", max_tokens=12, temperature=1.0,
-                                         seed=5, n=n, **kw)  # fmt: skip
+        return client.completions.create(
+            model=server.model, prompt="Pick words", max_tokens=12, temperature=1.0, seed=5, n=n, **kw
+        )
 
     comp = sample()
     assert [c.index for c in comp.choices] == [0, 1, 2] and comp.usage.completion_tokens == 36
@@ -164,26 +194,49 @@ def _chat(**fields) -> dict:
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the served model added, expected status)
-    (CHAT, b"{not json", 400), (CHAT, b"", 400), (CHAT, b"[]", 400), (CHAT, b'"a string"', 400),
+    (CHAT, b"{not json", 400),
+    (CHAT, b"", 400),
+    (CHAT, b"[]", 400),
+    (CHAT, b'"a string"', 400),
     (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),  # invalid UTF-8
-    (CHAT, {}, 400), (CHAT, {"messages": "hi"}, 400), (CHAT, {"messages": []}, 400),
+    (CHAT, {}, 400),
+    (CHAT, {"messages": "hi"}, 400),
+    (CHAT, {"messages": []}, 400),
     (CHAT, {"messages": [{"content": "no role"}]}, 400),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400), (CHAT, {"messages": [{"role": "user"}]}, 400),
-    (CHAT, _chat(max_tokens=-1), 400), (CHAT, _chat(max_tokens=0), 400), (CHAT, _chat(max_tokens=10**9), 400),
-    (CHAT, _chat(max_tokens="ten"), 400), (CHAT, _chat(max_completion_tokens=-5), 400),
-    (CHAT, _chat(temperature=-0.5), 400), (CHAT, _chat(temperature="hot"), 400), (CHAT, _chat(top_p=0), 400),
-    (CHAT, _chat(top_p=1.5), 400), (CHAT, _chat(top_k=-5), 400), (CHAT, _chat(n=0), 400), (CHAT, _chat(n=17), 400),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400),
+    (CHAT, {"messages": [{"role": "user"}]}, 400),
+    (CHAT, _chat(max_tokens=-1), 400),
+    (CHAT, _chat(max_tokens=0), 400),
+    (CHAT, _chat(max_tokens=10**9), 400),
+    (CHAT, _chat(max_tokens="ten"), 400),
+    (CHAT, _chat(max_completion_tokens=-5), 400),
+    (CHAT, _chat(temperature=-0.5), 400),
+    (CHAT, _chat(temperature="hot"), 400),
+    (CHAT, _chat(top_p=0), 400),
+    (CHAT, _chat(top_p=1.5), 400),
+    (CHAT, _chat(top_k=-5), 400),
+    (CHAT, _chat(n=0), 400),
+    (CHAT, _chat(n=17), 400),
     (COMP, {"prompt": "x", "n": 9}, 400),  # more choices than a replica runs at once (--max-num-seqs 8)
-    (CHAT, _chat(logprobs=True), 400), (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    (CHAT, _chat(stop=5), 400), (CHAT, _chat(stop=[""]), 400), (CHAT, _chat(seed="abc"), 400),
-    (CHAT, _chat(cache_salt=123), 400), (CHAT, _chat(session_id={"a": 1}), 400),
-    (CHAT, _chat(model="no-such-model"), 404), (CHAT, _chat(model=None), 400),
+    (CHAT, _chat(logprobs=True), 400),
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    (CHAT, _chat(stop=5), 400),
+    (CHAT, _chat(stop=[""]), 400),
+    (CHAT, _chat(seed="abc"), 400),
+    (CHAT, _chat(cache_salt=123), 400),
+    (CHAT, _chat(session_id={"a": 1}), 400),
+    (CHAT, _chat(model="no-such-model"), 404),
+    (CHAT, _chat(model=None), 400),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 1500}]}, 400),  # longer than the context
-    (COMP, {}, 400), (COMP, {"prompt": ""}, 400), (COMP, {"prompt": [10**9]}, 400), (COMP, {"prompt": {"a": 1}}, 400),
-    (COMP, {"prompt": [[1, 2], [3, 4]]}, 400), (COMP, {"prompt": "x", "max_tokens": -3}, 400),
+    (COMP, {}, 400),
+    (COMP, {"prompt": ""}, 400),
+    (COMP, {"prompt": [10**9]}, 400),
+    (COMP, {"prompt": {"a": 1}}, 400),
+    (COMP, {"prompt": [[1, 2], [3, 4]]}, 400),
+    (COMP, {"prompt": "x", "max_tokens": -3}, 400),
     (COMP, b"x" * ((1 << 20) + 1), 413),  # over --max-request-bytes
-]  # fmt: skip
+]
 
 
 def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(client, server):
@@ -423,8 +476,9 @@ def test_api_keys_are_required_on_the_api_but_not_on_probes(server):
     assert httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
-    no_key = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", server.url],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    no_key = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--url", server.url], capture_output=True, text=True, timeout=60
+    )
     assert no_key.returncode == 1 and "API key" in no_key.stderr
 
 
@@ -448,9 +502,10 @@ def test_client_hanging_up_aborts_the_generation(server):
     assert freed_s <= 1.6, f"blocks freed only {freed_s:.2f} s after the client left"
     print(f"blocks freed and seen freed {freed_s:.2f} s after the client left")
     aborted = [
-        line for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+        line
+        for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
         if line.startswith("kvmesh_requests_total{") and 'api="completions"' in line and 'outcome="aborted"' in line
-    ]  # fmt: skip
+    ]
     assert aborted and float(aborted[0].split()[-1]) == 1.0  # cancelled, not run to its 900 tokens
 
 
@@ -473,10 +528,21 @@ def test_grpc_streams_a_generation(server):
     assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
     target = f"127.0.0.1:{server.grpc}"
     example = subprocess.run(
-        [sys.executable, str(EXAMPLES / "grpc_client.py"), "--target", target, "--max-tokens", "4", "--api-key", KEY,
-         "Hi"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLES / "grpc_client.py"),
+            "--target",
+            target,
+            "--max-tokens",
+            "4",
+            "--api-key",
+            KEY,
+            "Hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert example.returncode == 0 and "[length:" in example.stdout and "unary Complete" in example.stdout
 
 
@@ -501,19 +567,29 @@ def test_metrics_and_status_show_the_cluster(client, server):
     time.sleep(1.5)  # replicas report with their heartbeat (1 s)
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for name in (
-        "kvmesh_time_to_first_token_seconds_count", "kvmesh_inter_token_latency_seconds_count",
-        "kvmesh_e2e_request_latency_seconds_count", "kvmesh_prompt_tokens_total", "kvmesh_cached_prompt_tokens_total",
-        "kvmesh_generation_tokens_total", "kvmesh_replica_kv_usage_ratio", "kvmesh_replica_prefix_hit_rate",
-        "kvmesh_replica_requests_waiting", "kvmesh_replica_preemptions_total", "kvmesh_routing_decisions_total",
+        "kvmesh_time_to_first_token_seconds_count",
+        "kvmesh_inter_token_latency_seconds_count",
+        "kvmesh_e2e_request_latency_seconds_count",
+        "kvmesh_prompt_tokens_total",
+        "kvmesh_cached_prompt_tokens_total",
+        "kvmesh_generation_tokens_total",
+        "kvmesh_replica_kv_usage_ratio",
+        "kvmesh_replica_prefix_hit_rate",
+        "kvmesh_replica_requests_waiting",
+        "kvmesh_replica_preemptions_total",
+        "kvmesh_routing_decisions_total",
         "kvmesh_index_lookup_seconds_count",
-    ):  # fmt: skip
+    ):
         assert name in text, name
     assert text.count("kvmesh_replica_kv_usage_ratio{") == 2
 
     out = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "status", "--url", server.url, "--api-key", KEY],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("REPLICA"))
     assert len([ln for ln in lines[header + 1 : header + 3] if ln.strip()]) == 2, out

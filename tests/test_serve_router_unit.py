@@ -36,12 +36,18 @@ def replicas(n, **stats):
 
 
 def pending(tokens, i, session=None):
-    body = {"block_hashes": hash_blocks(tokens, 16, model_seed("m")), "num_tokens": len(tokens), "block_size": 16,
-            "session_id": session}  # fmt: skip
+    body = {
+        "block_hashes": hash_blocks(tokens, 16, model_seed("m")),
+        "num_tokens": len(tokens),
+        "block_size": 16,
+        "session_id": session,
+    }
     return SimpleNamespace(
-        args=[body], kwargs={}, metadata=SimpleNamespace(internal_request_id=f"q{i}", session_id=None),
+        args=[body],
+        kwargs={},
+        metadata=SimpleNamespace(internal_request_id=f"q{i}", session_id=None),
         routing_context=SimpleNamespace(should_backoff=False),
-    )  # fmt: skip
+    )
 
 
 def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
@@ -64,8 +70,9 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
         miss = await router.choose_replicas(reps, pending([9] * 300, 2))
         # A miss on three idle-looking replicas: tied, one group, so Ray's live queue probe picks among them.
         assert router.decisions["miss"] == 1 and len(miss) == 1 and len(miss[0]) == 3
-        no_info = await router.choose_replicas(reps, SimpleNamespace(args=["not a dict"], metadata=None,
-                                                                     routing_context=SimpleNamespace()))  # fmt: skip
+        no_info = await router.choose_replicas(
+            reps, SimpleNamespace(args=["not a dict"], metadata=None, routing_context=SimpleNamespace())
+        )
         assert len(no_info) == 3 and router.decisions["no_routing_info"] == 1
         # q2 is ours, in flight where no probe counts it yet: a concurrent miss is never tied with its replica.
         burst = await router.choose_replicas(reps, pending([7] * 300, 4))

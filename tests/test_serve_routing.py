@@ -19,8 +19,9 @@ REPLICAS = 3
 @pytest.fixture(scope="module")
 def engine_handle(ray_serve, redis_server, tiny_llama_dir):
     engine = {"model": str(tiny_llama_dir), "num_kv_blocks": 512, "torch_threads": 1, "max_num_seqs": 8}
-    app = engine_deployment(engine, num_replicas=REPLICAS, redis_url=redis_server.url, deployment="it",
-                            stats_period_s=0.5)  # fmt: skip
+    app = engine_deployment(
+        engine, num_replicas=REPLICAS, redis_url=redis_server.url, deployment="it", stats_period_s=0.5
+    )
     handle = ray_serve.run(app, name="routing-it", route_prefix=None)
     time.sleep(1.5)  # first load reports reach the router
     yield handle.options(method_name="generate", stream=True), str(tiny_llama_dir)

@@ -14,9 +14,17 @@ from replica.llama import layer_windows
 
 WINDOW = 24
 COMMON = dict(
-    vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _save(config, path, smollm_dir):
@@ -41,9 +49,13 @@ def mistral_dir(tmp_path_factory, smollm_dir):
 def hybrid_dir(tmp_path_factory, smollm_dir):
     """Hybrid (Gemma-2 style alternation, in a Qwen3 config): local and global layers interleaved."""
     config = Qwen3Config(
-        **COMMON, num_hidden_layers=4, head_dim=16, use_sliding_window=True, sliding_window=WINDOW,
+        **COMMON,
+        num_hidden_layers=4,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    )  # fmt: skip
+    )
     return _save(config, tmp_path_factory.mktemp("tiny-hybrid"), smollm_dir)
 
 
