@@ -54,7 +54,7 @@ def measure(model: str, threads: int | None, repeats: int = 3) -> dict:
     return {
         "prefill_tok_s": statistics.median(rates),
         "step_base_s": float(max(base, 1e-4)),
-        "decode_token_s": float(max(per_seq, 1e-6)),
+        "decode_s_per_seq": float(max(per_seq, 1e-6)),
         "decode_points": [{"running": b, "step_s": s} for b, s in points],
         "torch_threads": threads,
         "model": model,
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             ["prefill tokens/s", result["prefill_tok_s"]],
             ["decode step base (ms)", 1000 * result["step_base_s"]],
-            ["per running sequence (ms)", 1000 * result["decode_token_s"]],
+            ["per running sequence (ms)", 1000 * result["decode_s_per_seq"]],
         ],
     )
     write_json("calibration", {**result, "command": "kvmesh bench calibrate"})

@@ -24,6 +24,7 @@ from benchmarks.report import print_table, write_json
 from cluster.embedded_redis import EmbeddedRedis
 from router.hashing import hash_blocks, model_seed
 from router.index_publisher import KVIndexPublisher
+from router.messages import GenerateCall
 from router.serve_router import KVAwareRequestRouter
 
 MODEL, DEPLOYMENT, REPLICAS, TOKENS = "bench-model", "bench", 16, 8192
@@ -35,7 +36,7 @@ class StandInReplica:
     routing_stats: dict
 
 
-def pending(body: dict, i: int) -> SimpleNamespace:
+def pending(body: GenerateCall, i: int) -> SimpleNamespace:
     return SimpleNamespace(
         args=[body],
         kwargs={},
@@ -76,21 +77,32 @@ async def decisions(url: str, n: int) -> dict:
                 "num_running": rng.randrange(8),
                 "pending_prefill_tokens": rng.randrange(4000),
                 "prefill_tok_s": 5000.0,
-                "decode_token_s": 0.002,
+                "decode_s_per_seq": 0.002,
                 "reported_at": now,
             },
         )
         for p in pubs
     ]
-    bodies = [{"block_hashes": ch, "num_tokens": TOKENS, "block_size": 16} for ch in chains]
+    bodies = [GenerateCall(f"b{i}", [0] * TOKENS, ch, 16) for i, ch in enumerate(chains)]
+    lookup: list[float] = []
+    timed = router.index.lookup_with_starts
+
+    async def lookup_timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return await timed(*args, **kwargs)
+        finally:
+            lookup.append(time.perf_counter() - t)
+
+    router.index.lookup_with_starts = lookup_timed
     for i in range(50):  # warm up the connection pool and script cache
         await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
-    lat, lookup = [], []
+    lat = []
+    lookup.clear()
     for i in range(n):
         t0 = time.perf_counter()
         ranked = await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
         lat.append(time.perf_counter() - t0)
-        lookup.append(router.lookup_seconds[-1])
         assert len(ranked) == REPLICAS
         router.on_request_completed(ranked[0][0].replica_id, f"r{i}")
     await router.index.close()

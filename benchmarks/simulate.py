@@ -36,7 +36,8 @@ from pathlib import Path
 
 from benchmarks.report import print_table, write_json
 from router.baselines import make_policy
-from router.policy import SESSION_DECAY_S, DecayingCounts, ReplicaLoad, RouteRequest
+from router.policy import ReplicaLoad, RouteRequest
+from router.sessions import SESSION_DECAY_S, DecayingCounts
 
 BLOCK_TOKENS = 16
 
@@ -46,10 +47,10 @@ class Costs:
     """How fast a simulated replica works."""
 
     prefill_tok_s: float = 20_000.0
-    decode_token_s: float = 0.00025
+    decode_s_per_seq: float = 0.00025
     """Seconds one running sequence adds to a decode step."""
     min_step_s: float = 0.015
-    """A decode step's base cost: ``step = min_step_s + running * decode_token_s``, as our engine measures."""
+    """A decode step's base cost: ``step = min_step_s + running * decode_s_per_seq``, as our engine measures."""
     slots: int = 64
 
     @classmethod
@@ -57,7 +58,7 @@ class Costs:
         """The measured engine, ``speedup`` times faster (default: to the GPU-class prefill rate)."""
         cal = json.loads(path.read_text())
         f = speedup or cls.prefill_tok_s / cal["prefill_tok_s"]
-        costs = cls(cal["prefill_tok_s"] * f, cal["decode_token_s"] / f, cal["step_base_s"] / f)
+        costs = cls(cal["prefill_tok_s"] * f, cal["decode_s_per_seq"] / f, cal["step_base_s"] / f)
         return costs, f
 
 
@@ -110,7 +111,7 @@ class Replica:
             num_running=self.running,
             num_waiting=len(self.slot_waiters),
             prefill_tok_s=self.costs.prefill_tok_s,
-            decode_token_s=self.costs.decode_token_s,
+            decode_s_per_seq=self.costs.decode_s_per_seq,
             max_num_seqs=self.costs.slots,
             step_s=self.costs.min_step_s,
             mean_output_tokens=300.0,
@@ -188,7 +189,7 @@ def simulate(
         heapq.heappush(events, (r.arrival, next(seq), "arrive", i))
 
     def step_s(rep: Replica) -> float:
-        return costs.min_step_s + rep.running * costs.decode_token_s
+        return costs.min_step_s + rep.running * costs.decode_s_per_seq
 
     def start_prefill(rep: Replica, now: float) -> None:
         if rep.prefill_busy or not rep.prefill_queue:
@@ -216,15 +217,14 @@ def simulate(
                         hits[owner] = max(hits[owner], k)
             loads = [rep.load() for rep in replicas]
             clock[0] = now
-            if uses_index:
-                for load in loads:
-                    load.sessions = starts.get(load.replica_id)
-            rid = policy.rank(req, loads, hits).ranked[0]
-            policy.on_routed(req, rid)
+            shared = {load.index_id: starts.get(load.index_id) for load in loads} if uses_index else None
+            decision = policy.rank(req, loads, hits, shared)
+            rid = decision.ranked[0]
+            policy.on_routed(req, rid, decision)
             if uses_index:
                 for h in r.chain:
                     predicted[h] = (rid, now)
-                if req.opens_session:
+                if decision.opens_session:
                     starts.add(rid)
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])

@@ -3,7 +3,7 @@
 An LLM replica runs out of KV memory before it runs out of compute: when its pool is full, requests queue
 and get preempted and cached prefixes are evicted, while the number of ongoing requests (Ray Serve's
 default signal) says little about it: ten requests with long contexts fill a pool that a hundred short
-ones do not. Each replica therefore reports its KV demand (``EngineServer.record_autoscaling_stats``):
+ones do not. Each replica therefore reports its KV demand (``EngineReplica.record_autoscaling_stats``):
 blocks pinned by running requests (cached-but-evictable blocks are free capacity, not demand), blocks its
 waiting requests' prompts need, its pool size, its queue and its preemptions. ``KVPressurePolicy`` sizes
 the deployment so that demand sits at ``target_kv_util`` of the pooled capacity.

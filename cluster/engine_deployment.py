@@ -1,9 +1,11 @@
-"""The engine deployment: one Ray Serve replica = one paged KV engine + its index publisher.
+"""The engine deployment: each Ray Serve replica (``EngineReplica``) runs one paged KV engine and its index
+publisher.
 
-The router (``router/serve_router.py``) sits on this deployment's handle; callers pass one dict per
-request (``generate.remote(body)``) carrying the token ids and the block hashes the ingress computed once,
-so neither the router nor the replica re-tokenizes or re-hashes. Each replica reports its load through
-``record_routing_stats`` and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+The router (``router/serve_router.py``) sits on this deployment's handle; callers pass one
+``GenerateCall`` per request (``generate.remote(call)``) carrying the token ids and the block hashes the
+ingress computed once, so neither the router nor the replica re-tokenizes or re-hashes, and get a stream
+of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``
+and mirrors its prefix cache into Redis under an id with a fresh incarnation.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from replica import AsyncLLM, EngineConfig, SamplingParams
 from router.hashing import first_block_extra, hash_block
 from router.index_publisher import KVIndexPublisher
 from router.index_schema import index_redis_url
+from router.messages import GenerateCall, GenerateChunk, Usage
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ RAY_POW2_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRout
 """``policy="pow2"`` deploys Ray Serve's own default router, the baseline users would otherwise get."""
 
 
-class EngineServer:
+class EngineReplica:
     def __init__(self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh") -> None:
         config = EngineConfig(**engine)
         self.llm = AsyncLLM.from_config(config)
@@ -57,43 +60,46 @@ class EngineServer:
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
 
-    async def generate(self, body: dict) -> AsyncIterator[dict]:
-        """Stream one request: ``body`` has ``prompt_token_ids``, optional ``block_hashes``, ``params``
-        (``SamplingParams`` fields), ``cache_salt`` and ``request_id``. Yields one dict per engine step and
-        sequence (``index``: which of the request's ``n`` sequences)."""
-        params = SamplingParams(**(body.get("params") or {}))
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
+        sequences); the last one carries the request's ``Usage``."""
+        params = SamplingParams(**call.params)
+        unfinished, completion_tokens = params.n, 0
         async for out in self.llm.generate(
-            body["prompt_token_ids"],
+            call.prompt_token_ids,
             params,
-            request_id=body.get("request_id"),
-            cache_salt=body.get("cache_salt"),
-            block_hashes=self._checked_hashes(body),
+            request_id=call.request_id,
+            cache_salt=call.cache_salt,
+            block_hashes=self._checked_hashes(call),
         ):
-            yield {
-                "text": out.delta_text,
-                "token_ids": out.delta_token_ids,
-                "finish_reason": out.finish_reason,
-                "num_cached_tokens": out.num_cached_tokens,
-                "prompt_tokens": len(out.prompt_token_ids),
-                "replica": self.index_id,
-                "index": out.index,
-            }
+            completion_tokens += len(out.delta_token_ids)
+            unfinished -= out.finished
+            usage = None if unfinished else Usage(call.num_tokens, completion_tokens, out.num_cached_tokens)
+            yield GenerateChunk(
+                out.index,
+                out.delta_text,
+                out.delta_token_ids,
+                out.finish_reason,
+                out.num_cached_tokens,
+                self.index_id,
+                usage,
+            )
 
-    def _checked_hashes(self, body: dict) -> list[bytes] | None:
+    def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
         """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
 
         A wrong chain would make the prefix cache serve another prompt's KV, so the first and last blocks
         are recomputed (two block hashes, microseconds): they pin the seed, the tenant salt, the block size
         and, through the chain, every token."""
-        hashes, ids, size = body.get("block_hashes"), body["prompt_token_ids"], self.engine.block_size
-        if not hashes or body.get("block_size") != size or len(hashes) != len(ids) // size:
+        hashes, ids, size = call.block_hashes, call.prompt_token_ids, self.engine.block_size
+        if not hashes or call.block_size != size or len(hashes) != len(ids) // size:
             return None
-        extra = first_block_extra(body.get("cache_salt"))
+        extra = first_block_extra(call.cache_salt)
         first = hash_block(self.engine.hash_seed, ids[:size], extra)
         last_parent = hashes[-2] if len(hashes) > 1 else None
         last = hash_block(last_parent, ids[(len(hashes) - 1) * size : len(hashes) * size]) if last_parent else first
         if hashes[0] != first or hashes[-1] != last:
-            log.warning("request %s: block hashes do not match this engine's; rehashing", body.get("request_id"))
+            log.warning("request %s: block hashes do not match this engine's; rehashing", call.request_id)
             return None
         return hashes
 
@@ -103,14 +109,15 @@ class EngineServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """KV pressure for the autoscaler (``cluster/autoscaling.py``); preemptions since the last report."""
-        report = self.engine.kv_pressure()
+        report = self.engine.snapshot().kv_pressure()
         total = report.pop("num_preemptions")
         report["preemptions"] = total - self._preemptions_seen
         self._preemptions_seen = total
         return report
 
     def record_routing_stats(self) -> dict:
-        return {**self.engine.load_report(), "index_id": self.index_id, "reported_at": time.time()}
+        """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
+        return self.engine.snapshot().load_report(self.index_id, time.time()).as_dict()
 
     def __del__(self) -> None:
         if getattr(self, "publisher", None) is not None:
@@ -159,7 +166,7 @@ def engine_deployment(
     )
     sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     return serve.deployment(
-        EngineServer,
+        EngineReplica,
         name="engine",
         **sizing,
         ray_actor_options=ray_actor_options or {"num_cpus": 0},

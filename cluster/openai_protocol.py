@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from replica.errors import InvalidRequest
 from replica.limits import MAX_ID_CHARS
 from replica.sampling_params import MAX_N, SamplingParams
+from router.messages import Usage
 
 
 class APIError(Exception):
@@ -171,12 +172,13 @@ class CompletionRequest(_Request):
 _Request.model_rebuild()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage_dict(u: Usage) -> dict:
+    """A request's ``Usage`` as OpenAI reports it."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 

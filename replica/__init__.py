@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "AsyncLLM": "replica.async_llm",
     "EngineConfig": "replica.config",
-    "EngineStats": "replica.engine",
+    "EngineStats": "replica.telemetry",
     "LLMEngine": "replica.engine",
-    "RequestOutput": "replica.engine",
+    "RequestOutput": "replica.outputs",
     "LLM": "replica.llm",
     "SamplingParams": "replica.sampling_params",
 }
@@ -21,9 +21,11 @@ __all__ = ["LLM", "AsyncLLM", "EngineConfig", "EngineStats", "LLMEngine", "Reque
 if TYPE_CHECKING:
     from replica.async_llm import AsyncLLM
     from replica.config import EngineConfig
-    from replica.engine import EngineStats, LLMEngine, RequestOutput
+    from replica.engine import LLMEngine
     from replica.llm import LLM
+    from replica.outputs import RequestOutput
     from replica.sampling_params import SamplingParams
+    from replica.telemetry import EngineStats
 
 
 def __getattr__(name: str):

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from replica.config import EngineConfig
-from replica.engine import EngineStats, LLMEngine, RequestOutput
+from replica.engine import LLMEngine
 from replica.errors import RequestFailed
+from replica.outputs import RequestOutput
 from replica.sampling_params import SamplingParams
+from replica.telemetry import EngineStats
 from router.hashing import BlockHash
 
 log = logging.getLogger(__name__)

@@ -26,115 +26,16 @@ from replica.limits import check_for_model, check_prompt_ids, check_request_fiel
 from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
 from replica.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
+from replica.outputs import RequestOutput
 from replica.request import Request, RequestStatus
 from replica.sampler import GREEDY, SamplingTensors, sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledRequest, Scheduler
 from replica.swap import SwapCopies, SwapSpace
+from replica.telemetry import EngineSnapshot, EngineStats, StepRates
 from router.hashing import BlockHash, first_block_extra, model_seed
 
 log = logging.getLogger(__name__)
-
-
-class RequestOutput:
-    """One sequence's state after a step. ``text``/``token_ids`` are cumulative; ``delta_*`` are this step's.
-
-    A request with ``n > 1`` reports each of its sequences separately, under the same ``request_id`` with
-    its ``index`` (0..n-1), so streaming stays one flat list of outputs per step; the request is done when
-    all ``n`` have ``finished``, or at once when one output has ``finish_reason`` "error".
-
-    ``token_ids`` is read from the sequence's own token list when asked for (a step does not copy every
-    sequence's whole output): it holds the tokens up to this output's step."""
-
-    __slots__ = (
-        "_end",
-        "_start",
-        "_tokens",
-        "delta_text",
-        "delta_token_ids",
-        "error",
-        "finish_reason",
-        "index",
-        "num_cached_tokens",
-        "prompt_token_ids",
-        "request_id",
-        "text",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        token_ids: list[int],
-        text: str,
-        delta_text: str,
-        delta_token_ids: list[int],
-        num_cached_tokens: int,
-        finish_reason: str | None = None,
-        index: int = 0,
-        error: str | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._tokens, self._start, self._end = token_ids, 0, len(token_ids)
-        self.text = text
-        self.delta_text = delta_text
-        self.delta_token_ids = delta_token_ids
-        self.num_cached_tokens = num_cached_tokens
-        self.finish_reason = finish_reason
-        self.index = index
-        self.error = error
-        """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
-
-    @classmethod
-    def of(cls, req: Request, delta_token_ids: list[int]) -> RequestOutput:
-        """The output of ``req`` now, without copying its tokens (``token_ids`` slices them when read)."""
-        out = cls.__new__(cls)
-        out.request_id, out.prompt_token_ids, out.index = req.request_id, req.prompt_token_ids, req.index
-        out._tokens, out._start, out._end = req.all_token_ids, len(req.prompt_token_ids), len(req.all_token_ids)
-        out.finish_reason, out.error = req.finish_reason, None
-        detok = req.detokenizer
-        out.text, out.delta_text = detok.text, detok.take_delta(req.finish_reason is not None)
-        out.delta_token_ids, out.num_cached_tokens = delta_token_ids, req.num_cached_tokens  # admitted: >= 0
-        return out
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._tokens[self._start : self._end]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def __repr__(self) -> str:
-        return (
-            f"RequestOutput({self.request_id!r}, index={self.index}, tokens={len(self.token_ids)}, "
-            f"finish_reason={self.finish_reason!r})"
-        )
-
-
-@dataclass
-class EngineStats:
-    kv_usage: float
-    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
-    prefix_hit_rate: float
-    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_swapped_out: int
-    """Preemptions that swapped the sequence to host memory instead of dropping its KV."""
-    num_recomputed_tokens: int
-    """Computed tokens thrown away by preemptions that recompute."""
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    requests_admitted: int
-    """Requests admitted since start (each counted once, however often it was preempted)."""
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens
-    over any window is the ratio of their increments."""
 
 
 @dataclass(slots=True)
@@ -160,59 +61,6 @@ class _PrepareFailed(Exception):
     def __init__(self, batch: list[ScheduledRequest]) -> None:
         super().__init__(f"preparing a step of {len(batch)} requests failed")
         self.batch = batch
-
-
-class StepRates:
-    """Running estimates of this engine's speed, reported to routers to turn queues into seconds.
-
-    ``prefill_tok_s`` comes from steps dominated by prefill (an exponential moving average).
-    ``decode_token_s`` is the *marginal* cost of one more running sequence in a decode step: the slope of
-    ``step_s = base + slope * running`` fitted by exponentially weighted least squares over pure-decode
-    steps. It stays unmeasured (``None``) until steps of different batch sizes were seen; a serving replica
-    runs ``LLMEngine.warm_up`` first, so it reports a measured slope from its first request on.
-    """
-
-    def __init__(self, alpha: float = 0.2, decode_alpha: float = 0.05) -> None:
-        self.prefill_tok_s = 2000.0
-        self.step_s = 0.02
-        self.mean_output_tokens = 128.0
-        self.alpha = alpha
-        self.decode_alpha = decode_alpha
-        self.prefill_measured = False
-        self._fit = [0.0] * 5  # weighted sums: 1, x, y, xx, xy (x = running, y = step seconds)
-
-    def observe_finished(self, output_tokens: int) -> None:
-        self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
-
-    def observe(self, prefill: int, decodes: int, seconds: float) -> None:
-        """One step: ``prefill`` tokens of chunks longer than one token, ``decodes`` one-token sequences."""
-        a = self.alpha
-        self.step_s += a * (seconds - self.step_s)
-        if prefill >= 64 and prefill >= 8 * decodes:
-            rate = prefill / seconds
-            self.prefill_tok_s = (
-                rate if not self.prefill_measured else self.prefill_tok_s + a * (rate - self.prefill_tok_s)
-            )
-            self.prefill_measured = True
-        elif prefill == 0 and decodes:
-            d = self.decode_alpha
-            terms = (1.0, decodes, seconds, decodes * decodes, decodes * seconds)
-            self._fit = [(1 - d) * s + d * t for s, t in zip(self._fit, terms, strict=True)]
-
-    @property
-    def decode_token_s(self) -> float | None:
-        w, sx, sy, sxx, sxy = self._fit
-        if w == 0:
-            return None
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if var < 0.25:  # batch sizes barely varied: base and slope cannot be told apart yet
-            return None
-        # One more sequence cannot cost more than a whole recent step. The fit forgets slowly and keeps
-        # warm-up steps taken while replicas started side by side on shared cores (0.3 s slopes against
-        # 0.016 s steps were reported): routers priced every running sequence at that and moved
-        # conversations off their cached history.
-        return min(max((sxy / w - mx * my) / var, 0.0), my, self.step_s)
 
 
 def _pick_device(name: str | None) -> torch.device:
@@ -713,62 +561,37 @@ class LLMEngine:
             table = self.kv.tables.array[req.kv_row, : len(self.kv.req_blocks[req])].tolist()
             assert table == self.kv.block_ids(req), f"block-table row of {req.request_id} out of date"
 
-    def load_report(self) -> dict:
-        """What routers need to estimate a newcomer's wait here (Ray Serve ``record_routing_stats``)."""
-        s = self.scheduler
-        waiting, running = tuple(s.waiting), tuple(s.running)  # one C-level copy each: a step may be running
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state in one read (the queues copied first: a step may be running in another
+        thread): what the routers' load report, the autoscaler's KV pressure and ``stats`` are made of."""
+        s, pool, size = self.scheduler, self.pool, self.block_size
+        waiting, running = tuple(s.waiting), tuple(s.running)  # one C-level copy each
         pending = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         pending += sum(
             r.num_tokens - r.num_computed_tokens for r in running if r.num_computed_tokens < r.num_tokens - 1
         )
-        return {
-            "pending_prefill_tokens": pending,
-            "num_running": len(running),
-            "num_waiting": len(waiting),
-            "kv_usage": self.pool.usage,
-            # Blocks a newcomer could take once the queue ahead of it is admitted: routers must not send a
-            # long prompt where it would wait for running sequences to finish while another pool has room.
-            "kv_free_blocks": self.pool.num_free - sum(-(-r.num_tokens // self.block_size) for r in waiting),
-            "kv_total_blocks": self.num_blocks,
-            "cache_fill": self.pool.fill,
-            # Unmeasured rates are left out: the router then assumes what the replica's peers measured.
-            "prefill_tok_s": self.rates.prefill_tok_s if self.rates.prefill_measured else None,
-            "decode_token_s": self.rates.decode_token_s,
-            "step_s": self.rates.step_s,
-            "mean_output_tokens": self.rates.mean_output_tokens,
-            "max_num_seqs": self.scheduler.max_num_seqs,
-        }
-
-    def kv_pressure(self) -> dict[str, int]:
-        """KV demand for the autoscaler: blocks pinned by running requests (cached-but-evictable blocks are
-        free capacity, not demand), blocks the waiting requests' prompts will need, the pool size, the queue
-        and the preemption counter. Read from the event loop while a step may run in the engine thread:
-        the queues are copied first (one C-level call each), never iterated live."""
-        size = self.block_size
-        waiting, running = tuple(self.scheduler.waiting), tuple(self.scheduler.running)
-        return {
-            "kv_used_blocks": self.pool.num_used,
-            "kv_waiting_blocks": sum(-(-r.num_tokens // size) for r in waiting),
-            "kv_total_blocks": self.num_blocks,
-            "num_waiting": len(waiting),
-            "num_running": len(running),
-            "num_preemptions": self.scheduler.num_preemptions,
-        }
-
-    def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(
-            kv_usage=self.pool.usage,
-            prefix_hit_rate=s.prompt_tokens_hit / s.prompt_tokens_queried if s.prompt_tokens_queried else 0.0,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
+        return EngineSnapshot(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            pending_prefill_tokens=pending,
+            waiting_blocks=sum(-(-r.num_tokens // size) for r in waiting),
+            num_blocks=self.num_blocks,
+            num_free_blocks=pool.num_free,
+            num_evictable_blocks=pool.num_cached_free,
+            kv_usage=pool.usage,
+            cache_fill=pool.fill,
+            max_num_seqs=s.max_num_seqs,
             num_preemptions=s.num_preemptions,
             num_swapped_out=s.num_swapped_out,
             num_recomputed_tokens=s.num_recomputed_tokens,
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.pool.num_free,
-            num_cached_blocks=self.pool.num_cached_free,
             requests_admitted=s.requests_admitted,
             prompt_tokens=s.prompt_tokens_queried,
             cached_prompt_tokens=s.prompt_tokens_hit,
+            prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,
+            decode_s_per_seq=self.rates.decode_s_per_seq,
+            step_s=self.rates.step_s,
+            mean_output_tokens=self.rates.mean_output_tokens,
         )
+
+    def stats(self) -> EngineStats:
+        return self.snapshot().stats()

@@ -3,39 +3,22 @@
 from __future__ import annotations
 
 from replica.config import EngineConfig
-from replica.engine import EngineStats, LLMEngine, RequestOutput
+from replica.engine import LLMEngine
 from replica.model_files import DEFAULT_MODEL
+from replica.outputs import RequestOutput
 from replica.sampling_params import SamplingParams
+from replica.telemetry import EngineStats
 
 
 class LLM:
     """Generate for many prompts at once through the continuous-batching engine.
 
-    Extra keyword arguments are ``EngineConfig`` fields (``device``, ``dtype``, ``max_model_len``,
-    ``kv_cache_bytes``, ``torch_threads``).
+    Keyword arguments are ``EngineConfig`` fields (``block_size``, ``num_kv_blocks``, ``max_num_seqs``,
+    ``device``, ``dtype``, ``torch_threads``, ...), with ``EngineConfig``'s defaults.
     """
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        enable_prefix_caching: bool = True,
-        **engine_kwargs,
-    ) -> None:
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                **engine_kwargs,
-            )
-        )
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
 
     @property
     def tokenizer(self):

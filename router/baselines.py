@@ -29,12 +29,12 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None) -> Decision:
-        ids = sorted(r.replica_id for r in replicas)
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
+        ids = sorted(r.index_id for r in replicas)
         k = next(self._counter) % len(ids)
         return Decision(ids[k:] + ids[:k], "round_robin")
 
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         pass
 
 
@@ -45,14 +45,14 @@ class PowerOfTwoPolicy:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None) -> Decision:
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
         pair = self._rng.sample(replicas, min(2, len(replicas)))
-        pair.sort(key=lambda r: (r.load, r.replica_id))
-        first = [r.replica_id for r in pair]
+        pair.sort(key=lambda r: (r.load, r.index_id))
+        first = [r.index_id for r in pair]
         rest = [rid for rid in least_loaded(replicas) if rid not in first]
         return Decision(first + rest, "pow2")
 
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         pass
 
 
@@ -64,21 +64,21 @@ class SessionHashPolicy:
         self.epsilon = epsilon
         self.key_blocks = key_blocks
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None) -> Decision:
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
         if req.session_id:
             key = req.session_id.encode()
         elif req.block_hashes:
             key = req.block_hashes[min(self.key_blocks, len(req.block_hashes)) - 1]
         else:
             return Decision(least_loaded(replicas), "no_key")
-        order = sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.replica_id.encode()), reverse=True)
+        order = sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.index_id.encode()), reverse=True)
         bound = (1 + self.epsilon) * (sum(r.load for r in replicas) + 1) / len(replicas)
-        within = [r.replica_id for r in order if r.load + 1 <= bound]
-        over = [r.replica_id for r in order if r.load + 1 > bound]
-        reason = "hash" if within and within[0] == order[0].replica_id else "bounded_load"
+        within = [r.index_id for r in order if r.load + 1 <= bound]
+        over = [r.index_id for r in order if r.load + 1 > bound]
+        reason = "hash" if within and within[0] == order[0].index_id else "bounded_load"
         return Decision(within + over, reason)
 
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         pass
 
 
@@ -99,8 +99,8 @@ class ApproxTreePolicy:
         self.max_blocks = max_blocks_per_replica
         self._trees: dict[str, OrderedDict[bytes, None]] = {}
 
-    def _match(self, replica_id: str, block_hashes) -> int:
-        tree = self._trees.get(replica_id)
+    def _match(self, index_id: str, block_hashes) -> int:
+        tree = self._trees.get(index_id)
         n = 0
         if tree:
             for h in block_hashes:
@@ -109,25 +109,25 @@ class ApproxTreePolicy:
                 n += 1
         return n
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None) -> Decision:
+    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
         loads = [r.load for r in replicas]
         imbalanced = max(loads) - min(loads) > self.balance_abs_threshold and max(
             loads
         ) > self.balance_rel_threshold * min(loads)
         if imbalanced:
             return Decision(least_loaded(replicas), "imbalanced")
-        matches = {r.replica_id: self._match(r.replica_id, req.block_hashes) for r in replicas}
-        best = max(replicas, key=lambda r: (matches[r.replica_id], -r.load))
-        rate = matches[best.replica_id] / max(len(req.block_hashes), 1)
+        matches = {r.index_id: self._match(r.index_id, req.block_hashes) for r in replicas}
+        best = max(replicas, key=lambda r: (matches[r.index_id], -r.load))
+        rate = matches[best.index_id] / max(len(req.block_hashes), 1)
         if rate > self.cache_threshold:
-            rest = [rid for rid in least_loaded(replicas) if rid != best.replica_id]
-            return Decision([best.replica_id, *rest], "tree_match", matches[best.replica_id])
+            rest = [rid for rid in least_loaded(replicas) if rid != best.index_id]
+            return Decision([best.index_id, *rest], "tree_match", matches[best.index_id])
         # Low match: the replica with the smallest tree, i.e. the most free cache.
-        order = sorted(replicas, key=lambda r: (len(self._trees.get(r.replica_id, ())), r.load, r.replica_id))
-        return Decision([r.replica_id for r in order], "smallest_tree")
+        order = sorted(replicas, key=lambda r: (len(self._trees.get(r.index_id, ())), r.load, r.index_id))
+        return Decision([r.index_id for r in order], "smallest_tree")
 
-    def on_routed(self, req: RouteRequest, replica_id: str) -> None:
-        tree = self._trees.setdefault(replica_id, OrderedDict())
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
+        tree = self._trees.setdefault(index_id, OrderedDict())
         for h in req.block_hashes:
             tree[h] = None
             tree.move_to_end(h)

@@ -20,9 +20,12 @@ from redis.exceptions import RedisError
 
 from router.hashing import BlockHash
 from router.index_schema import block_key, chain_arg, index_prefix, script_source
-from router.policy import SESSION_DECAY_S, decayed
+from router.sessions import SESSION_DECAY_S, decayed
 
 log = logging.getLogger(__name__)
+
+SWEEP_PERIOD_S = 1.0
+"""How often an ingress sweeps the index for replicas whose heartbeat expired."""
 
 PURGE_CHUNK = 2000
 
@@ -167,6 +170,16 @@ class PrefixIndex:
         beats = await self.client.mget([f"{self.prefix}hb:{rid}" for rid in ids])
         dead = [rid for rid, beat in zip(ids, beats, strict=True) if beat is None]
         return [rid for rid in dead if await self.purge_replica(rid)]
+
+    async def sweep_forever(self, period_s: float = SWEEP_PERIOD_S) -> None:
+        """``sweep`` every ``period_s`` until cancelled; a Redis outage skips ticks (routing degrades already)."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                for rid in await self.sweep():
+                    log.warning("replica %s stopped beating: its index entries were removed", rid)
+            except (RedisError, OSError) as exc:
+                log.debug("index sweep failed: %r", exc)
 
     def _start_purge(self, replica_id: str) -> None:
         if replica_id in self._purging:

@@ -1,11 +1,11 @@
 """The Ray Serve ``RequestRouter`` that puts kvmesh's routing policies on the engine deployment's handle.
 
 Every process holding a handle to the engine deployment (each ingress replica, each proxy) runs one of
-these. It reads the request's precomputed block hashes from the call's first argument (a dict built by
-the ingress, see ``route_request``), asks the shared Redis index once, combines the answer with each
-replica's reported load (``record_routing_stats``) and the requests it routed itself since that report,
-and returns replicas ranked best first, one per group, so Ray falls back to the next when one is full;
-replicas the policy finds tied share the first group, for Ray to pick the one with the shortest live queue.
+these. It reads the request's precomputed block hashes from the call (a ``GenerateCall``,
+``router/messages.py``), asks the shared Redis index once, combines the answer with each replica's
+``LoadReport`` and the requests it routed itself since that report, and returns replicas ranked best first,
+one per group, so Ray falls back to the next when one is full; replicas the policy finds tied share the
+first group, for Ray to pick the one with the shortest live queue.
 
 It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
 in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
@@ -21,33 +21,19 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 import router.metrics as router_metrics
 from router.baselines import make_policy
 from router.index_schema import index_redis_url
-from router.policy import DEFAULT_PREFILL_TOK_S, SESSION_DECAY_S, ReplicaLoad, RouteRequest
+from router.messages import GenerateCall, LoadReport
+from router.policy import DEFAULT_PREFILL_TOK_S, Decision, ReplicaLoad, RouteRequest
 from router.prefix_index import PrefixIndex
+from router.sessions import SESSION_DECAY_S
 
 log = logging.getLogger(__name__)
 
-LOAD_FIELDS = (
-    "pending_prefill_tokens",
-    "num_running",
-    "num_waiting",
-    "kv_usage",
-    "prefill_tok_s",
-    "decode_token_s",
-    "max_num_seqs",
-    "step_s",
-    "mean_output_tokens",
-    "cache_fill",
-    "kv_free_blocks",
-    "kv_total_blocks",
-)
-"""Fields of a replica's ``record_routing_stats`` report copied into ``ReplicaLoad``."""
 MAX_TRACKED = 100_000
 """Most requests a router remembers as planned or in flight: its memory stays bounded whatever happens."""
 PLANNED_TTL_S = 300.0
@@ -55,13 +41,27 @@ PLANNED_TTL_S = 300.0
 
 
 def route_request(pending: PendingRequest | None) -> RouteRequest | None:
-    """The routing view of a call ``handle.generate.remote({...})``: block hashes, size, session."""
-    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+    """The routing view of a call ``handle.generate.remote(GenerateCall(...))``: hashes, size, session."""
+    if pending is None or not pending.args or not isinstance(call := pending.args[0], GenerateCall):
         return None
-    body: dict[str, Any] = pending.args[0]
-    hashes = body.get("block_hashes") or []
-    session = body.get("session_id") or getattr(pending.metadata, "session_id", None) or None
-    return RouteRequest(hashes, int(body.get("num_tokens") or 0), int(body.get("block_size") or 16), session)
+    session = call.session_id or getattr(pending.metadata, "session_id", None) or None
+    return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session)
+
+
+class _Planned:
+    """A decision made for a request Ray has not sent yet."""
+
+    __slots__ = ("at", "decision", "hits", "index_ids", "request")
+
+    def __init__(
+        self,
+        at: float,
+        request: RouteRequest,
+        hits: dict[str, int],
+        index_ids: dict[ReplicaID, str],
+        decision: Decision,
+    ) -> None:
+        self.at, self.request, self.hits, self.index_ids, self.decision = at, request, hits, index_ids, decision
 
 
 class KVAwareRequestRouter(RequestRouter):
@@ -75,7 +75,6 @@ class KVAwareRequestRouter(RequestRouter):
         policy: str = "kv_aware",
         policy_kwargs: dict | None = None,
         lookup_timeout_s: float = 0.02,
-        max_sessions: int = 100_000,
         max_tracked: int = MAX_TRACKED,
         report_period_s: float = 1.0,
         predict_ttl_s: float = 2.0,
@@ -96,22 +95,18 @@ class KVAwareRequestRouter(RequestRouter):
         self._tasks: set[asyncio.Task] = set()
         self._inflight: OrderedDict[str, ReplicaID] = OrderedDict()
         self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
-        self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._max_sessions = max_sessions
+        """Per replica, what this router sent it (by request): when, and how many tokens to prefill."""
         self._max_tracked = max_tracked
-        self._planned: OrderedDict[str, tuple[float, RouteRequest, dict[str, int], dict[ReplicaID, str]]] = (
-            OrderedDict()
-        )
+        self._planned: OrderedDict[str, _Planned] = OrderedDict()
         """Decisions waiting for Ray to send the request; a request cancelled while queued never is, so
         entries older than ``PLANNED_TTL_S`` go."""
-        self._unacked_starts: Counter[str] = Counter()
-        """Conversations this router started whose count has not reached Redis yet (per index id)."""
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _index_id(replica: RunningReplica) -> str:
-        """The id under which the replica publishes to the index (reported in its routing stats)."""
-        return (replica.routing_stats or {}).get("index_id") or replica.replica_id.unique_id
+        """The id under which the replica publishes to the index (in its load report)."""
+        report = LoadReport.from_dict(replica.routing_stats)
+        return report.index_id if report is not None else replica.replica_id.unique_id
 
     def _queued(
         self, replica_id: ReplicaID, reported_at: float, reported_prefill: int, prefill_tok_s: float
@@ -121,9 +116,8 @@ class KVAwareRequestRouter(RequestRouter):
 
         The replica's queue is a FIFO draining at its prefill rate: the report's backlog first, then what
         this router sent since. Each part shrinks with its age instead of counting in full until the next
-        report: at the default one-second period a report taken while three prompts queued would
-        otherwise keep a replica looking busy for a second after it finished them, and move a conversation
-        away from its cached history (seen on the real-cluster multi-turn test).
+        report: a report taken while prompts queued would otherwise keep a replica looking busy for a
+        whole period after it finished them, and move conversations away from their cached history.
         """
         now = time.time()
         routes = self._recent_routes.get(replica_id)
@@ -140,14 +134,11 @@ class KVAwareRequestRouter(RequestRouter):
         return len(queued), int(reported_left), int(max(0.0, left - reported_left))
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
-        stats = replica.routing_stats or {}
-        load = ReplicaLoad(self._index_id(replica))
-        for key in LOAD_FIELDS:
-            if stats.get(key) is not None:
-                setattr(load, key, stats[key])
+        report = LoadReport.from_dict(replica.routing_stats)
+        load = ReplicaLoad.from_report(report) if report is not None else ReplicaLoad(replica.replica_id.unique_id)
         load.inflight_requests, load.pending_prefill_tokens, load.inflight_prefill_tokens = self._queued(
             replica.replica_id,
-            float(stats.get("reported_at") or 0.0),
+            report.reported_at if report is not None else 0.0,
             load.pending_prefill_tokens,
             load.prefill_tok_s or DEFAULT_PREFILL_TOK_S,
         )
@@ -176,7 +167,7 @@ class KVAwareRequestRouter(RequestRouter):
         if req is None:
             self.decisions["no_routing_info"] += 1
             loads = [self._load(r) for r in candidate_replicas]
-            return [[by_id[ld.replica_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
+            return [[by_id[ld.index_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
         hits: dict[str, int] | None = {}
         starts: dict[str, float] = {}
         if self.policy.uses_index:
@@ -186,26 +177,13 @@ class KVAwareRequestRouter(RequestRouter):
                 with router_metrics.INDEX_LOOKUP_SECONDS.time():
                     hits, starts = await self.index.lookup_with_starts(req.block_hashes, list(by_id))
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
-        loads = [self._load(r) for r in candidate_replicas]
-        if starts:  # plus this router's own starts not yet acknowledged by Redis
-            for load in loads:
-                load.sessions = starts.get(load.replica_id, 0.0) + self._unacked_starts[load.replica_id]
-        decision = self.policy.rank(req, loads, hits)
+        decision = self.policy.rank(req, [self._load(r) for r in candidate_replicas], hits, starts)
         ranked, tied = decision.ranked, decision.tied
-        previous = self._sessions.get(req.session_id) if req.session_id else None
-        if (
-            previous in by_id
-            and previous != ranked[0]
-            and decision.costs
-            and decision.costs[previous] - decision.costs[ranked[0]] <= getattr(self.policy, "override_margin_s", 0.005)
-        ):
-            ranked, tied = [previous, *(r for r in ranked if r != previous)], 1
-            decision.reason = "session"
         self.decisions[decision.reason] += 1
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
             index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
-            self._plan(rid, req, hits or {}, index_ids)
+            self._plan(rid, _Planned(time.monotonic(), req, hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
         # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
@@ -233,11 +211,10 @@ class KVAwareRequestRouter(RequestRouter):
         if len(self._inflight) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
             self._inflight.popitem(last=False)
 
-    def _plan(self, rid: str, req: RouteRequest, hits: dict[str, int], index_ids: dict[ReplicaID, str]) -> None:
-        now = time.monotonic()
-        self._planned[rid] = (now, req, hits, index_ids)
+    def _plan(self, rid: str, planned: _Planned) -> None:
+        self._planned[rid] = planned
         while self._planned and (
-            len(self._planned) > self._max_tracked or next(iter(self._planned.values()))[0] < now - PLANNED_TTL_S
+            len(self._planned) > self._max_tracked or next(iter(self._planned.values())).at < planned.at - PLANNED_TTL_S
         ):
             self._planned.popitem(last=False)
 
@@ -245,28 +222,27 @@ class KVAwareRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = pending_request.metadata.internal_request_id
         planned = self._planned.pop(rid, None)
-        if planned is None or replica_id not in planned[3]:
+        if planned is None or replica_id not in planned.index_ids:
             return
-        _, req, hits, index_ids = planned
-        index_id = index_ids[replica_id]
+        req, hits = planned.request, planned.hits
+        index_id = planned.index_ids[replica_id]
         if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, hits, index_id)
-        self.policy.on_routed(req, index_id)
+        self.policy.on_routed(req, index_id, planned.decision)
         if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
             self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
-        if self.index is not None and req.opens_session and self._background(self._start_session(index_id)):
-            self._unacked_starts[index_id] += 1  # until Redis has it: a burst of new conversations sees itself
-        if req.session_id:
-            self._sessions[req.session_id] = index_id
-            self._sessions.move_to_end(req.session_id)
-            if len(self._sessions) > self._max_sessions:
-                self._sessions.popitem(last=False)
+        if (
+            self.index is not None
+            and planned.decision.opens_session
+            and self._background(self._start_session(index_id))
+        ):
+            self.policy.sessions.unacknowledged[index_id] += 1  # until Redis has it: a burst sees its own starts
 
     async def _start_session(self, index_id: str) -> None:
         try:
             await self.index.start_session(index_id)
         finally:
-            self._unacked_starts[index_id] -= 1
+            self.policy.sessions.unacknowledged[index_id] -= 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)

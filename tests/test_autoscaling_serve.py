@@ -16,8 +16,8 @@ import redis
 
 from cluster.autoscaling import autoscaling_config
 from cluster.engine_deployment import engine_deployment
-from router.hashing import hash_blocks, model_seed
 from router.index_schema import index_prefix
+from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -34,17 +34,11 @@ def running_replicas(serve) -> int:
 
 
 async def call(handle, model: str, tokens: list[int], max_tokens: int) -> tuple[int, str]:
-    body = {
-        "prompt_token_ids": tokens,
-        "block_hashes": hash_blocks(tokens, 16, model_seed(model)),
-        "num_tokens": len(tokens),
-        "block_size": 16,
-        "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-    }
+    request = greedy_call(model, tokens, max_tokens)
     produced, replica = 0, ""
-    async for chunk in handle.remote(body):
-        produced += len(chunk["token_ids"])
-        replica = chunk["replica"]
+    async for chunk in handle.remote(request):
+        produced += len(chunk.token_ids)
+        replica = chunk.replica
     return produced, replica
 
 

@@ -128,12 +128,15 @@ def test_load_report_tells_routers_how_much_kv_room_a_newcomer_has(tiny_llama_di
     """Routers charge a prompt the wait for blocks on a replica whose pool cannot hold it: the report's
     free blocks are the pool's free (or evictable) blocks less what the queued prompts will take."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=24, max_num_seqs=16))
-    assert engine.load_report()["kv_free_blocks"] == 24 and engine.load_report()["kv_total_blocks"] == 24
+
+    def report():
+        return engine.snapshot().load_report("r", 0.0)
+
+    assert report().kv_free_blocks == 24 and report().kv_total_blocks == 24
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     engine.add_request([3000 + i for i in range(300)], params, "running")  # 19 blocks with its first token
     engine.step()
     engine.add_request([5000 + i for i in range(100)], params, "waiting")  # 7 blocks: does not fit beside it
     engine.step()
-    report = engine.load_report()
-    assert report["num_running"] == 1 and report["num_waiting"] == 1
-    assert report["kv_free_blocks"] == engine.pool.num_free - 7 < 0
+    assert report().num_running == 1 and report().num_waiting == 1
+    assert report().kv_free_blocks == engine.pool.num_free - 7 < 0

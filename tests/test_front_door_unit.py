@@ -13,6 +13,7 @@ import pytest
 from cluster.config import ClusterConfig, build_config
 from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cluster.status import render_status
+from router.messages import GenerateCall
 
 
 def test_chat_request_translates_to_sampling_params():
@@ -56,12 +57,13 @@ def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
 def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     import asyncio
 
-    from cluster.ingress import _gather
-    from cluster.openai_protocol import ResponseShape, usage
+    from cluster.generation import gather
+    from cluster.openai_protocol import ResponseShape, usage_dict
+    from router.messages import GenerateChunk, Usage
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
     chat = ResponseShape(chat=True, model="m", n=3)
-    whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage(5, 9, 0))
+    whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage_dict(Usage(5, 9, 0)))
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
         (0, "a", "stop"),
         (1, "b", "length"),
@@ -74,32 +76,35 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
         "finish_reason": None,
         "logprobs": None,
     }
-    text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage(1, 2, 0))
+    text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage_dict(Usage(1, 2, 0)))
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
 
     async def chunks():
-        for index, piece, reason in [(1, "b", None), (0, "a", None), (1, "B", "stop"), (0, "A", "length")]:
-            yield {"index": index, "text": piece, "finish_reason": reason}
+        pieces = [(1, "b", None), (0, "a", None), (1, "B", "stop"), (0, "A", "length")]
+        for i, (index, piece, reason) in enumerate(pieces):
+            yield GenerateChunk(index, piece, [7], reason, 0, "r", Usage(1, 4, 0) if i == 3 else None)
 
-    texts, reasons, last = asyncio.run(_gather(2, chunks()))
-    assert (texts, reasons, last["text"]) == (["aA", "bB"], ["length", "stop"], "A")
+    texts, reasons, last = asyncio.run(gather(2, chunks()))
+    assert (texts, reasons, last.text) == (["aA", "bB"], ["length", "stop"], "A")
 
 
 def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     import asyncio
 
-    from cluster.engine_deployment import EngineServer
+    from cluster.engine_deployment import EngineReplica
 
-    server = EngineServer({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
-    body = {"prompt_token_ids": list(range(100, 137)), "params": {"max_tokens": 4, "temperature": 0, "n": 3}}
+    server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    call = GenerateCall("r", list(range(100, 137)), [], 16, {"max_tokens": 4, "temperature": 0, "n": 3})
 
     async def collect():
-        return [chunk async for chunk in server.generate(body)]
+        return [chunk async for chunk in server.generate(call)]
 
     chunks = asyncio.run(collect())
-    assert sorted(c["index"] for c in chunks) == [0] * 4 + [1] * 4 + [2] * 4
-    assert sorted(c["index"] for c in chunks if c["finish_reason"]) == [0, 1, 2]
-    assert chunks[-1]["finish_reason"] == "length"
+    assert sorted(c.index for c in chunks) == [0] * 4 + [1] * 4 + [2] * 4
+    assert sorted(c.index for c in chunks if c.finish_reason) == [0, 1, 2]
+    assert chunks[-1].finish_reason == "length"
+    assert [c.usage is not None for c in chunks] == [False] * 11 + [True]  # the last one ends the stream
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (37, 12)
     server.engine.check_integrity()
     assert server.engine.pool.num_used == 0
 
@@ -234,15 +239,15 @@ def test_ingress_never_imports_torch(smollm_dir):
 
 
 def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
-    from cluster.engine_deployment import EngineServer
+    from cluster.engine_deployment import EngineReplica
     from router.hashing import first_block_extra, hash_blocks, model_seed
 
-    server = EngineServer({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
     ids = list(range(100, 180))  # 5 full blocks
     seed = model_seed(str(tiny_llama_dir))
 
     def body(hashes, block_size=16, salt=None):
-        return {"prompt_token_ids": ids, "block_hashes": hashes, "block_size": block_size, "cache_salt": salt}
+        return GenerateCall("r", ids, hashes, block_size, cache_salt=salt)
 
     good = hash_blocks(ids, 16, seed, first_block_extra("tenant-a"))
     assert server._checked_hashes(body(good, salt="tenant-a")) == good
@@ -275,11 +280,11 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     import asyncio
     import time
 
-    from cluster.ingress import Ingress
+    from cluster.generation import Generation
     from replica.model_files import load_tokenizer
 
-    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # our class, under Serve's ASGI wrapper
-    ingress.tokenizer = load_tokenizer(smollm_dir)
+    generation = object.__new__(Generation)
+    generation.tokenizer = load_tokenizer(smollm_dir)
     text = "the router keeps prefixes warm " * 30_000
 
     async def main():
@@ -295,14 +300,14 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
 
         task = asyncio.create_task(ticker())
         t0 = time.perf_counter()
-        ids = await ingress._encode(text, chat=False)
+        ids = await generation.encode(text, chat=False)
         took = time.perf_counter() - t0
         done.set()
         await task
         return took, max(gaps), ids
 
     took, worst_gap, ids = asyncio.run(main())
-    assert ids == ingress.tokenizer.encode(text)
+    assert ids == generation.tokenizer.encode(text)
     assert took > 0.1 and worst_gap < max(0.05, took / 4), (took, worst_gap)
 
 
@@ -314,12 +319,13 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
 
     from ray.exceptions import ActorUnavailableError
 
-    import cluster.ingress as ingress_module
-    from cluster.ingress import Ingress, IngressSettings, Prepared
+    import cluster.generation as generation_module
+    from cluster.generation import Generation, ModelLimits, Prepared
     from cluster.openai_protocol import ResponseShape
     from replica.sampling_params import SamplingParams
+    from router.messages import GenerateCall, GenerateChunk, Usage
 
-    monkeypatch.setattr(ingress_module, "RETRY_BACKOFF_S", 0.0)
+    monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
     class Attempt:
         def __init__(self, fail: bool) -> None:
@@ -331,29 +337,33 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
         async def __aiter__(self):
             if self.fail:
                 raise ActorUnavailableError("connection lost", None)
-            yield {"index": 0, "token_ids": [5], "num_cached_tokens": 0, "finish_reason": "length", "text": "x"}
+            yield GenerateChunk(0, "x", [5], "length", 0, "r0", usage=Usage(3, 1, 0))
 
     class Handle:
         def __init__(self) -> None:
-            self.bodies, self.attempts = [], []
+            self.calls, self.attempts = [], []
 
-        def remote(self, body: dict) -> Attempt:
-            self.bodies.append(body)
+        def options(self, **_) -> Handle:
+            return self
+
+        def remote(self, call: GenerateCall) -> Attempt:
+            self.calls.append(call)
             self.attempts.append(Attempt(fail=len(self.attempts) == 0))
             return self.attempts[-1]
 
-    ingress = object.__new__(Ingress.func_or_class.__mro__[1])  # our class, under Serve's ASGI wrapper
-    ingress.settings = IngressSettings(model="m", served_model_name="m", block_size=16)
-    ingress.engine = Handle()
+    handle = Handle()
+    limits = ModelLimits({"m"}, "m", vocab_size=100, max_model_len=64, max_prompt_bytes=1000, max_n=4)
+    generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits)
     shape = ResponseShape(chat=False, model="m")
-    prep = Prepared([1, 2, 3], SamplingParams(max_tokens=1), {"request_id": shape.id}, shape, "completions")
+    call = GenerateCall(shape.id, [1, 2, 3], [], 16, {"max_tokens": 1})
+    prep = Prepared(call, SamplingParams(max_tokens=1), shape, "completions")
 
     async def run():
-        return [chunk async for chunk in ingress._run(prep)]
+        return [chunk async for chunk in generation.stream(prep)]
 
     chunks = asyncio.run(run())
-    assert chunks[-1]["usage"]["completion_tokens"] == 1
-    first, second = ingress.engine.attempts
+    assert chunks[-1].usage.completion_tokens == 1
+    first, second = handle.attempts
     assert first.cancelled and not second.cancelled
-    ids = [b["request_id"] for b in ingress.engine.bodies]
+    ids = [c.request_id for c in handle.calls]
     assert len(set(ids)) == 2 and ids[0] == shape.id

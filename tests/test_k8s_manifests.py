@@ -626,7 +626,7 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
     from prometheus_client.parser import text_string_to_metric_families
 
     from cluster import metrics
-    from cluster.ingress import app
+    from cluster.http_api import app
 
     app_monitor = one(overlay, "PodMonitor", "kvmesh")
     (endpoint,) = app_monitor["spec"]["podMetricsEndpoints"]

@@ -9,7 +9,8 @@ import pytest
 
 from router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
 from router.hashing import hash_blocks, model_seed
-from router.policy import DecayingCounts, KVAwarePolicy, ReplicaLoad, RouteRequest
+from router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
+from router.sessions import DecayingCounts
 
 SEED = model_seed("t")
 
@@ -54,7 +55,7 @@ def route_hot_prefix(rounds_busy: int, n: int = 300) -> Counter:
     concurrent requests, each adding 20 ms to a newcomer's TTFT (a CPU-class decode step share).
     """
     policy = KVAwarePolicy()
-    reps = {r.replica_id: r for r in replicas(4, decode_token_s=0.02)}
+    reps = {r.index_id: r for r in replicas(4, decode_s_per_seq=0.02)}
     holders: set[str] = set()
     busy: list[tuple[int, str]] = []
     chosen = Counter()
@@ -85,7 +86,7 @@ def test_kv_aware_falls_back_to_its_own_recent_decisions_when_the_index_is_down(
     reps = replicas(3)
     first = request(list(range(640)))
     d = policy.rank(first, reps, {"r0": 0, "r1": 0, "r2": 0})
-    policy.on_routed(first, "r2")
+    policy.on_routed(first, "r2", d)
     sibling = request(list(range(640)) + [7] * 40)
     d = policy.rank(sibling, reps, None)
     assert d.ranked[0] == "r2" and d.reason == "index_unavailable_hit"
@@ -119,7 +120,7 @@ def test_session_hash_is_sticky_and_bounded():
     assert all(p.rank(request([i] * 40, "alice"), reps).ranked[0] == home for i in range(5))
     spread = Counter(p.rank(request([1] * 40, f"user{i}"), reps).ranked[0] for i in range(200))
     assert len(spread) == 4
-    next(r for r in reps if r.replica_id == home).num_running = 50  # overloaded: bounded load moves alice
+    next(r for r in reps if r.index_id == home).num_running = 50  # overloaded: bounded load moves alice
     d = p.rank(request([1] * 40, "alice"), reps)
     assert d.ranked[0] != home and d.reason == "bounded_load"
 
@@ -128,11 +129,12 @@ def test_approx_tree_follows_its_own_history_until_imbalanced():
     p = ApproxTreePolicy()
     reps = replicas(3)
     req = request(list(range(800)))
-    first = p.rank(req, reps).ranked[0]
-    p.on_routed(req, first)
+    d = p.rank(req, reps)
+    first = d.ranked[0]
+    p.on_routed(req, first, d)
     again = p.rank(request(list(range(800)) + [5] * 16), reps)
     assert again.ranked[0] == first and again.reason == "tree_match"
-    next(r for r in reps if r.replica_id == first).num_waiting = 100  # 100 vs 0: imbalanced
+    next(r for r in reps if r.index_id == first).num_waiting = 100  # 100 vs 0: imbalanced
     d = p.rank(req, reps)
     assert d.reason == "imbalanced" and d.ranked[0] != first
 
@@ -150,7 +152,7 @@ def test_kv_aware_spreads_new_conversations_while_caches_have_room():
     newcomer down; once caches are full, copying the prefix evicts others and the holder keeps it."""
     policy = KVAwarePolicy(decode_weight=1.0)
     req = request(list(range(480)))  # 30 blocks; the first 8 are the shared system prompt
-    reps = replicas(4, decode_token_s=0.01, mean_output_tokens=32)
+    reps = replicas(4, decode_s_per_seq=0.01, mean_output_tokens=32)
     reps[0].num_running = 4  # the holder already runs four conversations
     hits = {"r0": 8, "r1": 0, "r2": 0, "r3": 0}
     for r in reps:
@@ -159,42 +161,42 @@ def test_kv_aware_spreads_new_conversations_while_caches_have_room():
     assert KVAwarePolicy().rank(req, reps, hits).ranked[0] == "r0"  # the default optimises TTFT alone
     for r in reps:
         r.cache_fill = 1.0
-        r.decode_token_s = 0.0  # decode steps that do not grow with the batch (a GPU below saturation)
+        r.decode_s_per_seq = 0.0  # decode steps that do not grow with the batch (a GPU below saturation)
     assert policy.rank(req, reps, hits).ranked[0] == "r0"
 
 
 def test_kv_aware_keeps_a_conversation_with_its_history_despite_a_busier_replica():
     req = request(list(range(960)))  # 60 blocks of history held by r0
-    reps = replicas(2, decode_token_s=0.01, mean_output_tokens=32)
+    reps = replicas(2, decode_s_per_seq=0.01, mean_output_tokens=32)
     reps[0].num_running, reps[0].cache_fill, reps[1].cache_fill = 1, 0.1, 0.1
     assert KVAwarePolicy(decode_weight=1.0).rank(req, reps, {"r0": 58, "r1": 0}).ranked[0] == "r0"
 
 
 def test_decode_cost_is_the_fitted_slope_not_the_average():
-    from replica.engine import StepRates
+    from replica.telemetry import StepRates
 
     rates = StepRates()
     for _ in range(50):
         rates.observe(0, 4, 0.080 + 4 * 0.005)
-    assert rates.decode_token_s is None  # one batch size only: base and slope not separable
+    assert rates.decode_s_per_seq is None  # one batch size only: base and slope not separable
     for _ in range(200):
         for running in (1, 8, 16):
             rates.observe(0, running, 0.080 + running * 0.005)
-    assert rates.decode_token_s == pytest.approx(0.005, rel=0.05)
+    assert rates.decode_s_per_seq == pytest.approx(0.005, rel=0.05)
 
 
 def test_decode_cost_never_exceeds_a_recent_step():
     """A warm-up on contended cores (slow steps of varied batch sizes) must not price every running
     sequence at a third of a second once steps take 16 ms: routers would move conversations for it."""
-    from replica.engine import StepRates
+    from replica.telemetry import StepRates
 
     rates = StepRates()
     for running in (1, 4, 8, 1, 4, 8):
         rates.observe(0, running, 0.1 + running * 0.05)
-    assert rates.decode_token_s == pytest.approx(0.05, rel=0.05)
+    assert rates.decode_s_per_seq == pytest.approx(0.05, rel=0.05)
     for _ in range(30):
         rates.observe(0, 3, 0.016)
-    assert rates.decode_token_s <= rates.step_s < 0.018
+    assert rates.decode_s_per_seq <= rates.step_s < 0.018
 
 
 def test_new_conversations_are_placed_with_bounded_loads():
@@ -209,8 +211,8 @@ def test_new_conversations_are_placed_with_bounded_loads():
         for i in range(40):
             req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))  # 35 blocks: system + own
             d = policy.rank(req, reps, {"r0": 10, "r1": 0, "r2": 0, "r3": 0})
-            assert req.opens_session
-            policy.on_routed(req, d.ranked[0])
+            assert d.opens_session
+            policy.on_routed(req, d.ranked[0], d)
             starts[d.ranked[0]] += 1
         if expect_spread:
             assert max(starts.values()) <= 1.25 * 40 / 4 + 1 and len(starts) == 4
@@ -219,11 +221,12 @@ def test_new_conversations_are_placed_with_bounded_loads():
     policy = KVAwarePolicy()  # a few conversations per router: the slack never leaves a replica without any
     for i in range(8):
         req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
-        policy.on_routed(req, policy.rank(req, reps, {"r0": 10, "r1": 0, "r2": 0, "r3": 0}).ranked[0])
-    assert [round(policy._sessions.get(f"r{i}")) for i in range(4)] == [2, 2, 2, 2]
+        d = policy.rank(req, reps, {"r0": 10, "r1": 0, "r2": 0, "r3": 0})
+        policy.on_routed(req, d.ranked[0], d)
+    assert [round(policy.sessions.local.get(f"r{i}")) for i in range(4)] == [2, 2, 2, 2]
     history = request(system + list(range(500, 900)))
     d = KVAwarePolicy().rank(history, reps, {"r0": 0, "r1": 0, "r2": 0, "r3": 30})  # r3 holds 30 of 35 blocks
-    assert not history.opens_session and d.ranked[0] == "r3"
+    assert not d.opens_session and d.ranked[0] == "r3"
     with pytest.raises(ValueError, match="session_balance"):
         KVAwarePolicy(session_balance=0.5)
 
@@ -248,11 +251,11 @@ def test_replicas_interchangeable_on_what_the_router_knows_are_reported_tied():
     policy = KVAwarePolicy(tie_margin=1.0)
     for i in range(3):  # three conversations start on r1, r2, r3; the cap (ceil(4/4) = 1) then bars them
         new = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
-        policy.rank(new, replicas(4), {"r0": 10, "r1": 10, "r2": 10, "r3": 10})  # marks it a conversation start
-        policy.on_routed(new, f"r{i + 1}")
+        d = policy.rank(new, replicas(4), {"r0": 10, "r1": 10, "r2": 10, "r3": 10})  # a conversation start
+        policy.on_routed(new, f"r{i + 1}", d)
     new = request(system + list(range(20_000, 20_400)))
     d = policy.rank(new, replicas(4), {"r0": 10, "r1": 10, "r2": 10, "r3": 10})
-    assert new.opens_session and d.ranked[0] == "r0" and d.tied == 1
+    assert d.opens_session and d.ranked[0] == "r0" and d.tied == 1
     with pytest.raises(ValueError, match="tie_margin"):
         KVAwarePolicy(tie_margin=-1)
 
@@ -261,7 +264,7 @@ def test_routers_sharing_counts_of_conversation_starts_balance_together():
     """Eight router processes (Ray Serve runs one per handle-holding process) each placing two new
     conversations, all preferring the replica holding the system prompt: counted per router, every router
     starts its two on the same two cheapest replicas; with the counts the index shares
-    (``ReplicaLoad.sessions``) the fleet ends within the bound."""
+    (``shared_starts``) the fleet ends within the bound."""
     system = list(range(160))
 
     def place(shared: bool) -> list[int]:
@@ -271,10 +274,10 @@ def test_routers_sharing_counts_of_conversation_starts_balance_together():
             policy = routers[i % 8]
             req = request(system + list(range(10_000 + 400 * i, 10_400 + 400 * i)))
             reps = replicas(4)
-            for r in reps:
-                r.sessions = float(starts[r.replica_id]) if shared else None
-            rid = policy.rank(req, reps, {"r0": 10, "r1": 1, "r2": 0, "r3": 0}).ranked[0]
-            policy.on_routed(req, rid)
+            counts = {r.index_id: float(starts[r.index_id]) for r in reps} if shared else None
+            d = policy.rank(req, reps, {"r0": 10, "r1": 1, "r2": 0, "r3": 0}, counts)
+            rid = d.ranked[0]
+            policy.on_routed(req, rid, d)
             starts[rid] += 1
         return [starts[f"r{i}"] for i in range(4)]
 
@@ -316,11 +319,14 @@ def test_a_long_prompt_goes_where_the_kv_pool_has_room():
 def test_prompts_sharing_nothing_go_by_cost_not_by_the_conversation_bound():
     """A replica just added has started no conversations. A prompt nobody holds any of must still go where
     it waits least, not to the newcomer because of its count; one on a shared system prompt is bounded."""
-    old = ReplicaLoad("r0", prefill_tok_s=2000, sessions=12.0)  # idle, many conversations started
-    new = ReplicaLoad("r1", prefill_tok_s=2000, sessions=0.0, pending_prefill_tokens=4000)  # busy prefilling
+    old = ReplicaLoad("r0", prefill_tok_s=2000)  # idle, many conversations started
+    new = ReplicaLoad("r1", prefill_tok_s=2000, pending_prefill_tokens=4000)  # busy prefilling, none started
+    starts = {"r0": 12.0, "r1": 0.0}
     fresh = request(list(range(50_000, 50_400)))
-    assert KVAwarePolicy().rank(fresh, [old, new], {"r0": 0, "r1": 0}).ranked[0] == "r0"
-    assert not fresh.opens_session
+    d = KVAwarePolicy().rank(fresh, [old, new], {"r0": 0, "r1": 0}, starts)
+    assert d.ranked[0] == "r0"
+    assert not d.opens_session
     on_system_prompt = request(list(range(160)) + list(range(60_000, 60_400)))
-    assert KVAwarePolicy().rank(on_system_prompt, [old, new], {"r0": 10, "r1": 0}).ranked[0] == "r1"
-    assert on_system_prompt.opens_session
+    d = KVAwarePolicy().rank(on_system_prompt, [old, new], {"r0": 10, "r1": 0}, starts)
+    assert d.ranked[0] == "r1"
+    assert d.opens_session

@@ -263,7 +263,7 @@ def test_fuzzing_the_api_from_its_openapi_schema_finds_no_server_error(server, t
     generator's own trouble."""
     import xml.etree.ElementTree as ET
 
-    from cluster.ingress import app
+    from cluster.http_api import app
 
     schema = tmp_path / "openapi.json"
     schema.write_text(json.dumps(app.openapi()))

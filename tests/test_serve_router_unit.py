@@ -13,6 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from cluster.embedded_redis import free_port
 from router.hashing import hash_blocks, model_seed
 from router.index_publisher import KVIndexPublisher
+from router.messages import GenerateCall
 from router.serve_router import KVAwareRequestRouter
 
 DEP = DeploymentID(name="engine", app_name="unit")
@@ -36,14 +37,9 @@ def replicas(n, **stats):
 
 
 def pending(tokens, i, session=None):
-    body = {
-        "block_hashes": hash_blocks(tokens, 16, model_seed("m")),
-        "num_tokens": len(tokens),
-        "block_size": 16,
-        "session_id": session,
-    }
+    call = GenerateCall(f"q{i}", list(tokens), hash_blocks(tokens, 16, model_seed("m")), 16, session_id=session)
     return SimpleNamespace(
-        args=[body],
+        args=[call],
         kwargs={},
         metadata=SimpleNamespace(internal_request_id=f"q{i}", session_id=None),
         routing_context=SimpleNamespace(should_backoff=False),
@@ -223,11 +219,8 @@ def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
         for i in range(200):  # decided, then cancelled: Ray never calls on_request_routed / _completed
             await router.choose_replicas(reps, pending([i % 7] * 40, i))
         assert len(router._planned) <= 50 and len(router._inflight) <= 50
-        router._planned[next(iter(router._planned))] = (
-            time.monotonic() - 1e6,
-            *next(iter(router._planned.values()))[1:],
-        )
+        next(iter(router._planned.values())).at = time.monotonic() - 1e6  # a decision long ago
         await router.choose_replicas(reps, pending([1] * 40, 999))
-        assert all(t > time.monotonic() - serve_router.PLANNED_TTL_S for t, *_ in router._planned.values())
+        assert all(p.at > time.monotonic() - serve_router.PLANNED_TTL_S for p in router._planned.values())
 
     asyncio.run(main())

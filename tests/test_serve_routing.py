@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from cluster.engine_deployment import engine_deployment
-from router.hashing import hash_blocks, model_seed
+from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -29,18 +29,11 @@ def engine_handle(ray_serve, redis_server, tiny_llama_dir):
 
 
 async def call(handle, model, tokens, max_tokens=8, session=None):
-    body = {
-        "prompt_token_ids": tokens,
-        "block_hashes": hash_blocks(tokens, 16, model_seed(model)),
-        "num_tokens": len(tokens),
-        "block_size": 16,
-        "session_id": session,
-        "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-    }
+    request = greedy_call(model, tokens, max_tokens, session)
     reply, cached, replica = [], 0, None
-    async for chunk in handle.remote(body):
-        reply += chunk["token_ids"]
-        cached, replica = chunk["num_cached_tokens"], chunk["replica"]
+    async for chunk in handle.remote(request):
+        reply += chunk.token_ids
+        cached, replica = chunk.num_cached_tokens, chunk.replica
     return reply, cached, replica
 
 

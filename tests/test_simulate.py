@@ -27,8 +27,8 @@ def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
 
 def test_calibrated_costs_keep_the_measured_balance(tmp_path):
     cal = tmp_path / "calibration.json"
-    cal.write_text(json.dumps({"prefill_tok_s": 1000.0, "step_base_s": 0.03, "decode_token_s": 0.002}))
+    cal.write_text(json.dumps({"prefill_tok_s": 1000.0, "step_base_s": 0.03, "decode_s_per_seq": 0.002}))
     costs, speedup = Costs.from_calibration(cal)
     assert speedup == 20.0 and costs.prefill_tok_s == 20_000.0  # brought to the GPU-class prefill rate
-    assert costs.min_step_s == 0.03 / 20 and costs.decode_token_s == 0.002 / 20
+    assert costs.min_step_s == 0.03 / 20 and costs.decode_s_per_seq == 0.002 / 20
     assert Costs.from_calibration(cal, speedup=2.0)[0].prefill_tok_s == 2000.0

@@ -1,0 +1,277 @@
+"""One generation, as the ingress runs it for HTTP and gRPC alike: prepare the call, stream its chunks.
+
+``prepare`` validates the request (cheap checks first: nothing is rendered or tokenized for a request
+whose size alone says it cannot fit), renders the chat template, tokenizes once (long texts in a worker
+thread) and hashes the prompt's blocks once, into a ``GenerateCall``. ``stream`` sends it to the engine
+deployment, whose router picks the replica, and yields its ``GenerateChunk``s with the request's metrics
+recorded. A replica that fails before the first token costs nothing: the call is cancelled and sent
+again under a fresh id (up to twice, after a short back-off). After the first token a failure ends the
+stream with an ``APIError`` naming the cause. Torch-free: the tokenizer alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from jinja2 import TemplateError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from cluster import metrics
+from cluster.admission import RETRY_AFTER_S
+from cluster.openai_protocol import APIError, ResponseShape
+from replica.errors import InvalidRequest, RequestFailed
+from replica.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
+from replica.model_files import render_chat
+from replica.sampling_params import SamplingParams
+from router.hashing import first_block_extra, hash_blocks, model_seed
+from router.messages import GenerateCall, GenerateChunk
+
+log = logging.getLogger(__name__)
+
+REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
+"""What a handle raises when the replica serving a call died or became unreachable."""
+RETRY_ATTEMPTS, RETRY_BACKOFF_S = 3, 0.25
+"""A request whose replica dies before its first token is sent up to twice more, after 0.25 s then 0.5 s."""
+TOKENIZE_INLINE_CHARS = 8192
+"""Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized and hashed, ready for the engine."""
+
+    call: GenerateCall
+    params: SamplingParams
+    shape: ResponseShape
+    api: str
+    """``chat``, ``completions`` or ``grpc``: the label of its metrics."""
+
+
+@dataclass
+class ModelLimits:
+    """What a request is checked against: the served model's names, vocabulary, context and tokens."""
+
+    names: set[str]
+    served_name: str
+    vocab_size: int
+    max_model_len: int
+    max_prompt_bytes: int
+    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``replica/limits.py``)."""
+    max_n: int
+
+
+class Generation:
+    """Prepares and streams generations against the engine deployment's handle, for one served model."""
+
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        tokenizer,
+        model: str,
+        block_size: int,
+        limits: ModelLimits,
+        share_prefix_cache: bool = False,
+    ) -> None:
+        self.engine = engine.options(method_name="generate", stream=True)
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.seed = model_seed(model)
+        self.limits = limits
+        self.share_prefix_cache = share_prefix_cache
+
+    # ------------------------------------------------------------------ preparing
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The salt a request's blocks are hashed with: the client's own, keyed by its API key unless the
+        operator shares one cache across keys. Tenants then neither share nor can probe each other's cached
+        prefixes (``cached_tokens`` would otherwise tell one whether another's prompt is cached)."""
+        if not tenant or self.share_prefix_cache:
+            return client_salt
+        return f"key:{tenant}" + (f"|{client_salt}" if client_salt is not None else "")
+
+    async def encode(self, text: str, chat: bool) -> list[int]:
+        """Token ids of ``text`` (a rendered chat carries its own special tokens); long texts in a worker
+        thread (the tokenizer releases the GIL), so other streams on this event loop keep flowing."""
+        if len(text) < TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=not chat)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=not chat)
+
+    def _too_long(self, param: str) -> APIError:
+        return APIError(
+            f"This model's maximum context length is {self.limits.max_model_len} tokens; the request's text is "
+            "longer than that many tokens could be",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    async def prepare(
+        self,
+        model: str,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        params: SamplingParams,
+        api: str,
+        tenant: str,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+    ) -> Prepared:
+        """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused."""
+        lim = self.limits
+        if model and model not in lim.names:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{lim.served_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+                kind="invalid_request_error",
+            )
+        try:
+            check_request_fields(cache_salt=cache_salt, session_id=session_id)
+            check_for_model(params, lim.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        if params.n > lim.max_n:
+            raise APIError(
+                f"n must be at most {lim.max_n} on this server (a replica's choices run at once), got {params.n}",
+                param="n",
+            )
+        param = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            if len(messages) > MAX_MESSAGES:
+                raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
+            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            try:
+                text = render_chat(self.tokenizer, messages)
+            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
+                raise APIError(f"messages: {exc}", param=param) from exc
+            ids = await self.encode(text, chat=True)
+        elif isinstance(prompt, str):
+            if len(prompt) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            ids = await self.encode(prompt, chat=False)
+        else:
+            ids = list(prompt or [])
+            if len(ids) > lim.max_model_len:
+                raise self._too_long(param)
+            try:
+                check_prompt_ids(ids, lim.vocab_size)
+            except InvalidRequest as exc:
+                raise APIError(str(exc), param=param) from exc
+        if not ids:
+            raise APIError("prompt is empty", param=param)
+        wanted = len(ids) + (params.max_tokens or 1)
+        if wanted > lim.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {lim.max_model_len} tokens; the request needs "
+                f"{wanted} ({len(ids)} prompt + {params.max_tokens or 1} completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        salt = self.cache_salt(tenant, cache_salt)
+        hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
+        shape = ResponseShape(chat=messages is not None, model=lim.served_name, n=params.n)
+        call = GenerateCall(shape.id, ids, hashes, self.block_size, params.__dict__, session_id, salt)
+        return Prepared(call, params, shape, api)
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks (of its ``n`` choices, interleaved), its metrics recorded; the last carries
+        ``usage``. Engine-side refusals surface as ``APIError`` before anything is yielded."""
+        model = self.limits.served_name
+        t0 = time.perf_counter()
+        last, n_out, outcome, usage = t0, 0, "error", None
+        last_of_choice: dict[int, float] = {}  # inter-token latency is measured within each choice
+        stream = None
+        try:
+            for attempt in range(1, RETRY_ATTEMPTS + 1):
+                # Each attempt is a new engine request: a replica still running the first must not see the
+                # same id again, and the first is cancelled before the retry goes out.
+                call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
+                stream = self.engine.remote(call)
+                try:
+                    async for chunk in stream:
+                        now, previous = time.perf_counter(), last_of_choice.get(chunk.index)
+                        if n_out == 0:
+                            metrics.TTFT.labels(model).observe(now - t0)
+                        elif chunk.token_ids and previous is not None:
+                            metrics.INTER_TOKEN.labels(model).observe((now - previous) / len(chunk.token_ids))
+                        last = last_of_choice[chunk.index] = now
+                        n_out += len(chunk.token_ids)
+                        if chunk.usage is not None:
+                            outcome, usage = "ok", chunk.usage
+                        yield chunk
+                    break
+                except REPLICA_FAILURES as exc:
+                    if n_out or attempt == RETRY_ATTEMPTS:
+                        raise
+                    stream.cancel()
+                    metrics.RETRIES.labels(model).inc()
+                    log.warning(
+                        "request %s: its replica failed before the first token (%r); retrying", call.request_id, exc
+                    )
+                    # Routers learn of a death through Serve's long poll; until then a retry may be offered
+                    # the same dead replica, so back off a little before each new attempt.
+                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        except BackPressureError as exc:
+            outcome = "rejected"
+            raise APIError(
+                "Every replica is busy and the queue is full; retry shortly",
+                503,
+                code="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
+            outcome = "client_error"
+            cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
+            raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
+        except REPLICA_FAILURES as exc:
+            log.warning("request %s: its replica failed after %d tokens: %r", prep.call.request_id, n_out, exc)
+            raise APIError(
+                f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens; "
+                "retry the request",
+                503,
+                code="replica_failed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
+            if stream is not None:
+                stream.cancel()
+            cause = getattr(exc, "cause", None) or exc
+            log.warning("request %s failed in the engine: %r", prep.call.request_id, cause)
+            # A request the engine failed alone says why (its own data broke a step); anything else only
+            # names the exception's type.
+            detail = str(cause) if isinstance(cause, RequestFailed) else type(cause).__name__
+            raise APIError(f"generation failed: {detail}", 500, code="generation_failed") from exc
+        except BaseException:
+            outcome = "aborted" if outcome == "error" and n_out else outcome
+            if stream is not None:
+                stream.cancel()  # the client left or the caller failed: free the engine's blocks now
+            raise
+        finally:
+            metrics.REQUESTS.labels(model, prep.api, outcome).inc()
+            if usage is not None:
+                metrics.E2E.labels(model).observe(last - t0)
+                metrics.PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
+                metrics.CACHED_TOKENS.labels(model).inc(usage.cached_tokens)
+                metrics.GENERATED_TOKENS.labels(model).inc(usage.completion_tokens)
+
+
+async def gather(n: int, chunks: AsyncIterator[GenerateChunk]) -> tuple[list[str], list[str | None], GenerateChunk]:
+    """A whole response from a request's chunks: each choice's text and finish reason, and the last chunk
+    (it carries ``usage``)."""
+    texts: list[str] = [""] * n
+    reasons: list[str | None] = [None] * n
+    last = None
+    async for chunk in chunks:
+        texts[chunk.index] += chunk.text
+        reasons[chunk.index] = chunk.finish_reason or reasons[chunk.index]
+        last = chunk
+    if last is None or last.usage is None:
+        raise APIError("the engine ended the request without output", status=500)
+    return texts, reasons, last

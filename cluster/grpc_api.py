@@ -1,0 +1,141 @@
+"""kvmesh's gRPC API (``cluster/proto/kvmesh.proto``, service ``kvmesh.KVMesh``) on the ingress.
+
+The same generations as HTTP, with HTTP's API keys (``authorization`` metadata), in-flight limit and body
+limit. Under ``kvmesh serve`` the ingress serves it itself on ``--host`` (``serve_grpc``); under a Ray
+Serve config file Ray's gRPC proxy calls the same methods. Errors become gRPC status codes whose details
+start with the offending field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from cluster import metrics
+from cluster.admission import Admission
+from cluster.generation import Generation, Prepared, gather
+from cluster.openai_protocol import CHAT_ROLES, APIError, sampling_params
+from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from replica.limits import MAX_MESSAGES
+from router.messages import Usage
+
+GRPC_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def serve_grpc(servicer: GrpcApi, host: str, port: int, max_message_bytes: int) -> grpc.aio.Server:
+    """A gRPC server for ``servicer`` on ``host:port`` (not started), refusing messages over the limit
+    before anything reads them."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes)])
+    kvmesh_pb2_grpc.add_KVMeshServicer_to_server(servicer, server)
+    address = f"{host}:{port}"
+    if not server.add_insecure_port(address):
+        raise RuntimeError(f"gRPC cannot listen on {address}")
+    return server
+
+
+def _usage(u: Usage) -> kvmesh_pb2.Usage:
+    return kvmesh_pb2.Usage(
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens
+    )
+
+
+async def _fail(grpc_context, exc: APIError) -> NoReturn:
+    """End the call with the status matching ``exc`` and details naming its parameter: ``abort`` on the
+    ingress's own server; Ray's proxy context has no abort and reads the code and details set on it when
+    the handler raises."""
+    code = GRPC_STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
+    details = exc.message if not exc.param or exc.message.startswith(exc.param) else f"{exc.param}: {exc.message}"
+    if hasattr(grpc_context, "abort"):
+        await grpc_context.abort(code, details)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    raise exc
+
+
+class GrpcApi:
+    """The ingress's gRPC methods (mixed into ``cluster.ingress.Ingress``; named as the proto names them)."""
+
+    generation: Generation
+    admission: Admission
+
+    async def _prepare_grpc(self, request: kvmesh_pb2.GenerateRequest, tenant: str) -> Prepared:
+        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+        params = sampling_params(
+            **{f: getattr(request, f) for f in optional if request.HasField(f)}, stop=list(request.stop)
+        )
+        if len(request.messages) > MAX_MESSAGES:
+            raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+        if messages and any(m["role"] not in CHAT_ROLES for m in messages):
+            raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
+        return await self.generation.prepare(
+            request.model,
+            request.prompt,
+            messages,
+            params,
+            "grpc",
+            tenant,
+            request.cache_salt or None,
+            request.session_id or None,
+        )
+
+    def _admit(self, grpc_context) -> str:
+        """The caller's tenant, once its key and the in-flight limit let it in (``release`` when done)."""
+        metadata = {k.lower(): v for k, v in (grpc_context.invocation_metadata() or ())}
+        tenant = self.admission.keys.tenant(metadata.get("authorization"))
+        if tenant is None:
+            metrics.REFUSED.labels("unauthenticated").inc()
+            raise APIError(
+                "Invalid or missing API key (metadata authorization: Bearer <key>)", 401, code="invalid_api_key"
+            )
+        if not self.admission.inflight.acquire():
+            metrics.REFUSED.labels("over_capacity").inc()
+            raise APIError("The server is at capacity; retry shortly", 429, code="rate_limit_exceeded")
+        return tenant
+
+    async def Generate(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> AsyncIterator:
+        try:
+            tenant = self._admit(grpc_context)
+        except APIError as exc:
+            await _fail(grpc_context, exc)
+        try:
+            async for chunk in self.generation.stream(await self._prepare_grpc(request, tenant)):
+                yield kvmesh_pb2.GenerateChunk(
+                    text=chunk.text,
+                    finish_reason=chunk.finish_reason or "",
+                    usage=_usage(chunk.usage) if chunk.usage is not None else None,
+                    index=chunk.index,
+                )
+        except APIError as exc:
+            await _fail(grpc_context, exc)
+        finally:
+            self.admission.inflight.release()
+
+    async def Complete(self, request: kvmesh_pb2.GenerateRequest, grpc_context) -> kvmesh_pb2.Completion:
+        try:
+            tenant = self._admit(grpc_context)
+        except APIError as exc:
+            await _fail(grpc_context, exc)
+        try:
+            prep = await self._prepare_grpc(request, tenant)
+            texts, reasons, last = await gather(prep.shape.n, self.generation.stream(prep))
+        except APIError as exc:
+            await _fail(grpc_context, exc)
+        finally:
+            self.admission.inflight.release()
+        choices = [
+            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r)
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
+        return kvmesh_pb2.Completion(
+            id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices
+        )
