@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import kernels.torch_attention
 from benchmarks.report import median, print_table, write_json
 from kernels import AttentionMetadata
-from kernels.cpu_extension import paged_decode_kernel
+from kernels.cpu_extension import cpu_op
 from kernels.torch_attention import paged_attention_torch
 
 
@@ -68,15 +68,15 @@ def cpu_overhead(repeats: int) -> dict:
     k, v = contiguous(meta, kc, ctx), contiguous(meta, vc, ctx)
     qs = q.view(batch, heads, 1, d)
     scale = d**-0.5
-    if paged_decode_kernel() is None:
+    if cpu_op("paged_decode") is None:
         raise SystemExit("the CPU decode kernel did not build (see the warning above)")
 
     def gather_route():
-        kernels.torch_attention.paged_decode_kernel = lambda: None  # what runs where no compiler is
+        kernels.torch_attention.cpu_op = lambda name: None  # what runs where no compiler is
         try:
             return paged_attention_torch(q, kc, vc, meta, scale)
         finally:
-            kernels.torch_attention.paged_decode_kernel = paged_decode_kernel
+            kernels.torch_attention.cpu_op = cpu_op
 
     paged, gather, sdpa = [], [], []
     for _ in range(5):  # interleaved rounds: machine noise hits all three alike

@@ -95,7 +95,7 @@ def teacher_forced_logprobs(llm: LLM, tokens: list[int], start: int) -> torch.Te
     meta = AttentionMetadata.build([n], [n], [list(range(nb))], runner.block_size, runner.device)
     ids = torch.tensor(tokens, device=runner.device)
     rows = torch.arange(start - 1, n - 1, device=runner.device)
-    with forward_context(ForwardContext(meta, runner.kv_caches)):
+    with forward_context(ForwardContext(meta, runner.kv_caches, runner.kernels)):
         logits = runner.model(ids, torch.arange(n, device=runner.device), rows).float()
     engine.reset_prefix_cache()
     return logits.log_softmax(-1)

@@ -1,9 +1,10 @@
-"""Attention kernels over the paged KV cache, with device dispatch.
+"""The model's kernels, with device dispatch: attention over the paged KV cache and the elementwise layers.
 
-``store_kv`` and ``paged_attention`` pick their backend per call from the tensor's device: the Triton
-kernels on CUDA (``kernels/triton_attention.py``), the vectorized torch path elsewhere
-(``kernels/torch_attention.py``). ``KVMESH_ATTENTION_BACKEND=torch|triton`` overrides the choice; tests use
-it to run the Triton kernels on the CPU under ``TRITON_INTERPRET=1``.
+``model_kernels(device)`` picks them once, for a model runner's device. Attention: the Triton kernels on
+CUDA (``kernels/triton_attention.py``), the vectorized torch path elsewhere (``kernels/torch_attention.py``);
+``KVMESH_ATTENTION_BACKEND=torch|triton`` overrides the choice (read when the kernels are picked), which
+tests use to run the Triton kernels on the CPU under ``TRITON_INTERPRET=1``. Elementwise layers: compiled
+on the CPU, torch elsewhere (``kernels/layers.py``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from kernels.layers import CPU_LAYERS, TORCH_LAYERS, cpu_layers_available
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
 
-__all__ = ["AttentionMetadata", "attention_backend", "check_block_size", "paged_attention", "store_kv"]
+__all__ = ["AttentionMetadata", "Kernels", "attention_backend", "check_block_size", "model_kernels"]
 
 BACKENDS = ("torch", "triton")
 log = logging.getLogger(__name__)
@@ -47,32 +50,45 @@ def check_block_size(block_size: int, device: torch.device) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """Every kernel the model's forward pass calls, picked once for a model runner's device.
+
+    ``store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`` writes new K/V
+    ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips); ``k_scale`` and
+    ``v_scale`` are a quantized cache's scales (``kernels/quant.py``), None for a plain cache.
+
+    ``paged_attention(q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, window=None, out=None)``
+    is causal attention of the batch's new queries over their cached prefixes and themselves; ``window``:
+    sliding-window attention (each query sees its last ``window`` positions), None for full.
+
+    ``rms_norm``, ``add_rms_norm``, ``silu_and_mul`` and ``rotary``: the elementwise layers
+    (``kernels/layers.py``, which says what each may overwrite).
+    """
+
+    backend: str
+    """The attention backend: ``torch`` or ``triton``."""
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def model_kernels(device: torch.device) -> Kernels:
+    """The kernels a model on ``device`` runs with (see the module docstring)."""
+    return _kernels(attention_backend(device), cpu_layers_available(device))
+
+
 @functools.cache
-def _impls(backend: str) -> tuple[Callable, Callable]:
+def _kernels(backend: str, cpu_layers: bool) -> Kernels:
+    layers = CPU_LAYERS if cpu_layers else TORCH_LAYERS
     if backend == "triton":
         try:
             from kernels.triton_attention import paged_attention_triton, store_kv_triton
         except ImportError as exc:  # a CUDA torch without triton: still serve, slower
             log.warning("triton unavailable (%s); using the torch attention path", exc)
         else:
-            return store_kv_triton, paged_attention_triton
-    return store_kv_torch, paged_attention_torch
-
-
-def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Write new K/V ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips).
-
-    ``k_scale``/``v_scale``: a quantized cache's scales (``kernels/quant.py``), None for a plain cache.
-    """
-    _impls(attention_backend(key.device))[0](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None, window=None
-) -> torch.Tensor:
-    """Causal attention of the batch's new queries over their cached prefixes and themselves.
-
-    ``window``: sliding-window attention (each query sees its last ``window`` positions), None for full.
-    """
-    impl = _impls(attention_backend(q.device))[1]
-    return impl(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale, window=window)
+            return Kernels("triton", store_kv_triton, paged_attention_triton, *layers)
+    return Kernels("torch", store_kv_torch, paged_attention_torch, *layers)

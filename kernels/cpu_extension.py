@@ -6,6 +6,8 @@
 - ``sample_rows`` and ``argmax_rows`` (``csrc/sample_cpu.cpp``): the sampler's rejection path
   (``replica/sampler.py``) fused, a few passes over each row of logits instead of a dozen torch kernels
   with temporaries, and a greedy argmax several times faster than torch's on long rows.
+- ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/layers_cpu.cpp``): the model's
+  elementwise layers in one pass each (``kernels/layers.py``).
 
 torch's extension builder compiles them on first use (a few seconds) into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and later processes load the cached
@@ -32,7 +34,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.cpp", "sample_cpu.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.cpp", "sample_cpu.cpp", "layers_cpu.cpp")
+]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -82,16 +86,7 @@ def _load() -> bool:
     return True
 
 
-def paged_decode_kernel() -> Callable | None:
-    """``torch.ops.kvmesh_cpu.paged_decode`` once built and loaded, or None (the torch gather path serves)."""
-    return torch.ops.kvmesh_cpu.paged_decode if _load() else None
-
-
-def sample_kernel() -> Callable | None:
-    """``torch.ops.kvmesh_cpu.sample_rows`` once built and loaded, or None (the torch sampler serves)."""
-    return torch.ops.kvmesh_cpu.sample_rows if _load() else None
-
-
-def argmax_kernel() -> Callable | None:
-    """``torch.ops.kvmesh_cpu.argmax_rows`` once built and loaded, or None (``torch.argmax`` serves)."""
-    return torch.ops.kvmesh_cpu.argmax_rows if _load() else None
+def cpu_op(name: str) -> Callable | None:
+    """``torch.ops.kvmesh_cpu.<name>`` once the extension is built and loaded, or None (the caller's torch
+    path serves)."""
+    return getattr(torch.ops.kvmesh_cpu, name) if _load() else None

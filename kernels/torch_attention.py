@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import DTYPES, paged_decode_kernel
+from kernels.cpu_extension import DTYPES, cpu_op
 from kernels.metadata import AttentionMetadata
 from kernels.quant import as_bytes, dequantize, quantize
 
@@ -106,10 +106,11 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    out: torch.Tensor | None = None,
+    *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``.
 
@@ -119,12 +120,25 @@ def paged_attention_torch(
     out = torch.empty_like(q) if out is None else out
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     decode = np.flatnonzero(qlens == 1)
-    kernel = paged_decode_kernel() if len(decode) and q.device.type == "cpu" and q.dtype in DTYPES else None
+    kernel = cpu_op("paged_decode") if len(decode) and q.device.type == "cpu" and q.dtype in DTYPES else None
     if kernel is not None:
         rows = torch.from_numpy(decode)
         tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
         scales = (k_scale, v_scale)
-        kernel(out, q.contiguous(), k_cache, v_cache, *scales, tables, lens, starts_t, rows, scale, window or 0)
+        rows_ok = q.stride(2) == 1 and q.stride(1) == q.size(2)  # token rows may be strided (views of a fused QKV)
+        kernel(
+            out,
+            q if rows_ok else q.contiguous(),
+            k_cache,
+            v_cache,
+            *scales,
+            tables,
+            lens,
+            starts_t,
+            rows,
+            scale,
+            window or 0,
+        )
         decode = decode[:0]
     decode, slens = decode.tolist(), slens.tolist()
     for bucket in _length_buckets(decode, slens) if decode else []:

@@ -434,10 +434,11 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    out: torch.Tensor | None = None,
+    *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache)
     out = torch.empty_like(q) if out is None else out

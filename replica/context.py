@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, Kernels
 
 
 @dataclass
@@ -34,6 +34,8 @@ class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[LayerCache]
     """One per layer."""
+    kernels: Kernels
+    """The kernels of the runner's device, picked once when the runner was built."""
 
 
 _current: ForwardContext | None = None

@@ -64,7 +64,7 @@ class DecodeGraphs:
             seq_lens_cpu=np.full(size, self.max_seq_len),
             decode_splits=decode_splits(size, kv_heads, self.max_seq_len, self.runner.device),
         )
-        with torch.inference_mode(), forward_context(ForwardContext(meta, self.runner.kv_caches)):
+        with torch.inference_mode(), forward_context(ForwardContext(meta, self.runner.kv_caches, self.runner.kernels)):
             return self.runner.model(self.ids[:size], self.positions[:size], self.rows[:size])
 
     def _capture(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from kernels import check_block_size
 from replica.block_pool import BlockPool
 from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
+from replica.cpu_memory import keep_freed_memory
 from replica.cuda_graphs import default_sizes
 from replica.detokenizer import IncrementalDetokenizer
 from replica.device_queue import DeviceQueue, StepHandle, StepResult
@@ -76,6 +77,8 @@ class LLMEngine:
             torch.set_num_threads(config.torch_threads)
         device = _pick_device(config.device)
         check_block_size(config.block_size, device)
+        if device.type == "cpu":
+            keep_freed_memory()  # activations reuse freed heap instead of faulting in fresh pages each step
         dtype = getattr(torch, config.dtype) if config.dtype else None
         self.loaded = load_model(config.model, device, dtype, config.max_model_len)
         self.tokenizer = self.loaded.tokenizer

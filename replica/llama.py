@@ -18,7 +18,6 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import paged_attention, store_kv
 from replica.context import get_context
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -44,10 +43,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return get_context().kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; may overwrite both inputs (``kernels/layers.py``)."""
+        return get_context().kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,14 +73,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """``q``/``k`` rotated; may rotate them in place (``kernels/layers.py``)."""
+        return get_context().kernels.rotary(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -114,8 +108,10 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         ctx = get_context()
         kv = ctx.kv_caches[self.layer_idx]
-        store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale)
-        o = paged_attention(q, kv.k, kv.v, ctx.attn, self.scale, kv.k_scale, kv.v_scale, self.window)
+        ctx.kernels.store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale)
+        o = ctx.kernels.paged_attention(
+            q, kv.k, kv.v, ctx.attn, self.scale, k_scale=kv.k_scale, v_scale=kv.v_scale, window=self.window
+        )
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -123,15 +119,13 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(get_context().kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -142,9 +136,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream, kept apart so each residual add is fused into the
+        next norm: ``x + residual`` is the stream after this layer (``residual`` None: ``x`` is the
+        embedding)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add(x, residual)
+        x, residual = self.post_attention_layernorm.add(self.self_attn(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -165,10 +168,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) at ``logits_indices`` only: the other positions are never sampled."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.lm_head(self.norm(x[logits_indices])).float()
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm.add(x[logits_indices], residual[logits_indices])
+        return self.lm_head(x).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict, fusing q/k/v and gate/up into our combined projections."""

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from kernels.cpu_linear import pack_linears
 from replica.llama import LlamaForCausalLM
 from replica.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 
@@ -49,4 +50,5 @@ def load_model(
         net = LlamaForCausalLM(config, max_positions)
     net.load_hf_weights({k: v.to(dtype) for k, v in weights.items()})
     net.to(device).eval()
+    pack_linears(net)  # CPU only: weights in oneDNN's layout once, instead of on every matmul
     return LoadedModel(net, tokenizer, config, path)

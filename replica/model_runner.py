@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, model_kernels
 from kernels.metadata import slot_mapping, token_positions
 from kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
 from replica.context import ForwardContext, LayerCache, forward_context
@@ -45,6 +45,7 @@ class ModelRunner:
         self.block_size = block_size
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kernels = model_kernels(self.device)
         storage = storage_dtype(kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -92,7 +93,7 @@ class ModelRunner:
         ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).to(self.device)
         meta = AttentionMetadata.build([n], [n], [list(range(nb))], bs, self.device)
         rows = torch.tensor([n - 1], device=self.device)
-        with forward_context(ForwardContext(meta, scratch)):
+        with forward_context(ForwardContext(meta, scratch, self.kernels)):
             self.model(ids, torch.arange(n, device=self.device), rows)
         for layer, tmp in zip(self.kv_caches, scratch, strict=True):
             for scale, values in ((layer.k_scale, tmp.k), (layer.v_scale, tmp.v)):
@@ -183,7 +184,7 @@ class ModelRunner:
             dst, src = (t.to(self.device, non_blocking=True) for t in step.fill)
             ids[dst] = last_tokens[src]
         positions = inp.device("positions", total)
-        with forward_context(ForwardContext(meta, self.kv_caches)):
+        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels)):
             return self.model(ids, positions, inp.device("logits_rows", step.num_logits))
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_extension import argmax_kernel, sample_kernel
+from kernels.cpu_extension import cpu_op
 from replica.sampling_params import GREEDY_TEMPERATURE
 
 MAX_TOP_K = 1024
@@ -193,7 +193,7 @@ def _sample_sorted(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor, roun
 
 def _sample_rejection_compiled(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor) -> torch.Tensor | None:
     """The rejection path in one compiled CPU kernel (``kernels/csrc/sample_cpu.cpp``); None without it."""
-    kernel = sample_kernel() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    kernel = cpu_op("sample_rows") if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if kernel is None:
         return None
     rounds = torch.arange(MAX_ROUNDS, device=x.device)[None, :]
@@ -251,7 +251,7 @@ def _sample_rejection(
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token (the first, on ties): the compiled kernel on the CPU where it is built."""
-    kernel = argmax_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    kernel = cpu_op("argmax_rows") if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if kernel is None:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)

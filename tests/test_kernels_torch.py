@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import kernels.torch_attention
-from kernels.cpu_extension import paged_decode_kernel, sample_kernel
+from kernels.cpu_extension import cpu_op
 from kernels.torch_attention import paged_attention_torch, store_kv_torch
 from tests.kernel_cases import check_against_reference, check_quantized
 
 
 def test_cpu_kernels_build():
     """CI has a compiler: the kernels must build, so a broken build can't hide behind the torch fallbacks."""
-    assert paged_decode_kernel() is not None and sample_kernel() is not None
+    assert all(cpu_op(name) is not None for name in ("paged_decode", "sample_rows", "rms_norm"))
 
 
 @pytest.mark.parametrize("case", range(12))
@@ -22,7 +22,7 @@ def test_cpu_kernels_build():
 def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
     """Both CPU decode routes (the compiled kernel and the gather fallback) against float64."""
     if decode == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
+        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     seed = case * 7919 + (dtype == torch.float16)
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
 
@@ -32,7 +32,7 @@ def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
 def test_sliding_window_matches_reference(case, decode, monkeypatch):
     """Windows shorter and longer than a block, and longer than some contexts, on mixed batches."""
     if decode == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
+        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     window = [1, 7, 16, 37, 100, 1000][case]
     check_against_reference(store_kv_torch, paged_attention_torch, 77 + case, case, torch.float32, 1e-5, window)
 
@@ -43,7 +43,7 @@ def test_sliding_window_matches_reference(case, decode, monkeypatch):
 @pytest.mark.parametrize("decode", ["kernel", "gather"])
 def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, decode, monkeypatch):
     if decode == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "paged_decode_kernel", lambda: None)
+        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     seed = 31 * case + len(kv_dtype) + (dtype == torch.float16)
     check_quantized(store_kv_torch, paged_attention_torch, seed, case, kv_dtype, dtype, tol)
 
@@ -58,10 +58,12 @@ def test_store_kv_skips_negative_slots():
 
 
 def test_backend_dispatch(monkeypatch):
-    from kernels import attention_backend
+    from kernels import attention_backend, model_kernels
+    from kernels.torch_attention import paged_attention_torch
 
     monkeypatch.delenv("KVMESH_ATTENTION_BACKEND", raising=False)
     assert attention_backend(torch.device("cpu")) == "torch"
+    assert model_kernels(torch.device("cpu")).paged_attention is paged_attention_torch
     assert attention_backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
     assert attention_backend(torch.device("cpu")) == "triton"

@@ -82,6 +82,8 @@ def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, 
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "torch")
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
-    llm.engine.reset_prefix_cache()
+    assert [len(t) for t in expected] == [6, 6, 6]
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")  # read when an engine picks its kernels
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.kernels.backend == "triton"
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected

@@ -29,18 +29,20 @@
 
 namespace {
 
-template <typename C>
+// D: head_dim when known at compile time (64, 128: fully unrolled vector code), 0 for any. Plain loops:
+// -O3 -ffast-math vectorizes them with register accumulators (an omp simd reduction spills to the stack).
+template <int64_t D, typename C>
 inline float dot(const float* q, const C* k, int64_t d) {
+  const int64_t n = D ? D : d;
   float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
   return acc;
 }
 
-template <typename C>
+template <int64_t D, typename C>
 inline void axpy(float w, const C* v, float* acc, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * static_cast<float>(v[i]);
+  const int64_t n = D ? D : d;
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * static_cast<float>(v[i]);
 }
 
 // The scale of one cached row: 1, per KV head, or per slot and KV head.
@@ -65,7 +67,31 @@ struct Scale {
   }
 };
 
-template <typename Q, typename C>
+// Calls f(slot, i) for the keys [first, first + len) of a sequence, block by block (no division per key).
+// While a block's row r is read, row r of the next block is prefetched (its bytes [row_offset, row_offset +
+// row_bytes)): blocks are scattered, so the hardware prefetcher cannot guess the next one.
+template <typename F>
+inline void for_each_key(const int32_t* table, int64_t block_size, int64_t first, int64_t len, const char* base,
+                         int64_t row_stride_bytes, int64_t row_offset, int64_t row_bytes, F&& f) {
+  const int64_t end = first + len;
+  int64_t i = 0;
+  for (int64_t b = first / block_size; b * block_size < end; ++b) {
+    const bool more = (b + 1) * block_size < end;
+    const char* next = base + (more ? static_cast<int64_t>(table[b + 1]) : 0) * block_size * row_stride_bytes +
+                       row_offset;
+    const int64_t slot0 = static_cast<int64_t>(table[b]) * block_size;
+    const int64_t t0 = std::max(first, b * block_size), t1 = std::min(end, (b + 1) * block_size);
+    for (int64_t t = t0; t < t1; ++t, ++i) {
+      if (more) {
+        const char* row = next + (t - b * block_size) * row_stride_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+      }
+      f(slot0 + t - b * block_size, i);
+    }
+  }
+}
+
+template <int64_t D, typename Q, typename C>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const Scale& k_scale, const Scale& v_scale, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& rows,
@@ -82,47 +108,62 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   const int64_t q_stride0 = q.stride(0), o_stride0 = out.stride(0);
-  const int64_t tasks = rows.numel() * kv_heads;
+  // A task is a sequence's KV heads [h0, h0 + span): all of them when there are sequences enough to keep
+  // every thread busy (a block's rows are then read front to back), one each otherwise.
+  const int64_t span = rows.numel() >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t per_seq = kv_heads / span, tasks = rows.numel() * per_seq;
+  const int64_t row_bytes = static_cast<int64_t>(sizeof(C)) * row_stride;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    const int64_t width = span * group;  // query heads of a task
+    std::vector<float> qf(width * d), acc(width * d), scores;
     for (const auto task : c10::irange(begin, end)) {
-      const int64_t seq = row_ids[task / kv_heads], h = task % kv_heads;
+      const int64_t seq = row_ids[task / per_seq], h0 = (task % per_seq) * span;
       const int64_t token = starts[seq], first = window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
-      const int64_t len = lens[seq] - first;  // keys [first, first + len): scores[g * len + (t - first)]
+      const int64_t len = lens[seq] - first;  // keys [first, first + len): scores[w * len + (t - first)]
       const int32_t* table = tables + seq * table_width;
-      for (const auto g : c10::irange(group)) {
-        const Q* src = qp + token * q_stride0 + (h * group + g) * d;
-        for (const auto i : c10::irange(d)) qf[g * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+      for (const auto w : c10::irange(width)) {
+        const Q* src = qp + token * q_stride0 + (h0 * group + w) * d;
+        for (const auto i : c10::irange(d)) qf[w * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
       }
-      scores.resize(group * len);
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = first + i;
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const C* krow = kp + slot * row_stride + h * d;
-        const float ks = k_scale.at(slot, h);
-        for (const auto g : c10::irange(group)) scores[g * len + i] = ks * dot(qf.data() + g * d, krow, d);
-      }
-      for (const auto g : c10::irange(group)) {
-        float* s = scores.data() + g * len;
+      scores.resize(width * len);
+      const int64_t offset = static_cast<int64_t>(sizeof(C)) * h0 * d, bytes = static_cast<int64_t>(sizeof(C)) * span * d;
+      for_each_key(table, block_size, first, len, reinterpret_cast<const char*>(kp), row_bytes, offset, bytes,
+                   [&](int64_t slot, int64_t i) {
+                     for (int64_t h = h0; h < h0 + span; ++h) {
+                       const C* krow = kp + slot * row_stride + h * d;
+                       const float ks = k_scale.at(slot, h);
+                       for (const auto g : c10::irange(group)) {
+                         const int64_t w = (h - h0) * group + g;
+                         scores[w * len + i] = ks * dot<D>(qf.data() + w * d, krow, d);
+                       }
+                     }
+                   });
+      for (const auto w : c10::irange(width)) {
+        float* s = scores.data() + w * len;
         const float m = *std::max_element(s, s + len);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) s[t] = std::exp(s[t] - m);
         float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - m));
+        for (int64_t t = 0; t < len; ++t) total += s[t];
         const float inv = 1.f / total;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t t = first + i;
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const C* vrow = vp + slot * row_stride + h * d;
-        const float vs = v_scale.at(slot, h);
-        for (const auto g : c10::irange(group)) axpy(vs * scores[g * len + i], vrow, acc.data() + g * d, d);
-      }
-      for (const auto g : c10::irange(group)) {
-        Q* dst = op + token * o_stride0 + (h * group + g) * d;
-        for (const auto i : c10::irange(d)) dst[i] = static_cast<Q>(acc[g * d + i]);
+      for_each_key(table, block_size, first, len, reinterpret_cast<const char*>(vp), row_bytes, offset, bytes,
+                   [&](int64_t slot, int64_t i) {
+                     for (int64_t h = h0; h < h0 + span; ++h) {
+                       const C* vrow = vp + slot * row_stride + h * d;
+                       const float vs = v_scale.at(slot, h);
+                       for (const auto g : c10::irange(group)) {
+                         const int64_t w = (h - h0) * group + g;
+                         axpy<D>(vs * scores[w * len + i], vrow, acc.data() + w * d, d);
+                       }
+                     }
+                   });
+      for (const auto w : c10::irange(width)) {
+        Q* dst = op + token * o_stride0 + (h0 * group + w) * d;
+        for (const auto i : c10::irange(d)) dst[i] = static_cast<Q>(acc[w * d + i]);
       }
     }
   });
@@ -153,7 +194,14 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     using Q = scalar_t;
     auto run = [&](auto cache_tag) {
       using C = decltype(cache_tag);
-      decode_kernel<Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+      const int64_t d = q.size(2);
+      if (d == 64) {
+        decode_kernel<64, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+      } else if (d == 128) {
+        decode_kernel<128, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+      } else {
+        decode_kernel<0, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+      }
     };
     if (cache_type == q.scalar_type()) {
       run(Q{});

@@ -1,0 +1,92 @@
+"""The compiled CPU layers (``kernels/layers.py``) and prepacked linears (``kernels/cpu_linear.py``) against
+their torch definitions: same values, on the strided views the model hands them, in every float dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import layers
+from kernels.cpu_extension import cpu_op
+from kernels.cpu_linear import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(cpu_op("rms_norm") is None, reason="the CPU kernels could not be built here")
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = list(TOL)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = float(b.float().abs().max()) or 1.0
+    err = float((a.float() - b.float()).abs().max()) / scale
+    assert err <= TOL[dtype], f"relative error {err:.2e} in {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 37, 300])
+def test_rms_norm_and_fused_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    close(layers.rms_norm_cpu(x, w, 1e-5), layers.rms_norm_torch(x, w, 1e-5), dtype)
+    want_x, want_r = layers.add_rms_norm_torch(x, r, w, 1e-5)
+    got_x, got_r = layers.add_rms_norm_cpu(x.clone(), r.clone(), w, 1e-5)
+    assert torch.equal(got_r, want_r)  # the residual stream is one rounding of x + r, as in torch
+    close(got_x, want_x, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    close(layers.silu_and_mul_cpu(x), layers.silu_and_mul_torch(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_rotates_the_fused_qkv_views_in_place(dtype, head_dim):
+    """q and k as the model passes them: strided views into one fused QKV output, rotated in place."""
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 21, 9, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(512, head_dim // 2, generator=g) * 6.28
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    want_q, want_k = layers.rotary_torch(q, k, cos, sin, positions)
+    v_before = v.clone()
+    got_q, got_k = layers.rotary_cpu(q, k, cos, sin, positions)
+    assert got_q.data_ptr() == q.data_ptr() and torch.equal(v, v_before)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+
+
+def test_rotary_refuses_a_position_beyond_its_table():
+    q, k = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    table = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        layers.rotary_cpu(q, k, table, table, torch.tensor([3, 8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_the_linear_it_replaces(dtype, bias):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 200, bias=bias), nn.Linear(200, 40, bias=bias)).to(dtype)
+    x = torch.randn(3, 17, 96, dtype=dtype)  # leading dims are kept
+    with torch.inference_mode():
+        want = model(x)
+        assert pack_linears(model) == 2
+        assert all(isinstance(m, PackedLinear) for m in model)
+        got = model(x)
+        strided = model(torch.randn(5, 300, dtype=dtype)[:, :96])  # a non-contiguous input is accepted
+    assert got.shape == want.shape and strided.shape == (5, 40)
+    close(got, want, dtype)
+
+
+def test_packing_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KVMESH_CPU_PACKED_LINEAR", "0")
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
