@@ -1,6 +1,6 @@
 """Block hashing shared by the router and every replica.
 
-This is the single definition of a KV block's identity (DESIGN.md, "Block hashing"): the router hashes a
+This is the single definition of a KV block's identity (``docs/architecture.md``, "Block hashing"): the router hashes a
 prompt once and looks the chain up in the global index; the replica's prefix cache keys its blocks by the
 very same values, so an index hit means a real cache hit. It must stay free of torch so the router and the
 ingress can import it cheaply.
