@@ -1,11 +1,11 @@
 """Linear layers with weights prepacked for oneDNN, for models served on the CPU.
 
 ``torch.nn.functional.linear`` on the CPU repacks its weight into the GEMM's blocked layout on every call;
-for a serving engine, whose weights never change, that is work thrown away on every step, and it dominates
-at decode batch sizes (16-64 rows: 1.5-3x slower than oneDNN on a prepacked weight, measured with
-``benchmarks/engine_overhead.py``). ``pack_linears`` replaces each ``nn.Linear`` of a model on the CPU with
-a ``PackedLinear`` holding its weight once, in oneDNN's layout (same bytes as before: the dense weight is
-dropped unless something else, such as a tied embedding, still holds it).
+for a serving engine, whose weights never change, that is work thrown away on every step (on SmolLM2's
+shapes oneDNN on a prepacked weight is 1.2-1.9x faster from 16 to 1,024 rows: ``benchmarks/cpu_linear.py``).
+``pack_linears`` replaces each ``nn.Linear`` of a model on the CPU with a ``PackedLinear`` holding its
+weight once, in oneDNN's layout (same bytes as before: the dense weight is dropped unless something else,
+such as a tied embedding, still holds it).
 
 Where oneDNN is missing or refuses the dtype, the model keeps its plain layers. ``KVMESH_CPU_PACKED_LINEAR=0``
 turns packing off.
