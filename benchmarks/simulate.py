@@ -31,6 +31,7 @@ import statistics
 import struct
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,14 +120,17 @@ class Replica:
         )
 
 
+def trace_rows(records) -> list[tuple[float, list[bytes], int]]:
+    """Simulator rows (arrival s, block chain, decode steps) from Mooncake-format records (dicts)."""
+    return [
+        (r["timestamp"] / 1000.0, [struct.pack("<q", h) for h in r["hash_ids"]], max(1, r["output_length"] // 32))
+        for r in records
+    ]
+
+
 def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], int]]:
-    rows = []
     with path.open() as f:
-        for line in itertools.islice(f, limit):
-            r = json.loads(line)
-            chain = [struct.pack("<q", h) for h in r["hash_ids"]]
-            rows.append((r["timestamp"] / 1000.0, chain, max(1, r["output_length"] // 32)))
-    return rows
+        return trace_rows(json.loads(line) for line in itertools.islice(f, limit))
 
 
 def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[float, float]:
@@ -262,6 +266,35 @@ def simulate(
     }
 
 
+def compare_routers(
+    rows,
+    replicas: int,
+    capacity: int,
+    target_load: float,
+    processes: int,
+    runs: list[tuple[str, str, dict]],
+    costs: Costs = Costs(),
+    ttl: float = 10.0,
+    on_result: Callable[[str, dict], None] | None = None,
+) -> tuple[dict[str, float], dict[str, dict]]:
+    """The cache bounds of ``rows`` (infinite, pooled LRU of ``replicas x capacity`` blocks) and, per run
+    ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
+    contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends."""
+    span = max(rows[-1][0] - rows[0][0], 1e-9)
+    pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
+    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
+    scale = pooled_work / (target_load * replicas * span)
+    results = {}
+    for label, name, kw in runs:
+        t0 = time.perf_counter()
+        res = simulate(rows, replicas, capacity, name, kw, processes, scale, ttl, costs)
+        res["sim_seconds"] = time.perf_counter() - t0
+        results[label] = res
+        if on_result is not None:
+            on_result(label, res)
+    return {"infinite": infinite, "pooled_lru": pooled}, results
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -285,33 +318,35 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.target_load < 2:
         ap.error("--target-load must be in (0, 2)")
     rows = load_trace(args.trace, args.limit)
-    span = rows[-1][0] - rows[0][0]
-    pooled, pooled_work = lru_hit_rate(rows, args.replicas * args.capacity_blocks, costs.prefill_tok_s)
-    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
-    # Prefill is the contended resource: stretch or squeeze time so it is target-load busy on the pooled bound.
-    scale = pooled_work / (args.target_load * args.replicas * span)
-    runs = [(name, {}) for name in args.routers.split(",") if name]
-    runs += [("kv_aware", {"miss_weight": float(w)}) for w in args.miss_weights.split(",") if w]
-    results, table = {}, []
-    for name, kw in runs:
-        label = name + (f"(miss_weight={kw['miss_weight']:g})" if kw else "")
-        t0 = time.perf_counter()
-        res = simulate(
-            rows, args.replicas, args.capacity_blocks, name, kw, args.router_processes, scale, args.predict_ttl, costs
-        )
-        res["sim_seconds"] = time.perf_counter() - t0
-        results[label] = res
-        print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True)
-        table.append(
-            [
-                label,
-                f"{res['hit_rate']:.1%}",
-                f"{res['hit_rate'] / pooled:.1%}",
-                res["ttft_mean_s"],
-                res["ttft_p99_s"],
-                res["imbalance"],
-            ]
-        )
+    runs = [(name, name, {}) for name in args.routers.split(",") if name]
+    runs += [
+        (f"kv_aware(miss_weight={float(w):g})", "kv_aware", {"miss_weight": float(w)})
+        for w in args.miss_weights.split(",")
+        if w
+    ]
+    bounds, results = compare_routers(
+        rows,
+        args.replicas,
+        args.capacity_blocks,
+        args.target_load,
+        args.router_processes,
+        runs,
+        costs,
+        args.predict_ttl,
+        on_result=lambda label, res: print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True),
+    )
+    infinite, pooled = bounds["infinite"], bounds["pooled_lru"]
+    table = [
+        [
+            label,
+            f"{res['hit_rate']:.1%}",
+            f"{res['hit_rate'] / pooled:.1%}",
+            res["ttft_mean_s"],
+            res["ttft_p99_s"],
+            res["imbalance"],
+        ]
+        for label, res in results.items()
+    ]
     print(f"\n{len(rows)} requests, {args.replicas} replicas x {args.capacity_blocks} blocks, load {args.target_load}")
     print(f"bounds: infinite cache {infinite:.1%}, pooled LRU {pooled:.1%}")
     print_table(["router", "hit rate", "of pooled", "TTFT mean s", "TTFT p99 s", "imbalance"], table)

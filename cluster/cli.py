@@ -122,6 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
 BENCH_COMMANDS = {
     "run": "benchmarks.bench_run",
     "simulate": "benchmarks.simulate",
+    "suite": "benchmarks.suite",
     "calibrate": "benchmarks.calibrate",
     "startup": "benchmarks.serve_startup",
     "autoscale": "benchmarks.autoscale",
@@ -244,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), ...",
-        description="kvmesh bench {run,simulate,calibrate,startup,autoscale,soak} --help shows each one's options.",
+        help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), suite, ...",
+        description="kvmesh bench NAME --help shows the options of benchmark NAME (run, simulate, suite, ...).",
     )
     bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")

@@ -123,12 +123,15 @@ class KVAwarePolicy:
     """Ours: minimise the expected time to first token, in seconds.
 
     ``cost(r) = queue_s(r) + kv_wait_s(r) + uncached_tokens(r) / prefill_rate(r)
-               + (miss_weight - 1) * cache_fill(r) * uncached_tokens(r) / median_prefill_rate
+               + max((miss_weight - 1) * cache_fill(r), busy) * uncached_tokens(r) / median_prefill_rate
                + decode_weight * mean_output_tokens(r) * load(r) * decode_s_per_seq(r)``
+    ``busy = busy_weight * median_queue_s / (num_tokens / median_prefill_rate)``
 
-    The fourth term prices the cache churn a miss causes (it evicts other prefixes, which later requests
-    miss), in proportion to how full the pool is and at the fleet's median rate. The last term, off by
-    default, charges a newcomer the decode speed it would take from the sequences already there.
+    The fourth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
+    (it evicts other prefixes, which later requests miss), in proportion to how full the pool is, or, when
+    more, the delay its extra prefill adds to the requests queued behind it on a busy fleet. The last
+    term, off by default, charges a newcomer the decode speed it would take from the sequences already
+    there.
 
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
@@ -153,9 +156,11 @@ class KVAwarePolicy:
         session_balance: float = 1.25,
         session_decay_s: float = SESSION_DECAY_S,
         tie_margin: float = 1.0,
+        busy_weight: float = 4.0,
     ) -> None:
-        if miss_weight < 0 or decode_weight < 0 or override_margin_s < 0 or tie_margin < 0:
-            raise ValueError("miss_weight, decode_weight, override_margin_s and tie_margin must be >= 0")
+        if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
+            raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
+        self.busy_weight = busy_weight
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
         self.session_balance = session_balance
@@ -194,13 +199,19 @@ class KVAwarePolicy:
         costs, own_prefill_s = {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         median_rate = sorted(rates.values())[len(rates) // 2]
+        # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
+        # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
+        # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
+        typical_s = max(req.num_tokens / median_rate, 1e-6)
+        busy = self.busy_weight * sorted(r.queue_s for r in replicas)[len(replicas) // 2] / typical_s
         for r in replicas:
             cached = min(hits.get(r.index_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
             uncached = req.num_tokens - cached
             fill = min(max(r.cache_fill, 0.0), 1.0)
             own_prefill_s[r.index_id] = uncached / rates[r.index_id]
             prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
-            prefill_s += max(self.miss_weight - 1.0, 0.0) * fill * uncached / median_rate  # churn, in blocks
+            churn = max(max(self.miss_weight - 1.0, 0.0) * fill, busy)  # evictions, or delay to those behind
+            prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
             costs[r.index_id] = r.queue_s + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id

@@ -39,6 +39,23 @@ def test_kv_aware_overrides_a_hit_when_its_queue_costs_more_than_a_miss():
     assert KVAwarePolicy().rank(req, reps, {"r0": 0, "r1": 64, "r2": 0}).ranked[0] == "r1"
 
 
+def test_on_a_busy_fleet_a_miss_is_charged_the_delay_it_adds_for_others():
+    """Empty caches (no eviction to charge). The holder's queue is 1 s longer than a peer's: with idle peers
+    (median queue 0) moving the 0.5 s prefill pays; when every replica is busy, the miss's extra work would
+    delay the requests queued behind it, so the request stays on the holder (the busy term; 0: off)."""
+    req = request(list(range(1024)))
+    hits = {"r0": 0, "r1": 64, "r2": 0, "r3": 0}
+    reps = replicas(4, cache_fill=0.0)
+    reps[1].pending_prefill_tokens = 3000  # 1.5 s on the holder, the rest idle
+    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] != "r1"
+    for r, queued in zip(reps, (1000, 3000, 4000, 4000), strict=True):  # everyone busy; r0 1 s shorter
+        r.pending_prefill_tokens = queued
+    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] == "r1"
+    assert KVAwarePolicy(busy_weight=0).rank(req, reps, hits).ranked[0] == "r0"
+    with pytest.raises(ValueError, match="busy_weight"):
+        KVAwarePolicy(busy_weight=-1)
+
+
 def test_kv_aware_miss_goes_to_least_loaded_and_ranks_everyone():
     reps = replicas(3)
     reps[0].num_running = 20
