@@ -30,7 +30,8 @@ import yaml
 from benchmarks.load_client import Result, run_sessions
 from benchmarks.report import print_table, pyplot, save_figure, write_json
 from benchmarks.serve_process import ServeProcess
-from benchmarks.workloads import Session, mooncake_trace, multi_turn_chat, shared_prefix
+from benchmarks.trace_workloads import WORKLOADS as TRACE_WORKLOADS
+from benchmarks.workloads import Session, mooncake_trace, multi_turn_chat, shared_prefix, trace_sessions
 
 ROUTERS = "kv_aware,pow2,round_robin,session_hash,approx_tree"
 
@@ -43,6 +44,9 @@ def build_workload(args: argparse.Namespace, seed: int, warmup: bool = False) ->
         if warmup:
             return shared_prefix(seed=seed, groups=args.warmup, prompts_per_group=1, rate=args.rate)
         return shared_prefix(seed=seed, groups=args.groups, prompts_per_group=args.sessions, rate=args.rate)
+    if args.workload in TRACE_WORKLOADS:  # generated traces: the warm-up is the same shape, another seed
+        rows = TRACE_WORKLOADS[args.workload](seed=seed)[: args.warmup if warmup else args.sessions]
+        return trace_sessions(rows, args.block_tokens, args.speed, args.max_tokens)
     if not args.trace:
         raise SystemExit("--workload mooncake needs --trace FILE")
     offset = args.offset + (0 if warmup else args.warmup)  # warm-up rows come just before the measured ones
@@ -215,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workload", choices=["multi_turn", "shared_prefix", "mooncake"], default="multi_turn")
+    ap.add_argument(
+        "--workload", choices=["multi_turn", "shared_prefix", "mooncake", *TRACE_WORKLOADS], default="multi_turn"
+    )
     ap.add_argument("--routers", default=ROUTERS)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--model", default="smollm2-135m")

@@ -37,10 +37,11 @@ ARRIVALS = ("poisson", "bursty", "diurnal")
 
 
 class Ids:
-    """Fresh block ids; a shared piece of content is one list of ids reused as is."""
+    """Fresh block ids; a shared piece of content is one list of ids reused as is. Each seed draws from a
+    range of its own, so traces of different seeds (a warm-up and a measured run) share no block."""
 
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
+    def __init__(self, seed: int) -> None:
+        self._next = itertools.count(seed * 1_000_000_000 + 1)
 
     def fresh(self, n: int) -> list[int]:
         return [next(self._next) for _ in range(n)]
@@ -90,7 +91,7 @@ def _sorted(rows: list[dict]) -> list[dict]:
 def chat(seed: int = 0, size: float = 1.0, arrival: str = "poisson", systems: int = 4) -> list[dict]:
     """Conversations of 2-8 turns on ``systems`` shared system prompts (2 blocks) plus a 1-4 block document
     of their own; each turn adds a 1-block user message and a 1-block reply; 5-60 s between turns."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     prompts = [ids.fresh(2) for _ in range(systems)]
     starts = arrival_times(rng, max(1, int(200 * size)), arrival, rate=0.5)
     rows = []
@@ -116,7 +117,7 @@ def agentic(
     """Agent sessions of 3-12 steps on ``tools`` shared tool prompts (8-24 blocks); each step appends a 1-6
     block tool result to the context; with probability ``fanout_p`` a step forks 3-8 sub-agents, each the
     parent's whole context plus a 1-block task, all arriving within ``burst_ms``."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     prompts = [ids.fresh(rng.randint(8, 24)) for _ in range(tools)]
     starts = arrival_times(rng, max(1, int(120 * size)), arrival, rate=0.2)
     rows = []
@@ -139,7 +140,7 @@ def rag(
 ) -> list[dict]:
     """Requests on one of ``documents`` documents (8-32 blocks, Zipf popularity ``zipf_s``) after a shared
     1-block instruction, each with a fresh 1-block question."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     instruction = ids.fresh(1)
     docs = [ids.fresh(rng.randint(8, 32)) for _ in range(documents)]
     weights = [1 / (k + 1) ** zipf_s for k in range(documents)]
@@ -151,7 +152,7 @@ def rag(
 def few_shot(seed: int = 0, size: float = 1.0, arrival: str = "poisson", groups: int = 16) -> list[dict]:
     """Requests in ``groups`` groups (Zipf popularity), each group a 4-16 block system prompt with examples,
     each request a fresh 1-2 block question."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     prompts = [ids.fresh(rng.randint(4, 16)) for _ in range(groups)]
     times = arrival_times(rng, max(1, int(2000 * size)), arrival, rate=2.0)
     return [_row(t, prompts[_zipf(rng, groups, 1.0)] + ids.fresh(rng.randint(1, 2)), 128) for t in times]
@@ -160,7 +161,7 @@ def few_shot(seed: int = 0, size: float = 1.0, arrival: str = "poisson", groups:
 def tenants(seed: int = 0, size: float = 1.0, arrival: str = "poisson", count: int = 6, groups: int = 8) -> list[dict]:
     """``count`` tenants sending the few-shot shape on the same ``groups`` prompts, each tenant's copy salted
     (its own block ids); tenants' traffic is Zipf-skewed too."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     sizes = [rng.randint(4, 16) for _ in range(groups)]
     salted = [[ids.fresh(n) for n in sizes] for _ in range(count)]
     times = arrival_times(rng, max(1, int(2000 * size)), arrival, rate=2.0)
@@ -173,7 +174,7 @@ def tenants(seed: int = 0, size: float = 1.0, arrival: str = "poisson", count: i
 
 def long_single(seed: int = 0, size: float = 1.0, arrival: str = "poisson") -> list[dict]:
     """Single-shot prompts of 16-64 blocks that share nothing."""
-    rng, ids = random.Random(seed), Ids()
+    rng, ids = random.Random(seed), Ids(seed)
     times = arrival_times(rng, max(1, int(500 * size)), arrival, rate=0.5)
     return [_row(t, ids.fresh(rng.randint(16, 64)), 256) for t in times]
 

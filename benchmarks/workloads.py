@@ -141,28 +141,35 @@ def mooncake_trace(
     offset: int = 0,
     max_output_tokens: int = 32,
 ) -> list[Session]:
-    """Rows ``offset .. offset+limit`` of a Mooncake trace as completion sessions on token ids.
-
-    Lengths scale by ``block_tokens / 512`` (every 512-token block becomes ``block_tokens`` tokens); output
-    lengths scale the same way, capped at ``max_output_tokens``; arrival times are divided by ``speed``."""
-    sessions = []
-    scale = block_tokens / 512
+    """Rows ``offset .. offset+limit`` of a Mooncake trace file as completion sessions (``trace_sessions``)."""
     with Path(path).open() as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = rows[offset : offset + limit if limit else None]
     if not rows:
         raise ValueError(f"{path}: no trace rows in the requested range")
+    return trace_sessions(rows, block_tokens, speed, max_output_tokens, offset)
+
+
+def trace_sessions(
+    rows: list[dict], block_tokens: int = 16, speed: float = 1.0, max_output_tokens: int = 32, first: int = 0
+) -> list[Session]:
+    """Mooncake-format rows (a file's, or ``benchmarks/trace_workloads.py``'s) as completion sessions on token
+    ids. Lengths scale by ``block_tokens / 512`` (every 512-token block becomes ``block_tokens`` tokens);
+    output lengths scale the same way, capped at ``max_output_tokens``; arrival times are divided by
+    ``speed``. ``first``: the first row's number, for the labels."""
+    sessions = []
+    scale = block_tokens / 512
     t0 = rows[0]["timestamp"]
     for i, row in enumerate(rows):
         ids = [t for h in row["hash_ids"] for t in block_tokens_for(h, block_tokens)]
         out = max(1, min(max_output_tokens, round(row["output_length"] * scale)))
         sessions.append(
             Session(
-                f"trace-{offset + i}",
+                f"trace-{first + i}",
                 (row["timestamp"] - t0) / 1000 / speed,
                 [Step(token_ids=ids, max_tokens=out)],
                 chat=False,
-                labels={"row": offset + i},
+                labels={"row": first + i},
             )
         )
     return sessions

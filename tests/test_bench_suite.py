@@ -18,7 +18,9 @@ from benchmarks.trace_workloads import WORKLOADS, agentic, arrival_times, long_s
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_each_workload_is_a_seeded_sorted_mooncake_trace(name):
     rows = WORKLOADS[name](seed=3, size=0.1)
-    assert rows and rows == WORKLOADS[name](seed=3, size=0.1) != WORKLOADS[name](seed=4, size=0.1)
+    other = WORKLOADS[name](seed=4, size=0.1)
+    assert rows and rows == WORKLOADS[name](seed=3, size=0.1) != other
+    assert not {h for r in rows for h in r["hash_ids"]} & {h for r in other for h in r["hash_ids"]}
     assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
     for r in rows:
         assert r["input_length"] == 512 * len(r["hash_ids"]) and r["output_length"] > 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 from pathlib import Path
 
-from benchmarks.bench_run import pooled_bound
+from benchmarks.bench_run import build_workload, pooled_bound
 from benchmarks.workloads import block_tokens_for, mooncake_trace, multi_turn_chat, shared_prefix
 
 
@@ -85,3 +87,15 @@ def test_autoscale_prompts_step_or_ramp_to_the_long_length():
     assert [s.labels["phase"] for s in ramp.sessions] == ["base", "step", "step", "step", "step", "step", "step"]
     firsts = [s.steps[0].token_ids[:8] for s in ramp.sessions]
     assert len({tuple(f) for f in firsts}) == len(firsts)
+
+
+def test_bench_run_replays_generated_agentic_and_rag_traces_with_a_disjoint_warm_up():
+    args = argparse.Namespace(workload="rag", sessions=30, warmup=4, block_tokens=16, speed=2.0, max_tokens=8)
+    measured, warm = build_workload(args, 0), build_workload(args, 1000, warmup=True)
+    assert len(measured) == 30 and len(warm) == 4 and all(not s.chat for s in measured)
+    assert measured[0].start_s == 0 and all(a.start_s <= b.start_s for a, b in itertools.pairwise(measured))
+    prompts = [s.steps[0].token_ids for s in measured]
+    assert sum(p[:16] == prompts[0][:16] for p in prompts) > 1  # the shared instruction block
+    assert not {tuple(p[:16]) for p in prompts} & {tuple(s.steps[0].token_ids[:16]) for s in warm}
+    args.workload = "agentic"
+    assert len(build_workload(args, 0)) == 30
