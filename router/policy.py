@@ -34,6 +34,9 @@ class RouteRequest:
     session_id: str | None = None
 
 
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(LoadReport))
+
+
 @dataclass
 class ReplicaLoad(LoadReport):
     """What the router knows of one replica: its last ``LoadReport`` plus what it routed there since.
@@ -50,7 +53,7 @@ class ReplicaLoad(LoadReport):
     @classmethod
     def from_report(cls, report: LoadReport) -> ReplicaLoad:
         """The router's view of a replica from its last report (what it sent since is added by the router)."""
-        return cls(**{f.name: getattr(report, f.name) for f in dataclasses.fields(LoadReport)})
+        return cls(**{name: getattr(report, name) for name in _REPORT_FIELDS})
 
     @property
     def queue_s(self) -> float:
@@ -202,8 +205,9 @@ class KVAwarePolicy:
         # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
         # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
         # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
+        queues = {r.index_id: r.queue_s for r in replicas}
         typical_s = max(req.num_tokens / median_rate, 1e-6)
-        busy = self.busy_weight * sorted(r.queue_s for r in replicas)[len(replicas) // 2] / typical_s
+        busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
         for r in replicas:
             cached = min(hits.get(r.index_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
             uncached = req.num_tokens - cached
@@ -213,7 +217,7 @@ class KVAwarePolicy:
             churn = max(max(self.miss_weight - 1.0, 0.0) * fill, busy)  # evictions, or delay to those behind
             prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
-            costs[r.index_id] = r.queue_s + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
+            costs[r.index_id] = queues[r.index_id] + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
