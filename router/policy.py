@@ -195,10 +195,21 @@ class KVAwarePolicy:
         if hits is None:
             hits = self._recent.match(req.block_hashes, ids)
             reason_prefix = "index_unavailable_"
-        elif self.predict_ttl_s > 0:  # what we just routed may not have reached the index yet
-            predicted = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
-            known = max((hits.get(rid, 0) for rid in ids), default=0)  # extend the index, never contradict it
-            hits = {rid: max(hits.get(rid, 0), predicted[rid] if predicted[rid] > known else 0) for rid in ids}
+        else:
+            # What we just routed may not have reached the index yet: recent decisions extend its answer,
+            # never contradict it. A candidate it has no answer for (no live heartbeat: its publisher
+            # stalled or lost Redis for a moment) is answered from memory, as when the whole index is down.
+            unknown = [rid for rid in ids if rid not in hits]
+            remembered = self._recent.match(req.block_hashes, unknown) if unknown else {}
+            ttl = self.predict_ttl_s
+            predicted = self._recent.match(req.block_hashes, ids, ttl) if ttl > 0 else dict.fromkeys(ids, 0)
+            known = max((hits.get(rid, 0) for rid in ids), default=0)
+            hits = {
+                rid: remembered[rid]
+                if rid in remembered
+                else max(hits[rid], predicted[rid] if predicted[rid] > known else 0)
+                for rid in ids
+            }
         costs, own_prefill_s = {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         median_rate = sorted(rates.values())[len(rates) // 2]

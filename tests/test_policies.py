@@ -347,3 +347,17 @@ def test_prompts_sharing_nothing_go_by_cost_not_by_the_conversation_bound():
     d = KVAwarePolicy().rank(on_system_prompt, [old, new], {"r0": 10, "r1": 0}, starts)
     assert d.ranked[0] == "r1"
     assert d.opens_session
+
+
+def test_kv_aware_answers_a_replica_missing_from_the_index_from_its_own_decisions():
+    """A replica whose heartbeat lapsed (publisher stalled) is absent from the index's answer: that is no
+    evidence it lost its cache, so its conversation is not moved on it, however old the decision."""
+    policy = KVAwarePolicy(predict_ttl_s=0)  # no prediction window: only the fallback can know
+    reps = replicas(3)
+    first = request(list(range(640)))
+    policy.on_routed(first, "r2", policy.rank(first, reps, {"r0": 0, "r1": 0, "r2": 0}))
+    follow_up = request(list(range(640)) + [7] * 40)
+    d = policy.rank(follow_up, reps, {"r0": 0, "r1": 0})  # r2 missing from the answer
+    assert d.ranked[0] == "r2" and d.reason == "hit" and d.matched_blocks == 40
+    d = policy.rank(follow_up, reps, {"r0": 0, "r1": 0, "r2": 0})  # the index says r2 evicted it: believed
+    assert d.reason == "miss"
