@@ -7,7 +7,10 @@ one block (its ids are prefix-chained, so prefix structure is kept). Arrival tim
 offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the fleet's prefill capacity.
 Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
 router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does,
-and the counts of conversation starts are shared by all of them, as the index shares them.
+and the counts of conversation starts are shared by all of them, as the index shares them. Each replica
+reports what the engine would: its queued prefill (each request's uncached tokens, from routing until its
+prefill ran), running and waiting counts, its current step time and the trace's mean output length.
+Random tie-breaks are seeded per router process, so a run is reproducible.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import inspect
 import itertools
 import json
 import statistics
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.report import print_table, write_json
-from router.baselines import make_policy
+from router.baselines import POLICIES, make_policy
 from router.policy import ReplicaLoad, RouteRequest
 from router.sessions import SESSION_DECAY_S, DecayingCounts
 
@@ -69,6 +73,8 @@ class Req:
     chain: list[bytes]
     output: int
     hits: int = 0
+    queued: int = 0
+    """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
     ttft: float = 0.0
     replica: int = -1
 
@@ -89,6 +95,8 @@ class Replica:
     prefill_busy: bool = False
     queued_tokens: int = 0
     served: int = 0
+    mean_output_steps: float = 1.0
+    """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
 
     def leading_hits(self, chain: list[bytes]) -> int:
         n = 0
@@ -114,8 +122,8 @@ class Replica:
             prefill_tok_s=self.costs.prefill_tok_s,
             decode_s_per_seq=self.costs.decode_s_per_seq,
             max_num_seqs=self.costs.slots,
-            step_s=self.costs.min_step_s,
-            mean_output_tokens=300.0,
+            step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
+            mean_output_tokens=self.mean_output_steps,
             cache_fill=len(self.cache) / self.capacity,
         )
 
@@ -180,8 +188,12 @@ def simulate(
     ttl: float,
     costs: Costs = Costs(),
 ):
-    replicas = [Replica(f"r{i}", capacity, costs) for i in range(n)]
-    routers = [make_policy(policy_name, **policy_kwargs) for _ in range(processes)]
+    mean_output = statistics.fmean(out for _, _, out in rows)
+    replicas = [Replica(f"r{i}", capacity, costs, mean_output_steps=mean_output) for i in range(n)]
+    seeded = "seed" in inspect.signature(POLICIES[policy_name]).parameters  # random tie-breaks: reproducible runs
+    routers = [
+        make_policy(policy_name, **({"seed": k} if seeded else {}), **policy_kwargs) for k in range(processes)
+    ]
     uses_index = routers[0].uses_index
     events: list = []
     predicted: dict[bytes, tuple[str, float]] = {}  # Redis predict-on-route entries, shared by all routers
@@ -232,7 +244,8 @@ def simulate(
                     starts.add(rid)
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])
-            rep.queued_tokens += r.tokens - (hits or {}).get(rid, 0) * BLOCK_TOKENS
+            r.queued = r.tokens - (hits or {}).get(rid, 0) * BLOCK_TOKENS
+            rep.queued_tokens += r.queued
             if rep.running < costs.slots:
                 rep.running += 1
                 rep.prefill_queue.append(i)
@@ -242,7 +255,7 @@ def simulate(
         elif kind == "prefilled":
             rep = replicas[r.replica]
             rep.prefill_busy = False
-            rep.queued_tokens = max(0, rep.queued_tokens - r.tokens)
+            rep.queued_tokens -= r.queued
             r.ttft = now - r.arrival
             rep.insert(r.chain)
             rep.served += 1

@@ -159,7 +159,8 @@ class KVAwarePolicy:
         session_balance: float = 1.25,
         session_decay_s: float = SESSION_DECAY_S,
         tie_margin: float = 1.0,
-        busy_weight: float = 4.0,
+        busy_weight: float = 2.0,
+        seed: int | None = None,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
             raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
@@ -174,7 +175,7 @@ class KVAwarePolicy:
         self.tie_margin = tie_margin
         self.predict_ttl_s = predict_ttl_s
         self._recent = _RecentOwners(memory_size)
-        self._rng = random.Random()
+        self._rng = random.Random(seed)  # seeded only to make simulations reproducible
 
     @property
     def session_decay_s(self) -> float:
