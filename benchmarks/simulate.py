@@ -191,9 +191,7 @@ def simulate(
     mean_output = statistics.fmean(out for _, _, out in rows)
     replicas = [Replica(f"r{i}", capacity, costs, mean_output_steps=mean_output) for i in range(n)]
     seeded = "seed" in inspect.signature(POLICIES[policy_name]).parameters  # random tie-breaks: reproducible runs
-    routers = [
-        make_policy(policy_name, **({"seed": k} if seeded else {}), **policy_kwargs) for k in range(processes)
-    ]
+    routers = [make_policy(policy_name, **({"seed": k} if seeded else {}), **policy_kwargs) for k in range(processes)]
     uses_index = routers[0].uses_index
     events: list = []
     predicted: dict[bytes, tuple[str, float]] = {}  # Redis predict-on-route entries, shared by all routers

@@ -66,6 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "swap_space_bytes": int(args.swap_space_gib * (1 << 30)) if args.swap_space_gib is not None else None,
+        "host_cache_bytes": int(args.host_cache_gib * (1 << 30)) if args.host_cache_gib is not None else None,
         "preemption_mode": args.preemption_mode,
         "device": args.device,
         "torch_threads": args.threads,
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--swap-space-gib",
         type=float,
         help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)",
+    )
+    srv.add_argument(
+        "--host-cache-gib",
+        type=float,
+        help="host memory per replica keeping prefix blocks evicted from the KV pool (default: 2x the pool, "
+        "<= 16, on CUDA; off on the CPU; 0: off)",
     )
     srv.add_argument(
         "--preemption-mode",

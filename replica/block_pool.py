@@ -17,7 +17,7 @@ both stay in the map, so evicting one copy leaves the other reachable.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -47,6 +47,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, Block] = OrderedDict()
         self._by_hash: dict[BlockHash, dict[int, Block]] = {}
         self._events: list[KVEvent] = []
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        """Told of each cached block evicted whose hash has no other copy left (the host tier keeps it)."""
         self.peak_used = 0
         """High-water mark of ``num_used`` since creation or ``reset_peak()``: the most a workload pinned,
         including blocks held only within a step (sequences that finish in it free theirs at its end)."""
@@ -88,7 +90,10 @@ class BlockPool:
                 block = self._empty.pop()
             else:
                 _, block = self._evictable.popitem(last=False)
+                block_hash = block.block_hash
                 self._drop_hash(block)
+                if self.on_evict is not None and block_hash not in self._by_hash:
+                    self.on_evict(block.block_id, block_hash)
             block.ref_count = 1
             out.append(block)
         self.peak_used = max(self.peak_used, self.num_used)

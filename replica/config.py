@@ -11,6 +11,9 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 MAX_DEFAULT_SWAP_BYTES = 4 << 30
+DEFAULT_HOST_CACHE_FRACTION = 2.0
+"""On CUDA, the host prefix tier's default size as a multiple of the device KV pool's bytes."""
+MAX_DEFAULT_HOST_CACHE_BYTES = 16 << 30
 GPU_KV_FRACTION = 0.85
 """Share of the GPU memory still free after loading weights that goes to the KV pool."""
 
@@ -24,6 +27,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     swap_space_bytes: int | None = None
     """Host memory for swapped-out sequences' KV; ``None``: half the KV pool, at most 4 GiB; 0: no swapping."""
+    host_cache_bytes: int | None = None
+    """Host memory that keeps prefix blocks evicted from the device pool, loaded back on a hit when that
+    beats recomputing them (``replica/swap.py``); ``None``: on CUDA ``DEFAULT_HOST_CACHE_FRACTION`` of the
+    KV pool's bytes, at most 16 GiB; on the CPU off (there it is a second pool in the same memory); 0: off."""
     preemption_mode: str = "auto"
     """``auto`` (swap a preempted sequence when that is cheaper than recomputing it), ``swap`` (whenever
     the swap space has room) or ``recompute``."""
@@ -64,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}")
         if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs}")

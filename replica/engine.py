@@ -15,7 +15,14 @@ import torch
 
 from kernels import check_block_size
 from replica.block_pool import BlockPool
-from replica.config import DEFAULT_CPU_KV_BYTES, GPU_KV_FRACTION, MAX_DEFAULT_SWAP_BYTES, EngineConfig
+from replica.config import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_HOST_CACHE_FRACTION,
+    GPU_KV_FRACTION,
+    MAX_DEFAULT_HOST_CACHE_BYTES,
+    MAX_DEFAULT_SWAP_BYTES,
+    EngineConfig,
+)
 from replica.cpu_memory import keep_freed_memory
 from replica.cuda_graphs import default_sizes
 from replica.detokenizer import IncrementalDetokenizer
@@ -101,7 +108,7 @@ class LLMEngine:
             max_blocks_per_seq,
         )
         self.rates = StepRates()
-        self.swap = self._swap_space()
+        self.swap = self._swap_space(device)
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(
@@ -146,15 +153,26 @@ class LLMEngine:
             device,
         )
 
-    def _swap_space(self) -> SwapSpace | None:
-        """The host swap tier: ``swap_space_bytes``, by default half the KV pool's bytes (at most 4 GiB)."""
+    def _swap_space(self, device: torch.device) -> SwapSpace | None:
+        """The host tier: room for swapped-out sequences (``swap_space_bytes``, by default half the KV pool's
+        bytes, at most 4 GiB) plus the host prefix cache (``host_cache_bytes``)."""
         per_block = self.bytes_per_block
-        size = self.config.swap_space_bytes
-        if size is None:
-            size = min(self.num_blocks * per_block // 2, MAX_DEFAULT_SWAP_BYTES)
-        if size < per_block or self.config.preemption_mode == "recompute":
+        swap = self.config.swap_space_bytes
+        if swap is None:
+            swap = min(self.num_blocks * per_block // 2, MAX_DEFAULT_SWAP_BYTES)
+        if self.config.preemption_mode == "recompute":
+            swap = 0
+        cache = self.config.host_cache_bytes
+        if cache is None:
+            pool_bytes = self.num_blocks * per_block
+            default = min(int(pool_bytes * DEFAULT_HOST_CACHE_FRACTION), MAX_DEFAULT_HOST_CACHE_BYTES)
+            cache = default if device.type == "cuda" else 0
+        swap_blocks, cache_blocks = swap // per_block, cache // per_block
+        if swap_blocks + cache_blocks < 1:
             return None
-        return SwapSpace(self.runner.kv_caches, size // per_block, lambda: self.rates.prefill_tok_s)
+        return SwapSpace(
+            self.runner.kv_caches, swap_blocks + cache_blocks, lambda: self.rates.prefill_tok_s, cache_blocks
+        )
 
     def _blocks_for_budget(self, device: torch.device) -> int:
         budget = self.config.kv_cache_bytes
@@ -541,6 +559,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); sinks hear ``AllBlocksCleared``."""
         done = self.pool.reset()
+        if done and self.swap is not None:
+            self.swap.clear_cache()
         self._flush_events()
         return done
 
@@ -590,6 +610,9 @@ class LLMEngine:
             requests_admitted=s.requests_admitted,
             prompt_tokens=s.prompt_tokens_queried,
             cached_prompt_tokens=s.prompt_tokens_hit,
+            cached_prompt_tokens_host=s.prompt_tokens_hit_host,
+            host_cache_blocks=self.swap.cache_blocks if self.swap is not None else 0,
+            host_cached_blocks=self.swap.num_cached if self.swap is not None else 0,
             prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,
             decode_s_per_seq=self.rates.decode_s_per_seq,
             step_s=self.rates.step_s,

@@ -27,6 +27,7 @@ import numpy as np
 from replica.block_pool import Block, BlockPool
 from replica.request import Request
 from replica.swap import SwapSpace
+from router.hashing import BlockHash
 
 
 class BlockTables:
@@ -79,6 +80,8 @@ class KVCacheManager:
         self._num_cached_blocks: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
         self.swap = swap
+        if swap is not None and swap.cache_blocks:
+            pool.on_evict = swap.offload
         self._swapped: dict[Request, tuple[list[int], list[int]]] = {}
         """Swapped-out sequences: the table positions their saved blocks came from, and the host blocks."""
         self.tables = BlockTables(max_seqs, max_blocks_per_seq)
@@ -101,16 +104,32 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
+    def host_hits(self, request: Request, device_hits: int) -> list[BlockHash]:
+        """The blocks of ``request``'s prefix that continue past its ``device_hits`` in the host tier (worth
+        loading there), capped like ``computed_blocks`` so the last token is still computed."""
+        if self.swap is None or not self.swap.num_cached or not self.enable_prefix_caching:
+            return []
+        chain = request.block_hashes[device_hits : (request.num_tokens - 1) // self.block_size]
+        return chain[: self.swap.cached_prefix(chain, self.block_size)]
+
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hits: list[Block] | None = None,
+        loads: list[BlockHash] | None = None,
+    ) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens; False (no change) if the pool is short.
 
-        ``hits`` are prefix-cache blocks for a request being admitted; they are pinned here, and the
-        caller advances ``num_computed_tokens`` past them. A shared block about to be written is replaced
-        by a private copy (copy-on-write), which costs one block more.
+        ``hits`` are prefix-cache blocks for a request being admitted; they are pinned here. ``loads`` are
+        the host-tier blocks that follow them (``host_hits``): each gets a new device block and a queued
+        copy in. The caller advances ``num_computed_tokens`` past both. A shared block about to be written
+        is replaced by a private copy (copy-on-write), which costs one block more.
         """
         hits = hits or []
+        loads = loads or []
         blocks = self.req_blocks.get(request, [])
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_computed = request.num_computed_tokens + (len(hits) + len(loads)) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
         write_at = request.num_computed_tokens // self.block_size
         copy_on_write = write_at < len(blocks) and blocks[write_at].ref_count > 1
@@ -118,6 +137,7 @@ class KVCacheManager:
         pinned_free = sum(1 for b in hits if b.ref_count == 0)
         if needed + pinned_free + copy_on_write > self.pool.num_free:
             return False
+        host_ids = self.swap.claim(loads) if loads else []  # before allocating: evictions may offload here
         self.pool.touch(hits)
         if request.kv_row < 0:
             request.kv_row = self.tables.acquire()
@@ -128,11 +148,17 @@ class KVCacheManager:
             blocks[write_at] = own
             self.tables.write(request.kv_row, write_at, [own.block_id])
         new = self.pool.allocate(max(needed, 0))
+        if loads:
+            loaded = new[: len(loads)]
+            self.swap.swap_in(host_ids, [b.block_id for b in loaded])
+            first = len(blocks) + len(hits)
+            for i, block in enumerate(loaded, start=first):
+                self.pool.cache_block(block, request.block_hashes[i], request.block_hashes[i - 1] if i else None)
         self.req_blocks[request] = blocks + hits + new
         if hits or new:
             self.tables.write(request.kv_row, len(blocks), [b.block_id for b in hits + new])
-        if hits:
-            self._num_cached_blocks[request] = len(hits)
+        if hits or loads:
+            self._num_cached_blocks[request] = len(hits) + len(loads)
         self._release_behind_window(request, num_computed)
         return True
 

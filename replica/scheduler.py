@@ -56,6 +56,8 @@ class Scheduler:
         """Computed tokens thrown away by preemptions that recompute (swapped sequences lose none)."""
         self.prompt_tokens_queried = 0
         self.prompt_tokens_hit = 0
+        self.prompt_tokens_hit_host = 0
+        """Of ``prompt_tokens_hit``, those loaded back from the host tier."""
         self.requests_admitted = 0
 
     @property
@@ -101,9 +103,10 @@ class Scheduler:
             req = self.waiting[0]
             swapped = self.kv.is_swapped(req)
             hits = [] if swapped else self.kv.computed_blocks(req)
-            num_hit = req.num_computed_tokens if swapped else len(hits) * self.kv.block_size
+            loads = [] if swapped else self.kv.host_hits(req, len(hits))
+            num_hit = req.num_computed_tokens if swapped else (len(hits) + len(loads)) * self.kv.block_size
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate(req, n, hits):
+            if not self.kv.allocate(req, n, hits, loads):
                 break
             self.waiting.popleft()
             if swapped:
@@ -114,6 +117,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 self.prompt_tokens_queried += req.num_tokens
                 self.prompt_tokens_hit += num_hit
+                self.prompt_tokens_hit_host += len(loads) * self.kv.block_size
                 self.requests_admitted += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -137,6 +141,7 @@ class Scheduler:
 
     def reset_counters(self) -> None:
         self.num_preemptions = self.prompt_tokens_queried = self.prompt_tokens_hit = self.requests_admitted = 0
+        self.prompt_tokens_hit_host = 0
         self.num_swapped_out = self.num_swapped_in = self.num_recomputed_tokens = 0
 
     def _preempt(self, req: Request) -> None:

@@ -1,21 +1,27 @@
-"""The host-memory swap tier: where a preempted sequence's KV blocks wait instead of being recomputed.
+"""The host-memory tier: preempted sequences' KV blocks, and prefix blocks evicted from the device pool.
 
 Preemption frees a running sequence's device blocks when the pool runs dry. Recomputing its tokens later
 costs a prefill of all of them; copying its blocks out to host memory and back costs two copies of its
 bytes. ``SwapSpace.worth_it`` compares the two with this replica's own numbers (the host copy bandwidth
 measured at start-up, the engine's measured prefill rate), so long sequences swap and short ones, for
-which a recompute is nearly free, do not. The pool is bounded (``swap_space_bytes``); when it is full the
-sequence is recomputed as before.
+which a recompute is nearly free, do not.
 
-Copies are queued during scheduling and run by the engine before the step's forward pass: swap-outs first
-(their device blocks may already be handed to other sequences this step, but nothing writes them before
-the forward pass), then copy-on-write copies, then swap-ins into freshly allocated blocks. They run where
-the step runs (``replica/device_queue.py``), after every step launched before it.
+The same host blocks hold a prefix cache (``host_cache_bytes``): a full cached block the device pool
+evicts is copied here instead of dropped, and a later request whose prefix continues past the device
+hits into this tier loads those blocks back before its prefill, when loading is cheaper than recomputing.
+Host-cached blocks are LRU and exclusive with the device (a loaded block leaves the tier); swapped
+sequences take precedence and evict them. Without ``host_cache_bytes`` nothing is cached here.
+
+Copies are queued during scheduling and run by the engine before the step's forward pass: copies out
+first (their device blocks may already be handed to other sequences this step, but nothing writes them
+before the forward pass), then copy-on-write copies, then copies in, into freshly allocated blocks. They
+run where the step runs (``replica/device_queue.py``), after every step launched before it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +29,7 @@ import torch
 
 from kernels.quant import as_bytes
 from replica.context import LayerCache
+from router.hashing import BlockHash
 
 
 @dataclass
@@ -34,10 +41,20 @@ class SwapCopies:
 
 
 class SwapSpace:
-    def __init__(self, device_caches: list[LayerCache], num_blocks: int, prefill_tok_s: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        device_caches: list[LayerCache],
+        num_blocks: int,
+        prefill_tok_s: Callable[[], float],
+        cache_blocks: int = 0,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"a swap space needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.cache_blocks = min(cache_blocks, num_blocks)
+        """How many host blocks evicted prefix blocks may hold (0: no host prefix cache)."""
+        self._cached: OrderedDict[BlockHash, int] = OrderedDict()
+        """Host prefix cache: block hash -> host block, least recently stored first."""
         self._device = [[as_bytes(t) for t in layer.per_block()] for layer in device_caches]
         pin = self._device[0][0].is_cuda
         self._host = [
@@ -53,7 +70,12 @@ class SwapSpace:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Host blocks a swap-out may take: empty ones and those holding cached prefix blocks."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def worth_it(self, num_tokens: int, num_blocks: int) -> bool:
         """Whether moving ``num_blocks`` out and back is cheaper than recomputing ``num_tokens`` (and fits)."""
@@ -62,9 +84,55 @@ class SwapSpace:
 
     def swap_out(self, device_ids: list[int]) -> list[int]:
         """Reserve host blocks for ``device_ids`` and queue the copy out; returns the host block ids."""
-        host_ids = [self._free.pop() for _ in device_ids]
+        host_ids = [self._take() for _ in device_ids]
         self._outs.append((device_ids, host_ids))
         return host_ids
+
+    def _take(self) -> int:
+        """An empty host block, evicting the least recently stored cached prefix block if there is none."""
+        if self._free:
+            return self._free.pop()
+        return self._cached.popitem(last=False)[1]
+
+    # ------------------------------------------------------------------ host prefix cache
+    def offload(self, device_id: int, block_hash: BlockHash) -> None:
+        """A full cached block the device pool is evicting: keep its KV here (queued copy out) if the tier
+        caches at all; the oldest cached block makes room once the cache's share is used."""
+        if not self.cache_blocks or block_hash in self._cached:
+            return
+        if self._free and len(self._cached) < self.cache_blocks:
+            host_id = self._free.pop()
+        elif self._cached:
+            host_id = self._cached.popitem(last=False)[1]
+        else:
+            return
+        self._cached[block_hash] = host_id
+        self._outs.append(([device_id], [host_id]))
+
+    def cached_prefix(self, block_hashes: list[BlockHash], block_size: int) -> int:
+        """How many of ``block_hashes`` (a chain continuing past the device hits) the tier holds in a row;
+        0 when copying a block in costs more than recomputing its ``block_size`` tokens."""
+        if not self._cached or self.block_bytes / self.copy_bytes_s >= block_size / self._prefill_tok_s():
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
+    def claim(self, block_hashes: list[BlockHash]) -> list[int]:
+        """Take cached ``block_hashes`` out of the tier to load them (``swap_in`` queues the copy): the device
+        holds them from now on; their host blocks free once the copy has run."""
+        return [self._cached.pop(h) for h in block_hashes]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix block (a prefix-cache reset)."""
+        self._free += self._cached.values()
+        self._cached.clear()
 
     def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
         """Queue the copy of ``host_ids`` back into ``device_ids``; the host blocks free once it has run."""
@@ -94,8 +162,11 @@ class SwapSpace:
             self._copy(self._host, host_ids, self._device, device_ids)
 
     def check_integrity(self, held: int) -> None:
-        """Free + held by swapped sequences == total, with no block counted twice."""
-        assert len(set(self._free)) == len(self._free) and len(self._free) + held == self.num_blocks
+        """Free + cached + held by swapped sequences == total, with no block counted twice."""
+        owned = self._free + list(self._cached.values())
+        assert len(set(owned)) == len(owned), "host block both free and cached, or cached twice"
+        assert len(owned) + held == self.num_blocks, f"{len(owned)} free or cached + {held} swapped"
+        assert len(self._cached) <= self.cache_blocks
 
     @staticmethod
     def _copy(src: list[list[torch.Tensor]], src_ids: list[int], dst: list[list[torch.Tensor]], dst_ids: list[int]):

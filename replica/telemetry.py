@@ -34,6 +34,11 @@ class EngineStats:
     cached_prompt_tokens: int
     """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens
     over any window is the ratio of their increments."""
+    cached_prompt_tokens_host: int = 0
+    """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
+    host_cache_blocks: int = 0
+    """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
+    host_cached_blocks: int = 0
 
 
 @dataclass
@@ -57,6 +62,9 @@ class EngineSnapshot:
     requests_admitted: int
     prompt_tokens: int
     cached_prompt_tokens: int
+    cached_prompt_tokens_host: int
+    host_cache_blocks: int
+    host_cached_blocks: int
     prefill_tok_s: float | None
     """None until measured: routers then assume what the replica's peers measured."""
     decode_s_per_seq: float | None
@@ -113,6 +121,9 @@ class EngineSnapshot:
             requests_admitted=self.requests_admitted,
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
+            cached_prompt_tokens_host=self.cached_prompt_tokens_host,
+            host_cache_blocks=self.host_cache_blocks,
+            host_cached_blocks=self.host_cached_blocks,
         )
 
 

@@ -29,18 +29,25 @@ ops = st.lists(
 )
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            block_size=BLOCK,
-            num_kv_blocks=POOL,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-            device="cpu",  # tiny blocks stress the scheduler; the CUDA kernels take 8 slots or more
+@pytest.fixture(scope="module", params=[0, 10], ids=["device-only", "host-tier"])
+def engine(request, tiny_llama_dir):
+    """The engine, alone or with a host prefix tier of ``param`` blocks (evictions and loads between tiers)."""
+
+    def make(host_cache_bytes: int) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                block_size=BLOCK,
+                num_kv_blocks=POOL,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                device="cpu",  # tiny blocks stress the scheduler; the CUDA kernels take 8 slots or more
+                host_cache_bytes=host_cache_bytes,
+            )
         )
-    )
+
+    engine = make(0)
+    return make(request.param * engine.bytes_per_block) if request.param else engine
 
 
 class Mirror:
