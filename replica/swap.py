@@ -64,6 +64,9 @@ class SwapSpace:
         self.block_bytes = sum(t[0].numel() * t.element_size() for layer in self._device for t in layer)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._outs: list[tuple[list[int], list[int]]] = []
+        self._offloads: dict[int, int] = {}
+        """Offload copies not yet in ``_outs``, host id -> device id: one batched copy per step, not one per
+        block; a host block reused within the batch keeps only its last copy."""
         self._ins: list[tuple[list[int], list[int]]] = []
         self._prefill_tok_s = prefill_tok_s
         self.copy_bytes_s = self._measure_bandwidth()
@@ -85,6 +88,7 @@ class SwapSpace:
     def swap_out(self, device_ids: list[int]) -> list[int]:
         """Reserve host blocks for ``device_ids`` and queue the copy out; returns the host block ids."""
         host_ids = [self._take() for _ in device_ids]
+        self._flush_offloads()  # queued before: a host block they target may be one taken here
         self._outs.append((device_ids, host_ids))
         return host_ids
 
@@ -107,7 +111,13 @@ class SwapSpace:
         else:
             return
         self._cached[block_hash] = host_id
-        self._outs.append(([device_id], [host_id]))
+        self._offloads.pop(host_id, None)
+        self._offloads[host_id] = device_id
+
+    def _flush_offloads(self) -> None:
+        if self._offloads:
+            self._outs.append((list(self._offloads.values()), list(self._offloads)))
+            self._offloads = {}
 
     def cached_prefix(self, block_hashes: list[BlockHash], block_size: int) -> int:
         """How many of ``block_hashes`` (a chain continuing past the device hits) the tier holds in a row;
@@ -145,6 +155,7 @@ class SwapSpace:
     def take(self) -> SwapCopies:
         """The copies queued since the last call, to run in order before the step's forward pass. The host
         blocks swapped in are free again from here: a later swap-out may take them, and its copy runs after."""
+        self._flush_offloads()
         copies = SwapCopies(self._outs, self._ins)
         self._outs, self._ins = [], []
         for host_ids, _ in copies.ins:
