@@ -85,7 +85,7 @@ async def decisions(url: str, n: int) -> dict:
     ]
     bodies = [GenerateCall(f"b{i}", [0] * TOKENS, ch, 16) for i, ch in enumerate(chains)]
     lookup: list[float] = []
-    timed = router.index.lookup_with_starts
+    timed = router.index.query
 
     async def lookup_timed(*args, **kwargs):
         t = time.perf_counter()
@@ -94,7 +94,7 @@ async def decisions(url: str, n: int) -> dict:
         finally:
             lookup.append(time.perf_counter() - t)
 
-    router.index.lookup_with_starts = lookup_timed
+    router.index.query = lookup_timed
     for i in range(50):  # warm up the connection pool and script cache
         await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
     lat = []

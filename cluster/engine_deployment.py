@@ -55,6 +55,7 @@ class EngineReplica:
                 self.engine.pool.cached_hashes,
                 unique_name=unique,
                 status=self.status,
+                host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
             ).start()
             self.engine.kv_event_sinks.append(self.publisher.publish)
         self.index_id = self.publisher.replica_id if self.publisher else name

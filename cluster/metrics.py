@@ -47,6 +47,9 @@ _GAUGES = {
     "num_running": ("kvmesh_replica_requests_running", "Requests in the replica's running batch."),
     "num_waiting": ("kvmesh_replica_requests_waiting", "Requests queued at the replica."),
     "num_cached_blocks": ("kvmesh_replica_cached_blocks", "Evictable blocks holding cached prefixes."),
+    "host_hit_rate": ("kvmesh_replica_host_hit_rate", "Prompt tokens loaded from the host prefix tier / admitted."),
+    "host_cached_blocks": ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes."),
+    "host_cache_blocks": ("kvmesh_replica_host_cache_blocks", "Host-tier capacity for evicted prefixes, in blocks."),
     "index_entries": ("kvmesh_replica_index_entries", "Blocks the replica has published to the index."),
 }
 
@@ -67,6 +70,17 @@ class _ReplicaCollector(Collector):
             if isinstance(report.get("num_preemptions"), int):
                 preemptions.add_metric([replica], report["num_preemptions"])
         yield preemptions
+        cached = CounterMetricFamily(
+            "kvmesh_replica_cached_prompt_tokens",
+            "Prompt tokens served from the replica's prefix cache, by the tier that held them.",
+            labels=["replica", "tier"],
+        )
+        for replica, report in sorted(self.reports.items()):
+            total, host = report.get("cached_prompt_tokens"), report.get("cached_prompt_tokens_host", 0)
+            if isinstance(total, int) and isinstance(host, int):
+                cached.add_metric([replica, "device"], total - host)
+                cached.add_metric([replica, "host"], host)
+        yield cached
 
 
 def render(replica_reports: dict[str, dict]) -> bytes:

@@ -29,6 +29,14 @@ def format_table(headers: list[str], rows: list[list[str]], rule: bool = False) 
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines]
 
 
+def _host_tier(report: dict) -> list[str]:
+    """The host prefix tier's hit rate and ``<blocks used>/<capacity>``; ``off`` without one."""
+    capacity = report.get("host_cache_blocks", 0)
+    if not capacity:
+        return ["off", "off"]
+    return [f"{100 * report.get('host_hit_rate', 0):.1f}%", f"{report.get('host_cached_blocks', 0)}/{capacity}"]
+
+
 def render_status(status: dict) -> str:
     redis = status.get("redis") or {}
     redis_text = f"ok, {redis.get('ping_ms')} ms, {redis.get('used_memory')}" if redis.get("ok") else "DOWN"
@@ -42,6 +50,7 @@ def render_status(status: dict) -> str:
             rid,
             f"{100 * r.get('kv_usage', 0):.1f}%",
             f"{100 * r.get('prefix_hit_rate', 0):.1f}%",
+            *_host_tier(r),
             str(r.get("num_running", "?")),
             str(r.get("num_waiting", "?")),
             str(r.get("num_preemptions", "?")),
@@ -49,7 +58,8 @@ def render_status(status: dict) -> str:
         ]
         for rid, r in sorted(status["replicas"].items())
     ]
-    out += format_table(["REPLICA", "KV USED", "HIT RATE", "RUNNING", "WAITING", "PREEMPTED", "INDEXED"], rows)
+    headers = ["REPLICA", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
+    out += format_table([*headers, "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
     out.append("")

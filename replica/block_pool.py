@@ -48,6 +48,8 @@ class BlockPool:
         self._by_hash: dict[BlockHash, dict[int, Block]] = {}
         self._events: list[KVEvent] = []
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_cache: Callable[[BlockHash], None] | None = None
+        """Told when a hash gets its first device copy (the host tier then drops its own)."""
         """Told of each cached block evicted whose hash has no other copy left (the host tier keeps it)."""
         self.peak_used = 0
         """High-water mark of ``num_used`` since creation or ``reset_peak()``: the most a workload pinned,
@@ -131,6 +133,8 @@ class BlockPool:
         block.block_hash = block_hash
         copies = self._by_hash.setdefault(block_hash, {})
         if not copies:
+            if self.on_cache is not None:
+                self.on_cache(block_hash)
             self._events.append(BlockStored(block_hash, parent_hash))
         copies[block.block_id] = block
 
@@ -157,6 +161,10 @@ class BlockPool:
         self._by_hash.clear()
         self._events.append(AllBlocksCleared())
         return True
+
+    def emit(self, event: KVEvent) -> None:
+        """Queue another tier's event (the host tier) in order with this pool's own."""
+        self._events.append(event)
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

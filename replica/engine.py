@@ -613,6 +613,7 @@ class LLMEngine:
             cached_prompt_tokens_host=s.prompt_tokens_hit_host,
             host_cache_blocks=self.swap.cache_blocks if self.swap is not None else 0,
             host_cached_blocks=self.swap.num_cached if self.swap is not None else 0,
+            host_load_tok_s=self.swap.load_tok_s(size) if self.swap is not None and self.swap.cache_blocks else None,
             prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,
             decode_s_per_seq=self.rates.decode_s_per_seq,
             step_s=self.rates.step_s,

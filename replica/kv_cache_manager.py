@@ -81,7 +81,7 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []
         self.swap = swap
         if swap is not None and swap.cache_blocks:
-            pool.on_evict = swap.offload
+            pool.on_evict, pool.on_cache, swap.emit = swap.offload, swap.drop, pool.emit
         self._swapped: dict[Request, tuple[list[int], list[int]]] = {}
         """Swapped-out sequences: the table positions their saved blocks came from, and the host blocks."""
         self.tables = BlockTables(max_seqs, max_blocks_per_seq)

@@ -9,8 +9,8 @@ which a recompute is nearly free, do not.
 The same host blocks hold a prefix cache (``host_cache_bytes``): a full cached block the device pool
 evicts is copied here instead of dropped, and a later request whose prefix continues past the device
 hits into this tier loads those blocks back before its prefill, when loading is cheaper than recomputing.
-Host-cached blocks are LRU and exclusive with the device (a loaded block leaves the tier); swapped
-sequences take precedence and evict them. Without ``host_cache_bytes`` nothing is cached here.
+Host-cached blocks are LRU and exclusive with the device (a loaded or recomputed block leaves the tier);
+swapped sequences take precedence and evict them. Without ``host_cache_bytes`` nothing is cached here.
 
 Copies are queued during scheduling and run by the engine before the step's forward pass: copies out
 first (their device blocks may already be handed to other sequences this step, but nothing writes them
@@ -29,6 +29,7 @@ import torch
 
 from kernels.quant import as_bytes
 from replica.context import LayerCache
+from replica.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 from router.hashing import BlockHash
 
 
@@ -68,6 +69,8 @@ class SwapSpace:
         """Offload copies not yet in ``_outs``, host id -> device id: one batched copy per step, not one per
         block; a host block reused within the batch keeps only its last copy."""
         self._ins: list[tuple[list[int], list[int]]] = []
+        self.emit: Callable[[KVEvent], None] | None = None
+        """Receives the tier's KV events (medium ``host``), in order with the device pool's."""
         self._prefill_tok_s = prefill_tok_s
         self.copy_bytes_s = self._measure_bandwidth()
 
@@ -79,6 +82,10 @@ class SwapSpace:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def load_tok_s(self, block_size: int) -> float:
+        """Tokens per second of KV this tier copies back to the device (what routers price a host hit at)."""
+        return block_size * self.copy_bytes_s / self.block_bytes
 
     def worth_it(self, num_tokens: int, num_blocks: int) -> bool:
         """Whether moving ``num_blocks`` out and back is cheaper than recomputing ``num_tokens`` (and fits)."""
@@ -96,7 +103,13 @@ class SwapSpace:
         """An empty host block, evicting the least recently stored cached prefix block if there is none."""
         if self._free:
             return self._free.pop()
-        return self._cached.popitem(last=False)[1]
+        return self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
+        block_hash, host_id = self._cached.popitem(last=False)
+        if self.emit is not None:
+            self.emit(BlockRemoved(block_hash, HOST))
+        return host_id
 
     # ------------------------------------------------------------------ host prefix cache
     def offload(self, device_id: int, block_hash: BlockHash) -> None:
@@ -107,10 +120,12 @@ class SwapSpace:
         if self._free and len(self._cached) < self.cache_blocks:
             host_id = self._free.pop()
         elif self._cached:
-            host_id = self._cached.popitem(last=False)[1]
+            host_id = self._evict_oldest()
         else:
             return
         self._cached[block_hash] = host_id
+        if self.emit is not None:
+            self.emit(BlockStored(block_hash, None, HOST))
         self._offloads.pop(host_id, None)
         self._offloads[host_id] = device_id
 
@@ -134,13 +149,25 @@ class SwapSpace:
     def claim(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take cached ``block_hashes`` out of the tier to load them (``swap_in`` queues the copy): the device
         holds them from now on; their host blocks free once the copy has run."""
+        if self.emit is not None:
+            for h in block_hashes:
+                self.emit(BlockRemoved(h, HOST))
         return [self._cached.pop(h) for h in block_hashes]
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """The device holds ``block_hash`` again (recomputed, not loaded): free its host copy, so each hash
+        lives in one tier and the device's evictions find room here."""
+        host_id = self._cached.pop(block_hash, None)
+        if host_id is not None:
+            self._free.append(host_id)
+            if self.emit is not None:
+                self.emit(BlockRemoved(block_hash, HOST))
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
 
     def clear_cache(self) -> None:
-        """Forget every cached prefix block (a prefix-cache reset)."""
+        """Forget every cached prefix block (a prefix-cache reset, whose ``AllBlocksCleared`` covers them)."""
         self._free += self._cached.values()
         self._cached.clear()
 

@@ -36,6 +36,8 @@ class EngineStats:
     over any window is the ratio of their increments."""
     cached_prompt_tokens_host: int = 0
     """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
+    host_hit_rate: float = 0.0
+    """Prompt tokens loaded from the host tier / admitted (included in ``prefix_hit_rate``)."""
     host_cache_blocks: int = 0
     """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
     host_cached_blocks: int = 0
@@ -65,6 +67,8 @@ class EngineSnapshot:
     cached_prompt_tokens_host: int
     host_cache_blocks: int
     host_cached_blocks: int
+    host_load_tok_s: float | None
+    """Prompt tokens per second loaded back from the host tier (None: no host prefix tier)."""
     prefill_tok_s: float | None
     """None until measured: routers then assume what the replica's peers measured."""
     decode_s_per_seq: float | None
@@ -86,6 +90,7 @@ class EngineSnapshot:
             kv_total_blocks=self.num_blocks,
             cache_fill=self.cache_fill,
             prefill_tok_s=self.prefill_tok_s,
+            host_load_tok_s=self.host_load_tok_s,
             decode_s_per_seq=self.decode_s_per_seq,
             step_s=self.step_s,
             mean_output_tokens=self.mean_output_tokens,
@@ -122,6 +127,7 @@ class EngineSnapshot:
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
             cached_prompt_tokens_host=self.cached_prompt_tokens_host,
+            host_hit_rate=self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0,
             host_cache_blocks=self.host_cache_blocks,
             host_cached_blocks=self.host_cached_blocks,
         )

@@ -29,7 +29,9 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
+    def rank(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None, host_hits=None
+    ) -> Decision:
         ids = sorted(r.index_id for r in replicas)
         k = next(self._counter) % len(ids)
         return Decision(ids[k:] + ids[:k], "round_robin")
@@ -45,7 +47,9 @@ class PowerOfTwoPolicy:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
+    def rank(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None, host_hits=None
+    ) -> Decision:
         pair = self._rng.sample(replicas, min(2, len(replicas)))
         pair.sort(key=lambda r: (r.load, r.index_id))
         first = [r.index_id for r in pair]
@@ -64,7 +68,9 @@ class SessionHashPolicy:
         self.epsilon = epsilon
         self.key_blocks = key_blocks
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
+    def rank(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None, host_hits=None
+    ) -> Decision:
         if req.session_id:
             key = req.session_id.encode()
         elif req.block_hashes:
@@ -109,7 +115,9 @@ class ApproxTreePolicy:
                 n += 1
         return n
 
-    def rank(self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None) -> Decision:
+    def rank(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None, host_hits=None
+    ) -> Decision:
         loads = [r.load for r in replicas]
         imbalanced = max(loads) - min(loads) > self.balance_abs_threshold and max(
             loads

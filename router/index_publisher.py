@@ -41,6 +41,11 @@ class KVEventLike(Protocol):
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hash: bytes
+    medium: str  # "device" | "host" (not read on "cleared")
+
+
+OPS = {("stored", "device"): b"+", ("removed", "device"): b"-", ("stored", "host"): b"H", ("removed", "host"): b"h"}
+"""The op byte of each event in a ``publish.lua`` batch."""
 
 
 class StaleSlotError(RuntimeError):
@@ -48,7 +53,8 @@ class StaleSlotError(RuntimeError):
 
 
 class KVIndexPublisher:
-    """Publishes one replica's cached block set. Pass the engine's snapshot function (pool.cached_hashes)."""
+    """Publishes one replica's cached block set, per medium. Pass the engine's snapshot functions: the
+    device pool's ``cached_hashes`` and, with a host prefix tier, the tier's."""
 
     def __init__(
         self,
@@ -63,12 +69,14 @@ class KVIndexPublisher:
         redis_timeout_s: float = 1.0,
         unique_name: bool = False,
         status: Callable[[], dict] | None = None,
+        host_snapshot: Callable[[], list[BlockHash]] | None = None,
     ) -> None:
         self.prefix = index_prefix(deployment, model)
         # A restarted replica must never inherit its predecessor's entries: add an incarnation, unless the
         # caller's name is already unique per process (Ray Serve replica ids are).
         self.replica_id = replica_name if unique_name else f"{replica_name}#{uuid.uuid4().hex[:8]}"
         self._snapshot = snapshot
+        self._host_snapshot = host_snapshot
         self._status = status
         """Called on each heartbeat; its report is stored beside the heartbeat for metrics and status."""
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
@@ -103,7 +111,7 @@ class KVIndexPublisher:
                 ops.clear()  # the resync publishes the (now empty) cache
                 resync = True
             else:
-                ops.append((b"+" if e.kind == "stored" else b"-") + block_key(e.block_hash))
+                ops.append(OPS[e.kind, e.medium] + block_key(e.block_hash))
         with self._cv:
             if resync:
                 self._needs_resync = True
@@ -202,7 +210,7 @@ class KVIndexPublisher:
         n = len(ops) // 9
         self.stats["events"] += n
         self.stats["batches"] += 1
-        adds = ops[::9].count(b"+")
+        adds = ops[::9].count(b"+") + ops[::9].count(b"H")
         self._live += 2 * adds - n
         self._logged += adds
         if self._logged > 4 * max(self._live, CHUNK):
@@ -214,6 +222,8 @@ class KVIndexPublisher:
             self._needs_resync = False
             self._queue.clear()
             keys = [b"+" + block_key(h) for h in self._snapshot()]  # later events are queued after this point
+            if self._host_snapshot is not None:
+                keys += [b"H" + block_key(h) for h in self._host_snapshot()]
         slot = self._scripts["claim"](args=[self.prefix, self.replica_id])
         for i in range(0, len(keys), CHUNK):
             if self._scripts["publish"](args=[self.prefix, self.replica_id, slot, b"".join(keys[i : i + CHUNK])]) != 1:

@@ -3,7 +3,8 @@
 Memory is the constraint (millions of (block, replica) entries), so blocks are bucketed into Redis hashes
 small enough to stay in Redis' compact listpack/ziplist encoding:
 
-    <prefix>b:<2 bytes>    HASH  field <6 bytes> -> packed 4-byte slots of the replicas holding the block
+    <prefix>b:<2 bytes>    HASH  field <6 bytes> -> packed 4-byte slots of the replicas holding the block;
+                           a slot with its top bit set holds it in that replica's host tier, not its device
     <prefix>log:<slot>     STRING  every 8-byte block key the slot ever added (for purging it)
     <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
     <prefix>st:<id>        STRING  the replica's status report (JSON: KV usage, hit rate, queues), same TTL
@@ -17,7 +18,8 @@ small enough to stay in Redis' compact listpack/ziplist encoding:
 A block key is the first 8 bytes of the block's 16-byte hash (2 bucket bytes + 6 field bytes): a collision
 among a few million blocks is a ~1e-6 event and costs one mis-routed request, never a wrong answer (the
 replica checks full hashes). A *slot* names one incarnation of one replica; every restart or
-resynchronisation takes a fresh slot, so stale entries can never be attributed to a live replica.
+resynchronisation takes a fresh slot, so stale entries can never be attributed to a live replica. Slots
+count up from 1, so the top bit is free to mark the host tier (2^31 slots before it would not be).
 Redis never holds prompt text or pickled objects: only these bytes and replica ids.
 """
 

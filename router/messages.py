@@ -84,6 +84,9 @@ class LoadReport:
     """Prefill tokens per second; None until measured (routers then assume the peers' median)."""
     decode_s_per_seq: float | None = None
     """Seconds one more running sequence adds to a decode step; None until measured."""
+    host_load_tok_s: float | None = None
+    """Prompt tokens per second the replica loads back from its host prefix tier (its measured copy
+    bandwidth over the KV bytes per token); None without a host tier."""
     step_s: float = 0.02
     mean_output_tokens: float = 128.0
     max_num_seqs: int = 256

@@ -114,9 +114,11 @@ class RoutingPolicy(Protocol):
         replicas: list[ReplicaLoad],
         hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
+        host_hits: dict[str, int] | None = None,
     ) -> Decision:
-        """Candidates best first. ``hits``: leading blocks each holds (None: the index did not answer);
-        ``shared_starts``: recent conversation starts per replica across routers (the index's counts)."""
+        """Candidates best first. ``hits``: leading blocks each holds on its device (None: the index did not
+        answer); ``shared_starts``: recent conversation starts per replica across routers (the index's
+        counts); ``host_hits``: blocks past ``hits`` each replica's host tier holds."""
         ...
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None: ...
@@ -126,11 +128,17 @@ class KVAwarePolicy:
     """Ours: minimise the expected time to first token, in seconds.
 
     ``cost(r) = queue_s(r) + kv_wait_s(r) + uncached_tokens(r) / prefill_rate(r)
+               + host_tokens(r) / host_load_rate(r)
                + max((miss_weight - 1) * cache_fill(r), busy) * uncached_tokens(r) / median_prefill_rate
                + decode_weight * mean_output_tokens(r) * load(r) * decode_s_per_seq(r)``
     ``busy = busy_weight * median_queue_s / (num_tokens / median_prefill_rate)``
 
-    The fourth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
+    A prefix in a replica's host tier (``host_hits``) is charged what loading it back costs at the rate that
+    replica measured and reported, not a fixed fraction of a hit: on equal load a device hit beats a host
+    hit beats a miss, and a host hit on an idle replica beats a device hit behind a long queue.
+    ``host_tier=False`` routes blind to it (host hits priced as misses), for comparison.
+
+    The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
     (it evicts other prefixes, which later requests miss), in proportion to how full the pool is, or, when
     more, the delay its extra prefill adds to the requests queued behind it on a busy fleet. The last
     term, off by default, charges a newcomer the decode speed it would take from the sequences already
@@ -160,11 +168,13 @@ class KVAwarePolicy:
         session_decay_s: float = SESSION_DECAY_S,
         tie_margin: float = 1.0,
         busy_weight: float = 2.0,
+        host_tier: bool = True,
         seed: int | None = None,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
             raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
         self.busy_weight = busy_weight
+        self.host_tier = host_tier
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
         self.session_balance = session_balance
@@ -187,6 +197,7 @@ class KVAwarePolicy:
         replicas: list[ReplicaLoad],
         hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
+        host_hits: dict[str, int] | None = None,
     ) -> Decision:
         if not replicas:
             raise ValueError("no replicas to route to")
@@ -220,29 +231,36 @@ class KVAwarePolicy:
         queues = {r.index_id: r.queue_s for r in replicas}
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
+        depth = self._depths(req, replicas, hits, host_hits)
         for r in replicas:
-            cached = min(hits.get(r.index_id, 0) * req.block_size, max(req.num_tokens - 1, 0))
-            uncached = req.num_tokens - cached
+            most = max(req.num_tokens - 1, 0)  # the last token is always computed
+            cached = min(hits.get(r.index_id, 0) * req.block_size, most)
+            hosted = min(depth[r.index_id] * req.block_size, most) - cached
+            uncached = req.num_tokens - cached - hosted
             fill = min(max(r.cache_fill, 0.0), 1.0)
-            own_prefill_s[r.index_id] = uncached / rates[r.index_id]
+            load_s = hosted / r.host_load_tok_s if hosted else 0.0
+            own_prefill_s[r.index_id] = uncached / rates[r.index_id] + load_s
             prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
             churn = max(max(self.miss_weight - 1.0, 0.0) * fill, busy)  # evictions, or delay to those behind
             prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
-            costs[r.index_id] = queues[r.index_id] + r.kv_wait_s(uncached + 1, req.block_size) + prefill_s + decode_s
+            kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
+            costs[r.index_id] = queues[r.index_id] + kv_wait + prefill_s + decode_s
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
-        holder = max(ranked, key=lambda rid: hits.get(rid, 0))  # longest match; cheapest among equals
-        holder_share = hits.get(holder, 0) * req.block_size / max(req.num_tokens, 1)
+        holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
+        holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
         opens = 0 < holder_share < 0.5  # a new conversation on a shared prefix: some hold part, none its history
         if not opens and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
         capped: set[str] = set()
         if opens and self.session_balance:
             ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
-        best_hit = max((hits.get(rid, 0) for rid in ids), default=0)
-        chosen_hit = hits.get(ranked[0], 0)
+        best_hit = max(depth.values(), default=0)
+        chosen_hit = depth[ranked[0]]
         reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
+        if reason == "hit" and hits.get(ranked[0], 0) < chosen_hit:
+            reason = "host_hit"  # served in part from its host tier
         tied = 1
         if self.tie_margin and ranked[0] not in capped:
             limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
@@ -250,7 +268,7 @@ class KVAwarePolicy:
             # burst of concurrent decisions would all probe zeros and pile onto one replica.
             own = {r.index_id: r.inflight_requests for r in replicas}
             for rid in ranked[1:]:
-                if rid in capped or hits.get(rid, 0) != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
+                if rid in capped or depth[rid] != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
                     break
                 tied += 1
         home = self.sessions.home(req.session_id)
@@ -258,6 +276,20 @@ class KVAwarePolicy:
             ranked, tied, reason = [home, *(rid for rid in ranked if rid != home)], 1, "session"
             reason_prefix = ""
         return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens)
+
+    def _depths(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], host: dict[str, int] | None
+    ) -> dict[str, int]:
+        """Per replica, the leading blocks it can serve without recomputing: its device hits, continued by
+        its host tier where the policy counts that tier and loading beats recomputing on that replica."""
+        depth = {r.index_id: hits.get(r.index_id, 0) for r in replicas}
+        if not self.host_tier or not host:
+            return depth
+        for r in replicas:
+            more = host.get(r.index_id, 0)
+            if more and r.host_load_tok_s and r.host_load_tok_s > (r.prefill_tok_s or 0.0):
+                depth[r.index_id] += more
+        return depth
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         self._recent.record(req.block_hashes, index_id)

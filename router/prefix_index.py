@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -28,6 +29,19 @@ SWEEP_PERIOD_S = 1.0
 """How often an ingress sweeps the index for replicas whose heartbeat expired."""
 
 PURGE_CHUNK = 2000
+
+
+@dataclass(slots=True)
+class IndexAnswer:
+    """One lookup: per live candidate, the request's leading blocks on its device and, past them, in its
+    host tier; plus the candidates' decayed counts of recent conversation starts."""
+
+    hits: dict[str, int] | None
+    """Leading blocks on each live candidate's device; None when the index could not answer in time.
+    Candidates with no live heartbeat are left out."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Blocks following the device hits that the candidate's host tier holds (absent: none)."""
+    starts: dict[str, float] = field(default_factory=dict)
 
 
 class PrefixIndex:
@@ -62,17 +76,16 @@ class PrefixIndex:
         Replicas missing from the result have no live heartbeat in the index. ``None`` means the index
         could not answer in time; it is never an exception.
         """
-        return (await self.lookup_with_starts(block_hashes, replica_ids))[0]
+        return (await self.query(block_hashes, replica_ids)).hits
 
-    async def lookup_with_starts(
-        self, block_hashes: list[BlockHash], replica_ids: list[str]
-    ) -> tuple[dict[str, int] | None, dict[str, float]]:
-        """``lookup``'s answer plus each candidate's decayed count of conversation starts (``start_session``),
-        read in the same round trip; both empty/None when the index could not answer."""
+    async def query(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> IndexAnswer:
+        """``lookup``'s answer, the host-tier depths past it and each candidate's decayed count of
+        conversation starts (``start_session``), in one round trip; ``hits`` None when the index could not
+        answer."""
         if not replica_ids:
-            return {}, {}
+            return IndexAnswer({})
         if time.monotonic() < self._down_until:
-            return None, {}
+            return IndexAnswer(None)
         try:
             hits, missing, dead, starts, now = await asyncio.wait_for(
                 self._lookup(args=[self.prefix, chain_arg(block_hashes), *replica_ids]), self.timeout_s
@@ -80,15 +93,18 @@ class PrefixIndex:
         except (TimeoutError, RedisError, OSError) as exc:
             self._down_until = time.monotonic() + self.backoff_s
             log.debug("index lookup failed: %r", exc)
-            return None, {}
+            return IndexAnswer(None)
         for rid in dead:
             self._start_purge(rid.decode())
-        out = dict.fromkeys(replica_ids, 0)
+        out, host = dict.fromkeys(replica_ids, 0), {}
         for k in missing:
             out.pop(replica_ids[k - 1], None)
-        for i in range(0, len(hits), 2):
-            out[replica_ids[hits[i] - 1]] = hits[i + 1]
-        return out, self._decayed_starts(replica_ids, starts, float(now))
+        for i in range(0, len(hits), 3):
+            rid = replica_ids[hits[i] - 1]
+            out[rid] = hits[i + 1]
+            if hits[i + 2] > hits[i + 1]:
+                host[rid] = hits[i + 2] - hits[i + 1]
+        return IndexAnswer(out, host, self._decayed_starts(replica_ids, starts, float(now)))
 
     def _decayed_starts(self, replica_ids: list[str], raw: list[bytes | None], now: float) -> dict[str, float]:
         counts = dict.fromkeys(replica_ids, 0.0)

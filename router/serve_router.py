@@ -29,7 +29,7 @@ from router.baselines import make_policy
 from router.index_schema import index_redis_url
 from router.messages import GenerateCall, LoadReport
 from router.policy import DEFAULT_PREFILL_TOK_S, Decision, ReplicaLoad, RouteRequest
-from router.prefix_index import PrefixIndex
+from router.prefix_index import IndexAnswer, PrefixIndex
 from router.sessions import SESSION_DECAY_S
 
 log = logging.getLogger(__name__)
@@ -168,16 +168,17 @@ class KVAwareRequestRouter(RequestRouter):
             self.decisions["no_routing_info"] += 1
             loads = [self._load(r) for r in candidate_replicas]
             return [[by_id[ld.index_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
-        hits: dict[str, int] | None = {}
-        starts: dict[str, float] = {}
+        answer = IndexAnswer({})
         if self.policy.uses_index:
-            if self.index is None or not req.block_hashes:
-                hits = None if self.index is None else {}
-            else:
+            if self.index is None:
+                answer = IndexAnswer(None)
+            elif req.block_hashes:
                 with router_metrics.INDEX_LOOKUP_SECONDS.time():
-                    hits, starts = await self.index.lookup_with_starts(req.block_hashes, list(by_id))
+                    answer = await self.index.query(req.block_hashes, list(by_id))
+        hits = answer.hits
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
-        decision = self.policy.rank(req, [self._load(r) for r in candidate_replicas], hits, starts)
+        loads = [self._load(r) for r in candidate_replicas]
+        decision = self.policy.rank(req, loads, hits, answer.starts, answer.host)
         ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
         if pending_request is not None:

@@ -6,7 +6,7 @@ import asyncio
 
 import redis
 
-from router.prefix_index import PrefixIndex
+from router.prefix_index import IndexAnswer, PrefixIndex
 
 
 def entries_of_slot(url: str, prefix: str, slot: bytes) -> set[bytes]:
@@ -22,12 +22,21 @@ def entries_of_slot(url: str, prefix: str, slot: bytes) -> set[bytes]:
     return out
 
 
-def lookup(url: str, deployment: str, model: str, chain, ids, **kw):
+def host_tag(slot: bytes) -> bytes:
+    """How a slot's host-tier entries are written: its top bit set (``router/index_schema.py``)."""
+    return bytes([slot[0] | 0x80]) + slot[1:]
+
+
+def query(url: str, deployment: str, model: str, chain, ids, **kw) -> IndexAnswer:
     async def go():
         index = PrefixIndex(url, deployment, model, **kw)
         try:
-            return await index.lookup(chain, ids)
+            return await index.query(chain, ids)
         finally:
             await index.close()
 
     return asyncio.run(go())
+
+
+def lookup(url: str, deployment: str, model: str, chain, ids, **kw) -> dict[str, int] | None:
+    return query(url, deployment, model, chain, ids, **kw).hits

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica import EngineConfig, LLMEngine, SamplingParams
-from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from replica.kv_events import AllBlocksCleared, BlockStored
 
 BLOCK = 4
 POOL = 24
@@ -51,27 +51,30 @@ def engine(request, tiny_llama_dir):
 
 
 class Mirror:
-    """What a publisher would hold after replaying the engine's KV events."""
+    """What a publisher would hold after replaying the engine's KV events, per medium."""
 
-    def __init__(self):
-        self.hashes = set()
+    def __init__(self, engine):
+        self.hashes = set(engine.pool.cached_hashes())
+        self.host = set(engine.swap.cached_hashes()) if engine.swap is not None else set()
 
     def apply(self, events):
         for e in events:
-            if isinstance(e, BlockStored):
-                assert e.block_hash not in self.hashes
-                self.hashes.add(e.block_hash)
-            elif isinstance(e, BlockRemoved):
-                self.hashes.remove(e.block_hash)
-            elif isinstance(e, AllBlocksCleared):
+            if isinstance(e, AllBlocksCleared):
                 self.hashes.clear()
+                self.host.clear()
+                continue
+            held = self.hashes if e.medium == "device" else self.host
+            if isinstance(e, BlockStored):
+                assert e.block_hash not in self.hashes | self.host  # one medium at a time
+                held.add(e.block_hash)
+            else:
+                held.remove(e.block_hash)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_random_workloads_keep_integrity(engine, ops):
-    mirror = Mirror()
-    mirror.hashes = set(engine.pool.cached_hashes())
+    mirror = Mirror(engine)
     engine.kv_event_sinks[:] = [mirror.apply]
     prefixes = [list(range(100, 100 + n)) for n in (0, 9, 21)]
     added: list[str] = []
@@ -80,6 +83,7 @@ def test_random_workloads_keep_integrity(engine, ops):
     def check():
         engine.check_integrity()
         assert mirror.hashes == set(engine.pool.cached_hashes())
+        assert mirror.host == (set(engine.swap.cached_hashes()) if engine.swap is not None else set())
 
     for op in ops:
         if op[0] == "add":

@@ -1,4 +1,5 @@
-"""After random engine activity, the Redis index agrees exactly with the engine's own prefix cache."""
+"""After random engine activity, the Redis index agrees exactly with the engine's own prefix cache, on the
+device and in the host tier."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from replica import EngineConfig, LLMEngine, SamplingParams
 from router.index_publisher import KVIndexPublisher
 from router.index_schema import block_key, index_prefix
-from tests.index_helpers import entries_of_slot, lookup
+from tests.index_helpers import entries_of_slot, host_tag, query
 
 BLOCK, POOL = 4, 20
 
@@ -24,21 +25,27 @@ ops = st.lists(
 )
 
 
-@pytest.fixture(scope="module")
-def wired(tiny_llama_dir, redis_server):
-    engine = LLMEngine(
-        EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=POOL, max_num_batched_tokens=12)
+@pytest.fixture(scope="module", params=[0, 12], ids=["device", "host_tier"])
+def wired(tiny_llama_dir, redis_server, request):
+    config = EngineConfig(model=str(tiny_llama_dir), block_size=BLOCK, num_kv_blocks=POOL, max_num_batched_tokens=12)
+    if request.param:
+        per_block = LLMEngine(config).bytes_per_block
+        config = EngineConfig(**{**vars(config), "host_cache_bytes": request.param * per_block})
+    engine = LLMEngine(config)
+    host = engine.swap.cached_hashes if engine.swap is not None else None
+    name = f"r-{request.param}"
+    pub = KVIndexPublisher(
+        redis_server.url, "agree", engine.model_id, name, engine.pool.cached_hashes, host_snapshot=host
     )
-    pub = KVIndexPublisher(redis_server.url, "agree", engine.model_id, "r0", engine.pool.cached_hashes).start()
-    engine.kv_event_sinks.append(pub.publish)
+    engine.kv_event_sinks.append(pub.start().publish)
     yield engine, pub
     pub.close()
 
 
-def leading_cached(engine, chain) -> int:
+def leading(chain, held) -> int:
     n = 0
     for h in chain:
-        if engine.pool.lookup(h) is None:
+        if not held(h):
             break
         n += 1
     return n
@@ -64,8 +71,13 @@ def test_index_mirrors_engine(wired, redis_server, ops):
     assert pub.wait_synced(10)
     prefix = index_prefix("agree", engine.model_id)
     assert entries_of_slot(redis_server.url, prefix, pub.slot) == {block_key(h) for h in engine.pool.cached_hashes()}
+    hosted = set(engine.swap.cached_hashes()) if engine.swap is not None else set()
+    assert entries_of_slot(redis_server.url, prefix, host_tag(pub.slot)) == {block_key(h) for h in hosted}
     for chain in chains:
-        got = lookup(redis_server.url, "agree", engine.model_id, chain, [pub.replica_id])
-        assert got == {pub.replica_id: leading_cached(engine, chain)}
+        got = query(redis_server.url, "agree", engine.model_id, chain, [pub.replica_id])
+        on_device = leading(chain, lambda h: engine.pool.lookup(h) is not None)
+        in_host = leading(chain[on_device:], hosted.__contains__)
+        assert got.hits == {pub.replica_id: on_device}
+        assert got.host == ({pub.replica_id: in_host} if in_host else {})
     for rid in list(engine.requests):
         engine.abort_request(rid)

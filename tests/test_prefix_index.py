@@ -13,7 +13,7 @@ from router.hashing import hash_blocks, model_seed
 from router.index_publisher import KVIndexPublisher
 from router.index_schema import block_key, index_prefix
 from router.prefix_index import PrefixIndex
-from tests.index_helpers import entries_of_slot, lookup
+from tests.index_helpers import entries_of_slot, host_tag, lookup, query
 
 MODEL = "m"
 CHAINS = [hash_blocks(list(range(s, s + 16 * 40)), 16, model_seed(MODEL)) for s in (0, 10_000, 20_000)]
@@ -61,6 +61,36 @@ def test_lookup_counts_leading_blocks_per_replica(redis_server, request):
     }
     a.close()
     b.close()
+
+
+def test_host_tier_entries_are_looked_up_per_tier_resynced_and_purged(redis_server, request):
+    """Blocks the device evicts to its host tier: the lookup returns the device depth and the host
+    continuation; a resync republishes both tiers; a dead replica's purge removes both."""
+    dep, prefix = request.node.name, index_prefix(request.node.name, MODEL)
+    device, host = FakeCache(), FakeCache()
+    pub = KVIndexPublisher(
+        redis_server.url, dep, MODEL, "a", device.snapshot, heartbeat_ttl_s=1.0, host_snapshot=host.snapshot
+    ).start()
+    pub.publish(device.store(CHAINS[0][:30]))
+    moved = CHAINS[0][10:30][::-1]  # evicted tail-first into the host tier
+    host.store(moved)
+    pub.publish(device.remove(moved) + [BlockStored(h, None, "host") for h in moved])
+    assert pub.wait_synced(5)
+    got = query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id])
+    assert got.hits == {pub.replica_id: 10} and got.host == {pub.replica_id: 20}
+    host.remove(CHAINS[0][25:30])
+    pub.publish([BlockRemoved(h, "host") for h in CHAINS[0][25:30]])  # the tier dropped its oldest 5
+    assert pub.wait_synced(5)
+    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host == {pub.replica_id: 15}
+    old = pub.slot
+    pub.publish([AllBlocksCleared()])  # forces a resync from both snapshots (none of it is cleared here)
+    assert pub.wait_synced(5) and pub.slot != old
+    assert len(entries_of_slot(redis_server.url, prefix, host_tag(pub.slot))) == 15
+    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host == {pub.replica_id: 15}
+    assert entries_of_slot(redis_server.url, prefix, host_tag(old)) == set()
+    pub.close()
+    assert entries_of_slot(redis_server.url, prefix, host_tag(pub.slot)) == set()
+    assert entries_of_slot(redis_server.url, prefix, pub.slot) == set()
 
 
 def test_clean_shutdown_removes_every_entry(redis_server, request):
@@ -238,15 +268,16 @@ def test_conversation_starts_are_shared_decay_and_go_with_the_replica(redis_serv
         router_1 = PrefixIndex(redis_server.url, dep, MODEL, timeout_s=0.5, session_decay_s=2.0)
         router_2 = PrefixIndex(redis_server.url, dep, MODEL, timeout_s=0.5, session_decay_s=2.0)
         try:
-            assert (await router_2.lookup_with_starts(CHAINS[0], ids))[1] == {a.replica_id: 0.0, b.replica_id: 0.0}
+            assert (await router_2.query(CHAINS[0], ids)).starts == {a.replica_id: 0.0, b.replica_id: 0.0}
             for _ in range(3):
                 assert await router_1.start_session(a.replica_id)
             assert await router_2.start_session(a.replica_id)
-            hits, starts = await router_2.lookup_with_starts(CHAINS[0], ids)
+            answer = await router_2.query(CHAINS[0], ids)
+            hits, starts = answer.hits, answer.starts
             assert hits == {a.replica_id: 0, b.replica_id: 0}
             assert starts[a.replica_id] == pytest.approx(4.0, abs=0.05) and starts[b.replica_id] == 0.0
             await asyncio.sleep(1.4)  # 0.7 time constants: exp(-0.7) = 0.50
-            assert (await router_1.lookup_with_starts(CHAINS[0], ids))[1][a.replica_id] == pytest.approx(2.0, abs=0.3)
+            assert (await router_1.query(CHAINS[0], ids)).starts[a.replica_id] == pytest.approx(2.0, abs=0.3)
         finally:
             await router_1.close()
             await router_2.close()

@@ -4,7 +4,8 @@
 -- Predictions (p:<block key> -> replica id, short TTL, written by routers right after routing) are
 -- checked at checkpoint depths 1, 2, 4, ... and the chain's end: a sibling of a request routed moments
 -- ago counts as a hit on that replica before its KV events arrive, from any router process.
--- Returns { hits, missing, dead, starts, now }: hits = flat pairs (candidate position, count) for counts > 0;
+-- Returns { hits, missing, dead, starts, now }: hits = flat triples (candidate position, leading blocks on
+-- its device, leading blocks on its device and host tier together) for candidates holding any;
 -- missing = positions of candidates with no live heartbeat; dead = ids of those still registered (to
 -- purge); starts = each candidate's "<count> <seconds>" of conversation starts (session.lua) or nil; now =
 -- Redis' clock in seconds, as a string, to decay them against.
@@ -15,7 +16,8 @@
 -- parent, only reachable through it, and eviction is LRU with every request's blocks freed tail-first, so
 -- a parent always outlives its children. "Holds block i" is therefore monotone along the chain and each
 -- candidate's count is found by galloping then binary search (~2 log2 n probes, shared between candidates
--- through a memo) instead of walking all n blocks.
+-- through a memo) instead of walking all n blocks. The host tier takes the blocks the device evicts, tail
+-- first, and drops its oldest first, so device-then-host is prefix-closed too and is found the same way.
 local p, chain = ARGV[1], ARGV[2]
 local n = #chain / 8
 local slots, live, missing, dead = {}, {}, {}, {}
@@ -48,13 +50,11 @@ local function holds(i, slot)
   end
   return false
 end
-local counts = {}
-for _, k in ipairs(live) do
-  local slot = slots[k]
-  local lo, hi, step = 0, n + 1, 1 -- blocks 1..lo held; block hi not held (n + 1: past the end)
+local function depth(from, held) -- blocks 1..from held; gallop then bisect to the last held block
+  local lo, hi, step = from, n + 1, 1 -- blocks 1..lo held; block hi not held (n + 1: past the end)
   while lo < n do
     local probe = math.min(lo + step, n)
-    if holds(probe, slot) then
+    if held(probe) then
       lo = probe
       step = step * 2
     else
@@ -64,9 +64,17 @@ for _, k in ipairs(live) do
   end
   while hi - lo > 1 and lo < n do
     local mid = math.floor((lo + hi) / 2)
-    if holds(mid, slot) then lo = mid else hi = mid end
+    if held(mid) then lo = mid else hi = mid end
   end
-  counts[k] = lo
+  return lo
+end
+local counts, totals = {}, {}
+for _, k in ipairs(live) do
+  local slot = slots[k]
+  local host = string.char(bit.bor(string.byte(slot, 1), 128)) .. string.sub(slot, 2)
+  counts[k] = depth(0, function(i) return holds(i, slot) end)
+  -- the host tier continues the chain where the device stops (a hash lives in one medium at a time)
+  totals[k] = depth(counts[k], function(i) return holds(i, host) or holds(i, slot) end)
 end
 if #live > 0 and n > 0 then
   local position = {}
@@ -91,9 +99,10 @@ if #live > 0 and n > 0 then
 end
 local hits = {}
 for _, k in ipairs(live) do
-  if counts[k] > 0 then
+  if totals[k] > 0 or counts[k] > 0 then
     hits[#hits + 1] = k
     hits[#hits + 1] = counts[k]
+    hits[#hits + 1] = math.max(totals[k], counts[k])
   end
 end
 local starts = #hb > 0 and redis.call('HMGET', p .. 'ss', unpack(ARGV, 3)) or {}

@@ -18,19 +18,20 @@ if slot == '' then
   end
 end
 local log, cursor_key = p .. 'log:' .. slot, p .. 'purge:' .. slot
+local host = string.char(bit.bor(string.byte(slot, 1), 128)) .. string.sub(slot, 2) -- its host-tier entries
 local cursor = tonumber(redis.call('GET', cursor_key) or '0')
 local data = redis.call('GETRANGE', log, cursor, cursor + chunk * 8 - 1)
 for i = 1, #data, 8 do
   local bucket, field = p .. 'b:' .. string.sub(data, i, i + 1), string.sub(data, i + 2, i + 7)
   local value = redis.call('HGET', bucket, field)
   if value then
+    local rest = {}
     for j = 1, #value, 4 do
-      if string.sub(value, j, j + 3) == slot then
-        local rest = string.sub(value, 1, j - 1) .. string.sub(value, j + 4)
-        if rest == '' then redis.call('HDEL', bucket, field) else redis.call('HSET', bucket, field, rest) end
-        break
-      end
+      local holder = string.sub(value, j, j + 3)
+      if holder ~= slot and holder ~= host then rest[#rest + 1] = holder end
     end
+    rest = table.concat(rest)
+    if rest == '' then redis.call('HDEL', bucket, field) elseif rest ~= value then redis.call('HSET', bucket, field, rest) end
   end
 end
 if #data < chunk * 8 then
