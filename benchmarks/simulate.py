@@ -57,6 +57,9 @@ class Costs:
     min_step_s: float = 0.015
     """A decode step's base cost: ``step = min_step_s + running * decode_s_per_seq``, as our engine measures."""
     slots: int = 64
+    host_load_tok_s: float = 200_000.0
+    """Tokens per second a host-tier prefix loads back at (PCIe-class: ~25 GB/s over ~128 KiB of KV per
+    token of an 8B Llama): 10x the prefill rate. Used only by replicas with a host tier."""
 
     @classmethod
     def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
@@ -73,6 +76,8 @@ class Req:
     chain: list[bytes]
     output: int
     hits: int = 0
+    """Leading blocks it did not compute: device hits plus those loaded from the host tier."""
+    host_hits: int = 0
     queued: int = 0
     """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
     ttft: float = 0.0
@@ -88,7 +93,10 @@ class Replica:
     rid: str
     capacity: int
     costs: Costs
+    host_capacity: int = 0
+    """Blocks of the host prefix tier: what the device evicts goes there (LRU), exclusive with the device."""
     cache: OrderedDict = field(default_factory=OrderedDict)
+    host: OrderedDict = field(default_factory=OrderedDict)
     prefill_queue: deque = field(default_factory=deque)
     slot_waiters: deque = field(default_factory=deque)
     running: int = 0
@@ -106,12 +114,26 @@ class Replica:
             n += 1
         return n
 
+    def host_hits(self, chain: list[bytes], start: int) -> int:
+        """Blocks of ``chain`` after its first ``start`` that the host tier holds, in a row."""
+        n = 0
+        for h in chain[start:]:
+            if h not in self.host:
+                break
+            n += 1
+        return n
+
     def insert(self, chain: list[bytes]) -> None:
         for h in chain:
             self.cache[h] = None
             self.cache.move_to_end(h)
+            self.host.pop(h, None)  # loaded back or recomputed: the device holds it now
         while len(self.cache) > self.capacity:
-            self.cache.popitem(last=False)
+            evicted, _ = self.cache.popitem(last=False)
+            if self.host_capacity:
+                self.host[evicted] = None
+                if len(self.host) > self.host_capacity:
+                    self.host.popitem(last=False)
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -125,6 +147,7 @@ class Replica:
             step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
             mean_output_tokens=self.mean_output_steps,
             cache_fill=len(self.cache) / self.capacity,
+            host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
         )
 
 
@@ -187,9 +210,10 @@ def simulate(
     scale: float,
     ttl: float,
     costs: Costs = Costs(),
+    host_capacity: int = 0,
 ):
     mean_output = statistics.fmean(out for _, _, out in rows)
-    replicas = [Replica(f"r{i}", capacity, costs, mean_output_steps=mean_output) for i in range(n)]
+    replicas = [Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output) for i in range(n)]
     seeded = "seed" in inspect.signature(POLICIES[policy_name]).parameters  # random tie-breaks: reproducible runs
     routers = [make_policy(policy_name, **({"seed": k} if seeded else {}), **policy_kwargs) for k in range(processes)]
     uses_index = routers[0].uses_index
@@ -210,10 +234,12 @@ def simulate(
             return
         i = rep.prefill_queue.popleft()
         r = reqs[i]
-        r.hits = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
+        device = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
+        r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
+        r.hits = device + r.host_hits
         uncached = r.tokens - r.hits * BLOCK_TOKENS
         rep.prefill_busy = True
-        done = now + uncached / costs.prefill_tok_s
+        done = now + uncached / costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / costs.host_load_tok_s
         heapq.heappush(events, (done, next(seq), "prefilled", i))
 
     while events:
@@ -222,9 +248,11 @@ def simulate(
         if kind == "arrive":
             policy = routers[i % processes]
             req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
-            hits = None
+            hits, host = None, {}
             if uses_index:
                 hits = {rep.rid: rep.leading_hits(r.chain) for rep in replicas}
+                if host_capacity:
+                    host = {rep.rid: rep.host_hits(r.chain, hits[rep.rid]) for rep in replicas}
                 known = max(hits.values())  # as the lookup script: predictions only extend the index
                 for owner, k in predicted_hits(predicted, r.chain, now, ttl).items():
                     if k > known:
@@ -232,7 +260,7 @@ def simulate(
             loads = [rep.load() for rep in replicas]
             clock[0] = now
             shared = {load.index_id: starts.get(load.index_id) for load in loads} if uses_index else None
-            decision = policy.rank(req, loads, hits, shared)
+            decision = policy.rank(req, loads, hits, shared, host)
             rid = decision.ranked[0]
             policy.on_routed(req, rid, decision)
             if uses_index:
@@ -242,7 +270,7 @@ def simulate(
                     starts.add(rid)
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])
-            r.queued = r.tokens - (hits or {}).get(rid, 0) * BLOCK_TOKENS
+            r.queued = r.tokens - ((hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
             rep.queued_tokens += r.queued
             if rep.running < costs.slots:
                 rep.running += 1
@@ -268,8 +296,10 @@ def simulate(
                 start_prefill(rep, now)
     ttfts = sorted(r.ttft for r in reqs)
     served = [rep.served for rep in replicas]
+    blocks = sum(len(r.chain) for r in reqs)
     return {
-        "hit_rate": sum(r.hits for r in reqs) / sum(len(r.chain) for r in reqs),
+        "hit_rate": sum(r.hits for r in reqs) / blocks,
+        "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": ttfts[len(ttfts) // 2],
         "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
@@ -287,10 +317,12 @@ def compare_routers(
     costs: Costs = Costs(),
     ttl: float = 10.0,
     on_result: Callable[[str, dict], None] | None = None,
+    host_capacity: int = 0,
 ) -> tuple[dict[str, float], dict[str, dict]]:
     """The cache bounds of ``rows`` (infinite, pooled LRU of ``replicas x capacity`` blocks) and, per run
     ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
-    contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends."""
+    contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
+    ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it."""
     span = max(rows[-1][0] - rows[0][0], 1e-9)
     pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
     infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
@@ -298,7 +330,7 @@ def compare_routers(
     results = {}
     for label, name, kw in runs:
         t0 = time.perf_counter()
-        res = simulate(rows, replicas, capacity, name, kw, processes, scale, ttl, costs)
+        res = simulate(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity)
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res
         if on_result is not None:

@@ -136,7 +136,9 @@ class KVAwarePolicy:
     A prefix in a replica's host tier (``host_hits``) is charged what loading it back costs at the rate that
     replica measured and reported, not a fixed fraction of a hit: on equal load a device hit beats a host
     hit beats a miss, and a host hit on an idle replica beats a device hit behind a long queue.
-    ``host_tier=False`` routes blind to it (host hits priced as misses), for comparison.
+    On such a replica the blocks a miss evicts go to its host tier, so the churn part of the fifth term is
+    scaled by the reload / recompute cost ratio. ``host_tier=False`` routes blind to the tier (host hits
+    priced as misses, evictions as losses), for comparison.
 
     The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
     (it evicts other prefixes, which later requests miss), in proportion to how full the pool is, or, when
@@ -241,7 +243,10 @@ class KVAwarePolicy:
             load_s = hosted / r.host_load_tok_s if hosted else 0.0
             own_prefill_s[r.index_id] = uncached / rates[r.index_id] + load_s
             prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
-            churn = max(max(self.miss_weight - 1.0, 0.0) * fill, busy)  # evictions, or delay to those behind
+            evictions = max(self.miss_weight - 1.0, 0.0) * fill
+            if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
+                evictions *= rates[r.index_id] / r.host_load_tok_s
+            churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
             prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
@@ -283,13 +288,14 @@ class KVAwarePolicy:
         """Per replica, the leading blocks it can serve without recomputing: its device hits, continued by
         its host tier where the policy counts that tier and loading beats recomputing on that replica."""
         depth = {r.index_id: hits.get(r.index_id, 0) for r in replicas}
-        if not self.host_tier or not host:
-            return depth
         for r in replicas:
-            more = host.get(r.index_id, 0)
-            if more and r.host_load_tok_s and r.host_load_tok_s > (r.prefill_tok_s or 0.0):
-                depth[r.index_id] += more
+            if host and self._tiered(r):
+                depth[r.index_id] += host.get(r.index_id, 0)
         return depth
+
+    def _tiered(self, r: ReplicaLoad) -> bool:
+        """Whether the policy counts ``r``'s host tier: it has one, and loading from it beats recomputing."""
+        return self.host_tier and bool(r.host_load_tok_s) and r.host_load_tok_s > (r.prefill_tok_s or 0.0)
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         self._recent.record(req.block_hashes, index_id)

@@ -1,0 +1,132 @@
+"""Host-tier routing in the fleet simulator: tier-aware vs tier-blind vs no host tier, same policy code.
+
+Each workload runs three ways on the same fleet, the device caches holding ``--device-factor`` (default
+half) of the working set between them and each replica's host tier ``--host-factor`` (default 4) times its
+device capacity. The working set is the blocks used by more than one request (most blocks of a trace are
+used once and never need a place):
+
+- ``tier_aware``: kv_aware prices a prefix in a replica's host tier at that replica's load rate;
+- ``tier_blind``: the same engines (they still load what they find), routed as if host tiers did not exist;
+- ``no_host_tier``: evicted blocks are dropped.
+
+Workloads: the Mooncake conversation trace (``--trace``) and the agentic generator of
+``benchmarks/trace_workloads.py``. Offered load is set as in ``benchmarks/simulate.py`` (``--target-load``
+of the fleet's prefill capacity on the pooled-LRU bound of the device caches alone).
+
+    python -m benchmarks.host_tier_sim --trace ../shared/workloads/mooncake/conversation_trace.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.report import print_table, write_json
+from benchmarks.simulate import Costs, compare_routers, load_trace, trace_rows
+from benchmarks.trace_workloads import WORKLOADS
+
+MODES = {
+    "tier_aware": (True, {}),
+    "tier_blind": (True, {"host_tier": False}),
+    "no_host_tier": (False, {}),
+}
+"""Mode -> (replicas have a host tier, kv_aware keyword settings)."""
+
+
+def working_set(rows) -> int:
+    """Blocks used by more than one request: what a cache must keep to serve every reuse there is."""
+    seen: Counter = Counter(h for _, chain, _ in rows for h in set(chain))
+    return sum(1 for n in seen.values() if n > 1)
+
+
+def run_workload(rows, replicas: int, device_factor: float, host_factor: float, load: float, processes: int) -> dict:
+    """The three modes on one workload; kv_aware throughout."""
+    distinct = working_set(rows)
+    capacity = max(1, math.ceil(device_factor * distinct / replicas))
+    host_capacity = max(1, math.ceil(host_factor * capacity))
+    results, bounds = {}, {}
+    for mode, (tiered, kwargs) in MODES.items():
+        bounds, res = compare_routers(
+            rows,
+            replicas,
+            capacity,
+            load,
+            processes,
+            [(mode, "kv_aware", kwargs)],
+            Costs(),
+            host_capacity=host_capacity if tiered else 0,
+        )
+        results.update(res)
+    aware, blind = results["tier_aware"]["ttft_mean_s"], results["tier_blind"]["ttft_mean_s"]
+    return {
+        "requests": len(rows),
+        "working_set_blocks": distinct,
+        "capacity_blocks": capacity,
+        "host_capacity_blocks": host_capacity,
+        "bounds": bounds,
+        "modes": results,
+        "aware_vs_blind_mean": aware / blind if blind > 0 else None,
+        "aware_vs_none_mean": aware / results["no_host_tier"]["ttft_mean_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_tier_sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--trace", type=Path, default=Path("../shared/workloads/mooncake/conversation_trace.jsonl"))
+    ap.add_argument("--replicas", type=int, default=16, help="for the Mooncake trace (agentic: half)")
+    ap.add_argument("--device-factor", type=float, default=0.5, help="fleet device cache / working set")
+    ap.add_argument("--host-factor", type=float, default=4.0, help="host tier / device cache, per replica")
+    ap.add_argument("--target-load", type=float, default=0.8)
+    ap.add_argument("--router-processes", type=int, default=4)
+    ap.add_argument("--agentic-size", type=float, default=1.0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.device_factor <= 0 or args.host_factor < 0:
+        ap.error("--device-factor must be > 0 and --host-factor >= 0")
+    workloads = {"agentic": (trace_rows(WORKLOADS["agentic"](seed=0, size=args.agentic_size)), args.replicas // 2)}
+    if args.trace.exists():
+        workloads = {"mooncake": (load_trace(args.trace, None), args.replicas), **workloads}
+    else:
+        print(f"{args.trace} not found: the Mooncake trace is skipped")
+    out, table = {}, []
+    for name, (rows, replicas) in workloads.items():
+        print(f"{name}: {len(rows)} requests on {replicas} replicas ...", flush=True)
+        res = out[name] = run_workload(
+            rows, replicas, args.device_factor, args.host_factor, args.target_load, args.router_processes
+        )
+        for mode, r in res["modes"].items():
+            table.append(
+                [
+                    name,
+                    mode,
+                    f"{r['hit_rate']:.1%}",
+                    f"{r['host_hit_rate']:.1%}",
+                    r["ttft_mean_s"],
+                    r["ttft_p99_s"],
+                    f"{r['ttft_mean_s'] / res['modes']['tier_blind']['ttft_mean_s']:.2f}x",
+                ]
+            )
+    print(
+        f"\ndevice caches {args.device_factor:g}x the working set, host tiers {args.host_factor:g}x the device, "
+        f"load {args.target_load}"
+    )
+    print_table(["workload", "mode", "hit rate", "from host", "TTFT mean s", "TTFT p99 s", "mean / blind"], table)
+    payload = {
+        "device_factor": args.device_factor,
+        "host_factor": args.host_factor,
+        "target_load": args.target_load,
+        "router_processes": args.router_processes,
+        "costs": Costs().__dict__,
+        "workloads": out,
+    }
+    write_json("host_tier_sim", payload, args.json)
+
+
+if __name__ == "__main__":
+    main()
