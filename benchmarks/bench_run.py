@@ -2,6 +2,8 @@
 
     kvmesh bench run --workload multi_turn --routers kv_aware,pow2,round_robin,session_hash,approx_tree \\
         --replicas 4 --rate 0.5 --json benchmarks/results/bench_run.json
+    kvmesh bench run --workload multi_turn --routers kv_aware --kv-variants host_tier=false \\
+        --kv-cache-gib 0.045 --host-cache-gib 0.5 --rate 1 --think-s 8   # tier-aware vs tier-blind
 
 For each router in turn: start a fresh cluster with identical settings (same model, replicas, engine
 limits; only ``--policy`` differs; every router starts from cold caches), warm it up with a few sessions
@@ -39,7 +41,7 @@ ROUTERS = "kv_aware,pow2,round_robin,session_hash,approx_tree"
 def build_workload(args: argparse.Namespace, seed: int, warmup: bool = False) -> list[Session]:
     if args.workload == "multi_turn":
         n = args.warmup if warmup else args.sessions
-        return multi_turn_chat(seed=seed, conversations=n, turns=args.turns, rate=args.rate, max_tokens=args.max_tokens)
+        return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=args.think_s)
     if args.workload == "shared_prefix":
         if warmup:
             return shared_prefix(seed=seed, groups=args.warmup, prompts_per_group=1, rate=args.rate)
@@ -157,6 +159,8 @@ def run_router(
     engine = ["--max-num-seqs", str(args.max_num_seqs)] + (["--threads", str(args.threads)] if args.threads else [])
     if args.kv_cache_gib:
         engine += ["--kv-cache-gib", str(args.kv_cache_gib)]
+    if args.host_cache_gib is not None:
+        engine += ["--host-cache-gib", str(args.host_cache_gib)]
     server_args = [
         "--model",
         args.model,
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-variants", default="", help='extra kv_aware runs, e.g. "miss_weight=2;decode_weight=1"')
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--host-cache-gib", type=float, default=None, help="host prefix tier per replica (0: off)")
+    ap.add_argument("--think-s", type=float, default=1.0, help="multi_turn: pause before each later turn")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per replica")
     ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     warmup = build_workload(args, args.seed + 1000, warmup=True) if args.warmup else []
     plan = [(r, r, {}) for r in args.routers.split(",") if r]
     for variant in filter(None, args.kv_variants.split(";")):
-        kwargs = {k: float(v) for k, v in (kv.split("=") for kv in variant.split(","))}
+        kwargs = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         plan.append((f"kv_aware({variant})", "kv_aware", kwargs))
     runs: dict[str, dict] = {}
     for label, router, kwargs in plan:
