@@ -84,6 +84,7 @@ class EngineReplica:
                 out.num_cached_tokens,
                 self.index_id,
                 usage,
+                out.logprobs,
             )
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:

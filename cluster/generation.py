@@ -12,6 +12,7 @@ stream with an ``APIError`` naming the cause. Torch-free: the tokenizer alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from replica.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, chec
 from replica.model_files import render_chat
 from replica.sampling_params import SamplingParams
 from router.hashing import first_block_extra, hash_blocks, model_seed
-from router.messages import GenerateCall, GenerateChunk
+from router.messages import GenerateCall, GenerateChunk, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Generation:
     ) -> None:
         self.engine = engine.options(method_name="generate", stream=True)
         self.tokenizer = tokenizer
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.block_size = block_size
         self.seed = model_seed(model)
         self.limits = limits
@@ -94,12 +96,70 @@ class Generation:
             return client_salt
         return f"key:{tenant}" + (f"|{client_salt}" if client_salt is not None else "")
 
-    async def encode(self, text: str, chat: bool) -> list[int]:
-        """Token ids of ``text`` (a rendered chat carries its own special tokens); long texts in a worker
-        thread (the tokenizer releases the GIL), so other streams on this event loop keep flowing."""
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (a rendered chat carries its own special tokens: encode it without); long
+        texts in a worker thread (the tokenizer releases the GIL), so other streams on this loop keep flowing."""
         if len(text) < TOKENIZE_INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=not chat)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=not chat)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` (empty: the served one) is a name this server serves."""
+        if model and model not in self.limits.names:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{self.limits.served_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+                kind="invalid_request_error",
+            )
+
+    async def token_ids(
+        self, prompt: str | list[int] | None, messages: list[dict] | None, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        """The prompt's token ids as a generation would see them: a chat rendered by the model's template,
+        text encoded, ids checked. ``add_special_tokens`` None: the generation's choice (text: yes, chat: no,
+        its template has them). 400 for what cannot fit the context or is not in the vocabulary."""
+        lim = self.limits
+        param = "messages" if messages is not None else "prompt"
+        if messages is not None:
+            if len(messages) > MAX_MESSAGES:
+                raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
+            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            try:
+                text = render_chat(self.tokenizer, messages)
+            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
+                raise APIError(f"messages: {exc}", param=param) from exc
+            return await self.encode(text, bool(add_special_tokens))
+        if isinstance(prompt, str):
+            if len(prompt) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            return await self.encode(prompt, add_special_tokens is not False)
+        ids = list(prompt or [])
+        if len(ids) > lim.max_model_len:
+            raise self._too_long(param)
+        try:
+            check_prompt_ids(ids, lim.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=param) from exc
+        return ids
+
+    def _token_text(self, token_id: int) -> str:
+        """One token as text, for log-probabilities (``token_text`` caches it: the same tokens recur)."""
+        return self.tokenizer.decode([token_id])
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens included, as vLLM's ``/detokenize`` returns it)."""
+        if not ids:
+            return ""
+        if len(ids) > self.limits.max_model_len:
+            raise self._too_long("tokens")
+        try:
+            check_prompt_ids(ids, self.limits.vocab_size, "tokens")
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        return self.tokenizer.decode(ids)
 
     def _too_long(self, param: str) -> APIError:
         return APIError(
@@ -122,14 +182,7 @@ class Generation:
     ) -> Prepared:
         """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused."""
         lim = self.limits
-        if model and model not in lim.names:
-            raise APIError(
-                f"The model `{model}` does not exist; this server serves `{lim.served_name}`",
-                status=404,
-                param="model",
-                code="model_not_found",
-                kind="invalid_request_error",
-            )
+        self.check_model(model)
         try:
             check_request_fields(cache_salt=cache_salt, session_id=session_id)
             check_for_model(params, lim.vocab_size)
@@ -141,28 +194,7 @@ class Generation:
                 param="n",
             )
         param = "messages" if messages is not None else "prompt"
-        if messages is not None:
-            if len(messages) > MAX_MESSAGES:
-                raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
-            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
-                raise self._too_long(param)
-            try:
-                text = render_chat(self.tokenizer, messages)
-            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
-                raise APIError(f"messages: {exc}", param=param) from exc
-            ids = await self.encode(text, chat=True)
-        elif isinstance(prompt, str):
-            if len(prompt) > lim.max_prompt_bytes:
-                raise self._too_long(param)
-            ids = await self.encode(prompt, chat=False)
-        else:
-            ids = list(prompt or [])
-            if len(ids) > lim.max_model_len:
-                raise self._too_long(param)
-            try:
-                check_prompt_ids(ids, lim.vocab_size)
-            except InvalidRequest as exc:
-                raise APIError(str(exc), param=param) from exc
+        ids = await self.token_ids(prompt, messages)
         if not ids:
             raise APIError("prompt is empty", param=param)
         wanted = len(ids) + (params.max_tokens or 1)
@@ -175,7 +207,7 @@ class Generation:
             )
         salt = self.cache_salt(tenant, cache_salt)
         hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
-        shape = ResponseShape(chat=messages is not None, model=lim.served_name, n=params.n)
+        shape = ResponseShape(messages is not None, lim.served_name, params.n, self.token_text)
         call = GenerateCall(shape.id, ids, hashes, self.block_size, params.__dict__, session_id, salt)
         return Prepared(call, params, shape, api)
 
@@ -262,16 +294,21 @@ class Generation:
                 metrics.GENERATED_TOKENS.labels(model).inc(usage.completion_tokens)
 
 
-async def gather(n: int, chunks: AsyncIterator[GenerateChunk]) -> tuple[list[str], list[str | None], GenerateChunk]:
-    """A whole response from a request's chunks: each choice's text and finish reason, and the last chunk
-    (it carries ``usage``)."""
+async def gather(
+    n: int, chunks: AsyncIterator[GenerateChunk]
+) -> tuple[list[str], list[str | None], GenerateChunk, list[list[TokenLogprob] | None]]:
+    """A whole response from a request's chunks: each choice's text, finish reason and log-probabilities
+    (None unless asked for), and the last chunk (it carries ``usage``)."""
     texts: list[str] = [""] * n
     reasons: list[str | None] = [None] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     last = None
     async for chunk in chunks:
         texts[chunk.index] += chunk.text
         reasons[chunk.index] = chunk.finish_reason or reasons[chunk.index]
+        if chunk.logprobs is not None:
+            logprobs[chunk.index] = (logprobs[chunk.index] or []) + chunk.logprobs
         last = chunk
     if last is None or last.usage is None:
         raise APIError("the engine ended the request without output", status=500)
-    return texts, reasons, last
+    return texts, reasons, last, logprobs

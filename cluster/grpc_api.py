@@ -68,9 +68,12 @@ class GrpcApi:
     admission: Admission
 
     async def _prepare_grpc(self, request: kvmesh_pb2.GenerateRequest, tenant: str) -> Prepared:
-        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n")
+        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens")
         params = sampling_params(
-            **{f: getattr(request, f) for f in optional if request.HasField(f)}, stop=list(request.stop)
+            **{f: getattr(request, f) for f in optional if request.HasField(f)},
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            logit_bias=dict(request.logit_bias),
         )
         if len(request.messages) > MAX_MESSAGES:
             raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
@@ -127,7 +130,7 @@ class GrpcApi:
             await _fail(grpc_context, exc)
         try:
             prep = await self._prepare_grpc(request, tenant)
-            texts, reasons, last = await gather(prep.shape.n, self.generation.stream(prep))
+            texts, reasons, last, _ = await gather(prep.shape.n, self.generation.stream(prep))
         except APIError as exc:
             await _fail(grpc_context, exc)
         finally:

@@ -24,7 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import metrics
 from cluster.admission import TENANT_STATE, Admission, AdmissionMiddleware
 from cluster.generation import Generation, Prepared, gather
-from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, ResponseShape, usage_dict
+from cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponseShape,
+    TokenizeRequest,
+    usage_dict,
+)
 from router.messages import GenerateChunk
 from router.metrics import decision_counts
 from router.prefix_index import PrefixIndex
@@ -94,9 +102,14 @@ async def _sse(shape: ResponseShape, first: GenerateChunk, chunks: AsyncIterator
             for index in range(shape.n):
                 yield _event(shape.chunk("", first=True, index=index))
         chunk = first
+        offsets = [0] * shape.n  # characters streamed per choice: completions' text_offset
         while True:
-            if chunk.text or chunk.finish_reason:
-                yield _event(shape.chunk(chunk.text, chunk.finish_reason, index=chunk.index))
+            if chunk.text or chunk.finish_reason or chunk.logprobs:
+                i = chunk.index
+                yield _event(
+                    shape.chunk(chunk.text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, offset=offsets[i])
+                )
+                offsets[i] += len(chunk.text)
             if chunk.usage is not None:  # the request's last chunk: every choice has finished
                 if include_usage:
                     yield _event(shape.usage_chunk(usage_dict(chunk.usage)))
@@ -124,8 +137,9 @@ class HttpApi:
             raise APIError("the engine ended the request without output", status=500) from None
         headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
         if not stream:
-            texts, reasons, last = await gather(prep.shape.n, _prepend(first, chunks))
-            return JSONResponse(prep.shape.whole(texts, reasons, usage_dict(last.usage)), headers=headers)
+            texts, reasons, last, logprobs = await gather(prep.shape.n, _prepend(first, chunks))
+            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs)
+            return JSONResponse(body, headers=headers)
         return StreamingResponse(
             _sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream", headers=headers
         )
@@ -153,6 +167,25 @@ class HttpApi:
             body.session_id or body.user,
         )
         return await self._respond(prep, body.stream, body.include_usage)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's shape: the ids a generation of this prompt would start from, their count, the context."""
+        self.generation.check_model(body.model)
+        messages = [m.render() for m in body.messages] if body.messages is not None else None
+        ids = await self.generation.token_ids(body.prompt, messages, body.add_special_tokens)
+        strs = self.generation.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": self.generation.limits.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.generation.check_model(body.model)
+        return {"prompt": self.generation.detokenize(body.tokens)}
 
     @app.get("/v1/models")
     async def models(self) -> dict:

@@ -2,8 +2,10 @@
 
 Request models check types (FastAPI publishes them as the OpenAPI schema); value ranges are checked once,
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
-vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working; a field
-we cannot honour is refused only when it asks for something (``logprobs: true``, tools).
+vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working. A known
+OpenAI field kvmesh does not implement is refused with a 400 naming it whenever it asks for something
+(``presence_penalty: 0.5``, ``tools``, a JSON ``response_format``): never a silent ignore. ``logprobs``,
+``logit_bias``, and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
 its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
@@ -14,14 +16,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.errors import InvalidRequest
 from replica.limits import MAX_ID_CHARS
-from replica.sampling_params import MAX_N, SamplingParams
-from router.messages import Usage
+from replica.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from router.messages import TokenLogprob, Usage
+
+MAX_COMPLETION_LOGPROBS = 5
+"""Completions' ``logprobs`` bound (OpenAI's)."""
 
 
 class APIError(Exception):
@@ -83,12 +89,37 @@ class _Request(BaseModel):
         default=None, max_length=MAX_ID_CHARS, description="Keeps a conversation on one replica."
     )
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (as a string) -> bias in [-100, 100], added to its logit."
+    )
+    min_tokens: int | None = Field(default=None, description="Tokens generated before EOS or a stop token may be.")
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    best_of: int | None = None
+
+    def unimplemented(self) -> dict[str, str]:
+        """Known OpenAI fields this request sets to something kvmesh does not do: field -> why."""
+        asked = {
+            "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+            "response_format": bool(self.response_format) and self.response_format.get("type") != "text",
+            "best_of": self.best_of not in (None, 1),
+        }
+        return {name: "is not supported yet" for name, on in asked.items() if on}
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report (0: only the sampled token's logprob); None: no logprobs."""
+        raise NotImplementedError
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        if self.logprobs:
-            raise APIError("logprobs are not supported", param="logprobs")
+        for name, why in self.unimplemented().items():
+            raise APIError(f"{name} {why}", param=name)
         return sampling_params(
+            logprobs=self.logprobs_wanted(),
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -97,11 +128,25 @@ class _Request(BaseModel):
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             n=self.n,
+            logit_bias=_token_keys(self.logit_bias),
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` as JSON carries it (token ids as strings) with integer keys; a key that is not an
+    integer is a 400 naming the field."""
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise APIError("logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
 
 class StreamOptions(BaseModel):
@@ -139,10 +184,39 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+
+    def unimplemented(self) -> dict[str, str]:
+        asked = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none", "auto"),
+            "audio": self.audio is not None,
+            "modalities": any(m != "text" for m in self.modalities or []),
+            "prediction": self.prediction is not None,
+        }
+        return super().unimplemented() | {name: "is not supported yet" for name, on in asked.items() if on}
+
+    def logprobs_wanted(self) -> int | None:
+        """Chat: ``logprobs: true`` with ``top_logprobs`` 0-20 alternatives."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise APIError("logprobs must be a boolean for chat (top_logprobs sets how many)", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if not self.logprobs:
+            return None
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", param="top_logprobs")
+        return top
 
     def check(self) -> SamplingParams:
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
         return self.sampling_params(self.max_completion_tokens or self.max_tokens)
 
 
@@ -151,9 +225,24 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
 
+    def unimplemented(self) -> dict[str, str]:
+        asked = {"echo": self.echo, "suffix": bool(self.suffix)}
+        return super().unimplemented() | {name: "is not supported yet" for name, on in asked.items() if on}
+
+    def logprobs_wanted(self) -> int | None:
+        """Completions: ``logprobs`` 0-5, the alternatives per token (OpenAI's legacy field)."""
+        if self.top_logprobs is not None:
+            raise APIError("top_logprobs is a chat field; completions take logprobs: 0-5", param="top_logprobs")
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(
+                f"logprobs must be an integer between 0 and {MAX_COMPLETION_LOGPROBS}, got {self.logprobs}",
+                param="logprobs",
+            )
+        return self.logprobs
+
     def check(self) -> SamplingParams:
-        if self.echo or self.suffix:
-            raise APIError("echo and suffix are not supported", param="echo" if self.echo else "suffix")
         # OpenAI's default for completions is 16 tokens.
         return self.sampling_params(16 if self.max_tokens is None else self.max_tokens)
 
@@ -167,6 +256,32 @@ class CompletionRequest(_Request):
         if not p:
             raise APIError("prompt is empty", param="prompt")
         return p
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a text ``prompt`` or chat ``messages``; ``add_special_tokens`` defaults as a
+    generation would (text: true, chat: false, since the template has them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    tokens: list[int]
 
 
 _Request.model_rebuild()
@@ -184,10 +299,13 @@ def usage_dict(u: Usage) -> dict:
 
 class ResponseShape:
     """Builds the response objects of one request, chat or text completion, whole or as stream chunks, for
-    its ``n`` choices (``index`` 0..n-1)."""
+    its ``n`` choices (``index`` 0..n-1). ``token_text`` renders a token id as text, for log-probabilities
+    (OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions': parallel
+    ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists)."""
 
-    def __init__(self, chat: bool, model: str, n: int = 1) -> None:
+    def __init__(self, chat: bool, model: str, n: int = 1, token_text: Callable[[int], str] = str) -> None:
         self.chat, self.model, self.n = chat, model, n
+        self.token_text = token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -201,14 +319,57 @@ class ResponseShape:
             "usage": usage_,
         }
 
-    def whole(self, texts: list[str], finish_reasons: list[str | None], usage_: dict) -> dict:
+    def logprobs(self, items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        """``items`` in the API's shape; ``offset``: characters of the choice's text before them."""
+        if items is None:
+            return None
+        text = self.token_text
+        if self.chat:
+
+            def entry(token_id: int, logprob: float) -> dict:
+                token = text(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+            return {
+                "content": [
+                    {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in items
+                ]
+            }
+        tokens = [text(lp.token_id) for lp in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{text(i): v for i, v in lp.top} for lp in items],
+            "text_offset": offsets,
+        }
+
+    def whole(
+        self,
+        texts: list[str],
+        finish_reasons: list[str | None],
+        usage_: dict,
+        logprobs: list[list[TokenLogprob] | None] | None = None,
+    ) -> dict:
         choices = []
         for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True)):
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": index, **body, "finish_reason": reason, "logprobs": None})
+            lps = self.logprobs(logprobs[index]) if logprobs else None
+            choices.append({"index": index, **body, "finish_reason": reason, "logprobs": lps})
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage_)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False, index: int = 0) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+    ) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
@@ -216,7 +377,7 @@ class ResponseShape:
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}
-        choice |= {"finish_reason": finish_reason, "logprobs": None}
+        choice |= {"finish_reason": finish_reason, "logprobs": self.logprobs(logprobs, offset)}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], None)
 
     def usage_chunk(self, usage_: dict) -> dict:

@@ -13,11 +13,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-StepResult = tuple[torch.Tensor, dict[int, Exception]]
-"""A step's sampled token ids (device tensor) and the rows whose sampling failed, by row."""
+
+@dataclass
+class StepLogprobs:
+    """Log-probabilities of some rows of a step, on the device: ``rows`` [L], the sampled tokens'
+    ``chosen`` [L], and each row's ``top_ids`` / ``top`` [L, K] (K may be 0)."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top: torch.Tensor
+
+    def to_host(self) -> dict[int, tuple[float, list[int], list[float]]]:
+        """Row -> (sampled token's logprob, top ids, top logprobs)."""
+        chosen, ids, top = self.chosen.tolist(), self.top_ids.tolist(), self.top.tolist()
+        return {row: (chosen[i], ids[i], top[i]) for i, row in enumerate(self.rows)}
+
+
+StepResult = tuple[torch.Tensor, dict[int, Exception], StepLogprobs | None]
+"""A step's sampled token ids (device tensor), the rows whose sampling failed, by row, and the
+log-probabilities of the rows that asked for them."""
+HostLogprobs = dict[int, tuple[float, list[int], list[float]]]
 
 
 class StepHandle:
@@ -28,18 +48,20 @@ class StepHandle:
         self._host: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._failures: dict[int, Exception] = {}
+        self._logprobs: StepLogprobs | None = None
         self._error: BaseException | None = None
 
-    def result(self) -> tuple[list[int], dict[int, Exception]]:
-        """Token ids by row, and the rows whose sampling failed; raises what the device work raised."""
+    def result(self) -> tuple[list[int], dict[int, Exception], HostLogprobs]:
+        """Token ids by row, the rows whose sampling failed and the log-probabilities of the rows that asked
+        (by row); raises what the device work raised."""
         if self._future is not None:
-            tokens, failures = self._future.result()
-            return tokens.tolist(), failures
+            tokens, failures, logprobs = self._future.result()
+            return tokens.tolist(), failures, logprobs.to_host() if logprobs is not None else {}
         if self._error is not None:
             raise self._error
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist(), self._failures
+        return self._host.tolist(), self._failures, self._logprobs.to_host() if self._logprobs is not None else {}
 
 
 class DeviceQueue:
@@ -56,7 +78,7 @@ class DeviceQueue:
             return StepHandle(self._worker.submit(_in_inference_mode, work))
         handle = StepHandle()
         try:
-            tokens, handle._failures = _in_inference_mode(work)
+            tokens, handle._failures, handle._logprobs = _in_inference_mode(work)
         except Exception as exc:  # raised where the caller collects the step, as from the worker
             handle._error = exc
             return handle
@@ -69,7 +91,7 @@ class DeviceQueue:
             handle._host = tokens
         return handle
 
-    def run(self, work: Callable[[], StepResult]) -> tuple[list[int], dict[int, Exception]]:
+    def run(self, work: Callable[[], StepResult]) -> tuple[list[int], dict[int, Exception], HostLogprobs]:
         """Submit and wait: for the engine's synchronous paths (isolating a failed step)."""
         return self.submit(work).result()
 

@@ -26,11 +26,12 @@ from replica.config import (
 from replica.cpu_memory import keep_freed_memory
 from replica.cuda_graphs import default_sizes
 from replica.detokenizer import IncrementalDetokenizer
-from replica.device_queue import DeviceQueue, StepHandle, StepResult
+from replica.device_queue import DeviceQueue, StepHandle, StepLogprobs, StepResult
 from replica.errors import InvalidRequest
 from replica.kv_cache_manager import KVCacheManager
 from replica.kv_events import KVEvent
 from replica.limits import check_for_model, check_prompt_ids, check_request_fields
+from replica.logit_bias import LogitBias
 from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
 from replica.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
@@ -42,8 +43,16 @@ from replica.scheduler import ScheduledRequest, Scheduler
 from replica.swap import SwapCopies, SwapSpace
 from replica.telemetry import EngineSnapshot, EngineStats, StepRates
 from router.hashing import BlockHash, first_block_extra, model_seed
+from router.messages import TokenLogprob
 
 log = logging.getLogger(__name__)
+
+
+def _token_logprob(token: int, row: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
+    """A sampled token's log-probability and its row's ``k`` most likely alternatives (the step computed
+    as many as its most demanding row asked for)."""
+    chosen, ids, values = row
+    return TokenLogprob(token, chosen, list(zip(ids[:k], values[:k], strict=True)))
 
 
 @dataclass(slots=True)
@@ -330,8 +339,11 @@ class LLMEngine:
                     rows.append(logits_row)
                 logits_row += 1
         sampling, failures = self._sampling_tensors(seqs, positions)
+        bias = LogitBias.build(seqs, positions, self.runner.device)
+        wants = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        top_k = max((seqs[i].params.logprobs for i in wants), default=0)
         expand = torch.tensor(rows) if len(rows) > logits_row else None
-        work = functools.partial(self._device_step, prepared, copies, swaps, sampling, expand)
+        work = functools.partial(self._device_step, prepared, copies, swaps, sampling, bias, wants, top_k, expand)
         return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures)
 
     def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
@@ -368,10 +380,15 @@ class LLMEngine:
         copies: list[tuple[int, int]],
         swaps: SwapCopies | None,
         sampling: SamplingTensors,
+        bias: LogitBias | None,
+        wants_logprobs: list[int],
+        top_logprobs: int,
         expand: torch.Tensor | None,
     ) -> StepResult:
         """A step's device work, in launch order (``replica/device_queue.py``): block copies, the forward
-        pass, sampling. A row whose sampling fails alone gets token 0 and its exception."""
+        pass, logit biases, sampling, and the log-probabilities of the rows in ``wants_logprobs`` (the
+        sampled token's and the ``top_logprobs`` most likely). A row whose sampling fails alone gets token 0
+        and its exception."""
         if swaps is not None:
             self.swap.copy_out(swaps)  # before anything writes the blocks they leave
         self.runner.copy_blocks(copies)
@@ -380,6 +397,11 @@ class LLMEngine:
         logits = self.runner.forward(prepared, self._last_tokens)
         if expand is not None:
             logits = logits[expand.to(logits.device)]
+        raw = None
+        if wants_logprobs:  # from the raw logits: before biases and the sampler's in-place scaling
+            raw = torch.log_softmax(logits[torch.tensor(wants_logprobs, device=logits.device)].float(), dim=-1)
+        if bias is not None:
+            bias.apply(logits)
         failures: dict[int, Exception] = {}
         try:
             tokens = sample(logits, sampling)
@@ -392,13 +414,19 @@ class LLMEngine:
                 except Exception as row_exc:
                     failures[i] = row_exc
         self._last_tokens = tokens
-        return tokens, failures
+        logprobs = None
+        if raw is not None:
+            k = top_logprobs
+            top, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+            chosen = raw.gather(1, tokens[torch.tensor(wants_logprobs, device=tokens.device)][:, None])[:, 0]
+            logprobs = StepLogprobs(wants_logprobs, chosen, top_ids, top)
+        return tokens, failures, logprobs
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs: append them, publish the blocks
         it completed, apply stop conditions, retire finished sequences."""
         try:
-            tokens, failures = launched.handle.result()
+            tokens, failures, logprobs = launched.handle.result()
         except Exception as exc:
             return self._isolate(launched, exc)
         failures = {**launched.failures, **failures}
@@ -418,7 +446,10 @@ class LLMEngine:
                 if req.finish_reason:
                     self.rates.observe_finished(len(req.all_token_ids) - req.num_prompt_tokens)
                     self._retire(req)
-                outputs.append(output(req, [token]))
+                out = output(req, [token])
+                if i in logprobs:
+                    out.logprobs = [_token_logprob(token, logprobs[i], req.params.logprobs)]
+                outputs.append(out)
             except Exception as exc:
                 outputs.append(self._fail(req.request_id, exc))
         # A step's time is from its launch, or from the previous collection if it ran behind it: the period

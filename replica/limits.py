@@ -15,6 +15,10 @@ MAX_STOP_STRINGS = 16
 """Stop strings per request (OpenAI allows 4); each is searched for after every token."""
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+"""Entries of ``logit_bias`` (OpenAI's limit)."""
+LOGIT_BIAS_RANGE = 100.0
+"""``logit_bias`` values lie in [-100, 100]: -100 bans a token, +100 all but forces it (OpenAI's range)."""
 MAX_ID_CHARS = 256
 """``session_id``, ``user``, ``cache_salt`` and request ids: routers keep session ids in memory."""
 MAX_MESSAGES = 4096
@@ -63,9 +67,10 @@ def check_for_model(params, vocab_size: int) -> None:
     """What ``SamplingParams`` cannot check alone: ids and ``top_k`` within the model's vocabulary."""
     if params.top_k > vocab_size:
         raise InvalidRequest(f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}", "top_k")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"stop_token_ids must be token ids below {vocab_size}, got {bad[0]}", "stop_token_ids")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name} must hold token ids below {vocab_size}, got {bad[0]}", name)
 
 
 def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:

@@ -30,7 +30,8 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
-        params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``."""
+        params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``. With ``logprobs``,
+        each output carries one per generated token."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -39,10 +40,15 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
         wanted = [(rid, i) for rid, sp in zip(ids, param_list, strict=True) for i in range(sp.n)]
         final: dict[tuple[str, int], RequestOutput] = {}
+        logprobs: dict[tuple[str, int], list] = {}
         while len(final) < len(wanted):
             for out in self.engine.step():
+                key = out.request_id, out.index
+                if out.logprobs is not None:
+                    logprobs.setdefault(key, []).extend(out.logprobs)
                 if out.finished:
-                    final[out.request_id, out.index] = out
+                    final[key] = out
+                    out.logprobs = logprobs.pop(key, None)  # the whole output's, not its last step's
         return [final[key] for key in wanted]
 
     def stats(self) -> EngineStats:

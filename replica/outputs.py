@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from replica.request import Request
+from router.messages import TokenLogprob
 
 
 class RequestOutput:
@@ -24,6 +25,7 @@ class RequestOutput:
         "error",
         "finish_reason",
         "index",
+        "logprobs",
         "num_cached_tokens",
         "prompt_token_ids",
         "request_id",
@@ -42,6 +44,7 @@ class RequestOutput:
         finish_reason: str | None = None,
         index: int = 0,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -54,6 +57,8 @@ class RequestOutput:
         self.index = index
         self.error = error
         """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
+        self.logprobs = logprobs
+        """One per token of ``delta_token_ids`` when the request asked for ``logprobs``."""
 
     @classmethod
     def of(cls, req: Request, delta_token_ids: list[int]) -> RequestOutput:
@@ -61,7 +66,7 @@ class RequestOutput:
         out = cls.__new__(cls)
         out.request_id, out.prompt_token_ids, out.index = req.request_id, req.prompt_token_ids, req.index
         out._tokens, out._start, out._end = req.all_token_ids, len(req.prompt_token_ids), len(req.all_token_ids)
-        out.finish_reason, out.error = req.finish_reason, None
+        out.finish_reason, out.error, out.logprobs = req.finish_reason, None, None
         detok = req.detokenizer
         out.text, out.delta_text = detok.text, detok.take_delta(req.finish_reason is not None)
         out.delta_token_ids, out.num_cached_tokens = delta_token_ids, req.num_cached_tokens  # admitted: >= 0

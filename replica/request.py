@@ -54,7 +54,7 @@ class Request:
         prompt_len = self.num_prompt_tokens = len(prompt_token_ids)
         limit = max_total_tokens - prompt_len
         self.max_new_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
         self.index = 0
         self.fork_pending = params.n > 1
         self._seed_base = params.seed if params.seed is not None else random.getrandbits(64)
@@ -129,7 +129,7 @@ class Request:
         filled = len(tokens) % self._block_size == 0
         if filled:
             self._extend_hashes()
-        if token_id in self._stop_ids or self.detokenizer.push(token_id):
+        if token_id in self.stop_ids or self.detokenizer.push(token_id):
             self.finish_reason = "stop"
         elif len(tokens) - self.num_prompt_tokens >= self.max_new_tokens:
             self.finish_reason = "length"

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from replica.errors import InvalidRequest
 from replica.limits import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -17,6 +19,8 @@ from replica.limits import (
     check_text,
 )
 
+MAX_LOGPROBS = 20
+"""Most likely alternatives reported per token (OpenAI's chat limit)."""
 MAX_N = 16
 """The most sequences one request may ask for (``n``): each costs a running slot and its own KV blocks."""
 MAX_TEMPERATURE = 100.0
@@ -32,6 +36,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``max_tokens=None`` generates until a stop condition or the
     model's context is full. ``seed`` makes a sampled request reproducible regardless of what else is
     batched with it (each seeded request owns its random generator).
+
+    ``logit_bias`` (token id -> -100..100) is added to the logits before temperature and every cut, as
+    OpenAI and vLLM do; -100 in effect bans a token. ``min_tokens``: the stop tokens (EOS unless
+    ``ignore_eos``, and ``stop_token_ids``) are banned until that many tokens were generated.
 
     ``n`` asks for that many sequences from one prompt (parallel sampling). The prompt is prefilled once and
     its KV blocks are shared by the ``n`` sequences (copy-on-write, see ``KVCacheManager``). Sequence ``i``
@@ -49,6 +57,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    """Report each generated token's log-probability and this many most likely alternatives (0: none);
+    None: no log-probabilities."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -75,6 +88,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t, 0, MAX_TOKENS_LIMIT)
         check_int("n", self.n, 1, MAX_N)
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+        for token, bias in self.logit_bias.items():
+            check_int("logit_bias", token, 0, MAX_TOKENS_LIMIT)
+            check_float("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        check_int(
+            "min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else MAX_TOKENS_LIMIT
+        )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name} must be a boolean", name)

@@ -48,6 +48,16 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits: before ``logit_bias``, temperature
+    and every cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class GenerateChunk:
     index: int
     """Which of the request's ``n`` sequences this continues."""
@@ -60,6 +70,8 @@ class GenerateChunk:
     """The index id of the replica that produced it."""
     usage: Usage | None = None
     """Set on the request's last chunk (every sequence finished): the end of the stream."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``token_ids``, when the request asked for ``logprobs``."""
 
 
 @dataclass(slots=True)

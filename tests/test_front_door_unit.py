@@ -41,7 +41,24 @@ def test_chat_request_translates_to_sampling_params():
         ({"n": 17}, "n"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"audio": {"voice": "alloy"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"best_of": 2}, "best_of"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": 100, "max_tokens": 10}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop"),
     ],
@@ -52,6 +69,40 @@ def test_unsupported_or_out_of_range_fields_are_400s(fields, param):
         req.check()
     assert err.value.status == 400 and err.value.param == param
     assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_defaults_clients_send_are_accepted_and_vllm_extensions_honoured():
+    """What the OpenAI SDK and agent frameworks send when nothing is asked for is not refused."""
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": False,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "modalities": ["text"],
+            "logit_bias": {"42": -100, "7": 2.5},
+            "min_tokens": 3,
+            "stop_token_ids": [9],
+        }
+    )
+    params = req.check()
+    assert params.logit_bias == {42: -100, 7: 2.5} and params.min_tokens == 3 and params.stop_token_ids == [9]
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "best_of": 1, "echo": False})
+    assert completion.check().logit_bias == {} and completion.check().logprobs is None
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 3}).check().logprobs == 3
+    for bad in (6, True):
+        with pytest.raises(APIError) as err:
+            CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": bad}).check()
+        assert err.value.param == "logprobs"
+    chat_lp = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    assert ChatCompletionRequest.model_validate(chat_lp).check().logprobs == 0
+    assert ChatCompletionRequest.model_validate({**chat_lp, "top_logprobs": 20}).check().logprobs == 20
+    with pytest.raises(APIError) as err:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True}).check()
+    assert err.value.param == "echo"
 
 
 def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
@@ -84,8 +135,8 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
         for i, (index, piece, reason) in enumerate(pieces):
             yield GenerateChunk(index, piece, [7], reason, 0, "r", Usage(1, 4, 0) if i == 3 else None)
 
-    texts, reasons, last = asyncio.run(gather(2, chunks()))
-    assert (texts, reasons, last.text) == (["aA", "bB"], ["length", "stop"], "A")
+    texts, reasons, last, logprobs = asyncio.run(gather(2, chunks()))
+    assert (texts, reasons, last.text, logprobs) == (["aA", "bB"], ["length", "stop"], "A", [None, None])
 
 
 def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
@@ -312,7 +363,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
 
         task = asyncio.create_task(ticker())
         t0 = time.perf_counter()
-        ids = await generation.encode(text, chat=False)
+        ids = await generation.encode(text, add_special_tokens=True)
         took = time.perf_counter() - t0
         done.set()
         await task

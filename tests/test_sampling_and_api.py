@@ -57,6 +57,64 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert stopped.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
 
 
+def test_logit_bias_forces_and_bans_tokens_greedy_and_sampled(llm):
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = llm.generate(PROMPT, greedy)[0].token_ids
+    forced = 1234 if plain[0] != 1234 else 1235
+    biased = [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={forced: 100}),
+        SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, seed=3, logit_bias={forced: 100}),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={plain[0]: -100}),
+        greedy,
+    ]
+    outs = llm.generate([PROMPT] * 4, biased)  # one batch: each row gets only its own biases
+    assert outs[0].token_ids == [forced] * 6 and outs[1].token_ids == [forced] * 6
+    assert outs[2].token_ids[0] != plain[0] and plain[0] not in outs[2].token_ids
+    assert outs[3].token_ids == plain
+
+
+def test_min_tokens_bans_the_stop_tokens_until_reached(llm):
+    plain = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    stop = plain[0]  # greedy would stop at once
+    early = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop]))[0]
+    assert len(early.token_ids) == 1 and early.finish_reason == "stop"
+    held = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop], min_tokens=3, logit_bias={stop: 100})
+    out = llm.generate(PROMPT, held)[0]
+    assert stop not in out.token_ids[:3] and out.token_ids[3] == stop and out.finish_reason == "stop"
+
+
+def test_logprobs_are_the_models_raw_log_probabilities(llm, tiny_llama_dir):
+    """Each generated token's logprob and top-5 alternatives: greedy picks the most likely, probabilities
+    sum to at most 1, the values equal a teacher-forced forward pass of the Hugging Face model, they do not
+    depend on the batch, and ``logit_bias`` / temperature do not change them (raw logits, as vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    want = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=5)
+    alone = llm.generate(PROMPT, want)[0]
+    batch = llm.generate(["another prompt", PROMPT], [SamplingParams(max_tokens=3), want])
+    assert [(lp.token_id, round(lp.logprob, 4)) for lp in batch[1].logprobs] == [
+        (lp.token_id, round(lp.logprob, 4)) for lp in alone.logprobs
+    ]
+    assert batch[0].logprobs is None
+    assert [lp.token_id for lp in alone.logprobs] == alone.token_ids
+    for lp in alone.logprobs:
+        assert len(lp.top) == 5 and lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1])
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert sum(math.exp(v) for _, v in lp.top) <= 1 + 1e-5
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = llm.engine.tokenizer.encode(PROMPT) + alone.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    start = len(ids) - len(alone.token_ids) - 1
+    for i, lp in enumerate(alone.logprobs):
+        assert lp.logprob == pytest.approx(ref[start + i, lp.token_id].item(), abs=1e-3)
+    forced = alone.token_ids[0] + 1
+    biased = llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.7, logprobs=0, logit_bias={forced: 100}))
+    (lp,) = biased[0].logprobs
+    assert lp.token_id == forced and lp.top == [] and lp.logprob == pytest.approx(ref[start, forced].item(), abs=1e-3)
+
+
 def test_streaming_deltas_add_up(llm):
     engine = llm.engine
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
@@ -111,6 +169,7 @@ def test_bounds_that_need_the_model_are_checked_when_a_request_is_added(llm):
     cases = [
         ({"params": SamplingParams(top_k=vocab + 1)}, "top_k"),
         ({"params": SamplingParams(stop_token_ids=[vocab])}, "stop_token_ids"),
+        ({"params": SamplingParams(logit_bias={vocab: 1.0})}, "logit_bias"),
         ({"cache_salt": "s" * 257}, "cache_salt"),
         ({"request_id": "r" * 257}, "request_id"),
     ]

@@ -123,6 +123,68 @@ def test_stop_strings_end_the_output_before_them(client, server):
     assert stopped.choices[0].text == text[: text.index(stop)]
 
 
+def test_logit_bias_forces_and_bans_through_the_official_client(client, server):
+    plain = client.completions.create(model=server.model, prompt=LONG_PROMPT[:200], max_tokens=4, temperature=0)
+    first = httpx.post(
+        server.url + "/tokenize", json={"prompt": plain.choices[0].text, "add_special_tokens": False}, headers=AUTH
+    ).json()["tokens"][0]
+    forced = 1234 if first != 1234 else 1235
+    out = client.completions.create(
+        model=server.model, prompt=LONG_PROMPT[:200], max_tokens=4, temperature=0, logit_bias={str(forced): 100}
+    )
+    text = httpx.post(server.url + "/detokenize", json={"tokens": [forced] * 4}, headers=AUTH).json()["prompt"]
+    assert out.choices[0].text == text
+    banned = client.completions.create(
+        model=server.model, prompt=LONG_PROMPT[:200], max_tokens=4, temperature=0, logit_bias={str(first): -100}
+    )
+    assert banned.choices[0].text != plain.choices[0].text
+
+
+def test_logprobs_whole_and_streamed_in_openais_shapes(client, server):
+    ask = {"model": server.model, "max_tokens": 6, "temperature": 0}
+    messages = [{"role": "user", "content": "Tell me about caches"}]
+    whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=5, **ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for item in content:
+        assert len(item.top_logprobs) == 5 and item.logprob == max(t.logprob for t in item.top_logprobs)
+        assert sum(math.exp(t.logprob) for t in item.top_logprobs) <= 1 + 1e-5
+        assert item.bytes == list(item.token.encode("utf-8"))
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(
+            messages=messages, logprobs=True, top_logprobs=5, stream=True, **ask
+        )
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for item in choice.logprobs.content
+    ]
+    assert [(i.token, round(i.logprob, 4)) for i in streamed] == [(i.token, round(i.logprob, 4)) for i in content]
+    assert chat(client, server, "Tell me about caches", max_tokens=2).choices[0].logprobs is None
+    completion = client.completions.create(prompt=LONG_PROMPT[:120], logprobs=3, **ask).choices[0]
+    lp = completion.logprobs
+    assert "".join(lp.tokens) == completion.text and len(lp.token_logprobs) == 6
+    for top, value in zip(lp.top_logprobs, lp.token_logprobs, strict=True):  # ids decoding alike share a key
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(value)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client, server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        r = http.post("/tokenize", json={"model": server.model, "prompt": LONG_PROMPT, "return_token_strs": True})
+        body = r.json()
+        assert r.status_code == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 100
+        assert body["max_model_len"] > body["count"]
+        usage = client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=1).usage
+        assert usage.prompt_tokens == body["count"]  # what a generation of the same prompt counts
+        text = http.post("/detokenize", json={"model": server.model, "tokens": body["tokens"]}).json()["prompt"]
+        assert LONG_PROMPT in text
+        messages = [{"role": "user", "content": "hello there"}]
+        chat_ids = http.post("/tokenize", json={"messages": messages}).json()
+        assert chat(client, server, "hello there", max_tokens=1).usage.prompt_tokens == chat_ids["count"]
+        assert http.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+
+
 def test_seed_makes_sampling_reproducible(client, server):
     def sample(seed: int) -> str:
         return chat(client, server, "Pick words", max_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
@@ -219,8 +281,15 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     (CHAT, _chat(n=0), 400),
     (CHAT, _chat(n=17), 400),
     (COMP, {"prompt": "x", "n": 9}, 400),  # more choices than a replica runs at once (--max-num-seqs 8)
-    (CHAT, _chat(logprobs=True), 400),
+    (CHAT, _chat(logprobs=True, top_logprobs=21), 400),
+    (COMP, {"prompt": "x", "logprobs": 6}, 400),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    (CHAT, _chat(response_format={"type": "json_object"}), 400),
+    (CHAT, _chat(presence_penalty=0.5), 400),
+    (CHAT, _chat(logit_bias={"5": 500}), 400),
+    (CHAT, _chat(logit_bias={str(10**6): 5}), 400),  # not a token of the model
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/detokenize", {"tokens": [10**9]}, 400),
     (CHAT, _chat(stop=5), 400),
     (CHAT, _chat(stop=[""]), 400),
     (CHAT, _chat(seed="abc"), 400),
@@ -363,6 +432,10 @@ def test_grpc_bounds_are_invalid_argument_naming_the_parameter(server):
         ({"cache_salt": "c" * 257}, "cache_salt"),
         ({"session_id": "s" * 257}, "session_id"),
         ({"prompt": "word " * 200_000}, "prompt"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
     ]
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
         stub = kvmesh_pb2_grpc.KVMeshStub(channel)
@@ -473,6 +546,7 @@ def test_api_keys_are_required_on_the_api_but_not_on_probes(server):
         r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
         assert httpx.get(server.url + "/status", headers=headers, timeout=30).status_code == 401
+        assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=headers).status_code == 401
     assert httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
@@ -517,10 +591,14 @@ def test_grpc_streams_a_generation(server):
         )
         chunks = list(stub.Generate(request, timeout=60, metadata=GRPC_AUTH))
         whole = stub.Complete(request, timeout=60, metadata=GRPC_AUTH)
+        forced = kvmesh_pb2.GenerateRequest(prompt="x", max_tokens=3, temperature=0, logit_bias={1234: 100.0})
+        forced_text = stub.Complete(forced, timeout=60, metadata=GRPC_AUTH).text
         with pytest.raises(grpc.RpcError) as bad:
             stub.Complete(kvmesh_pb2.GenerateRequest(prompt="x", temperature=-1), timeout=60, metadata=GRPC_AUTH)
         with pytest.raises(grpc.RpcError) as no_key:
             stub.Complete(request, timeout=60)
+    detokenized = httpx.post(server.url + "/detokenize", json={"tokens": [1234] * 3}, headers=AUTH, timeout=30)
+    assert forced_text == detokenized.json()["prompt"]
     assert len(chunks) == 10 and chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens > 0
     assert "".join(c.text for c in chunks) == whole.text

@@ -1,0 +1,72 @@
+"""What the agent-facing API options cost the engine: output tok/s with log-probabilities (top 5) and with a
+``logit_bias``, against the same requests without them, side by side in one run.
+
+Workload: ``benchmarks/engine_throughput.py``'s (64 requests, prompts of 64-512 random token ids, 32-128
+output tokens, greedy, ``ignore_eos``). Modes alternate within each repeat; every run starts from an empty
+prefix cache. Medians over ``--repeats``.
+
+    python -m benchmarks.api_overhead [--requests 64] [--repeats 3] [--model smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks.engine_throughput import workload
+from benchmarks.report import median, print_table, write_json
+from replica import LLM, SamplingParams
+
+MODES = {
+    "plain": {},
+    "logprobs top 5": {"logprobs": 5},
+    "logit_bias (10 tokens)": {"logit_bias": {100 + 7 * i: -5.0 for i in range(10)}},
+}
+
+
+def run(llm: LLM, prompts: list[list[int]], olens: list[int], extra: dict) -> float:
+    llm.engine.reset_prefix_cache()
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True, **extra) for o in olens]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == olens
+    if "logprobs" in extra:
+        assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    return sum(olens) / dt
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    prompts, olens = workload(args.requests)
+    llm = LLM(args.model)
+    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for r in range(args.repeats):
+        for mode, extra in MODES.items():
+            runs[mode].append(run(llm, prompts, olens, extra))
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{m} {v[-1]:.1f} tok/s" for m, v in runs.items()))
+    med = {mode: median(v) for mode, v in runs.items()}
+    print_table(["mode", "output tok/s (median)", "vs plain"], [[m, v, v / med["plain"]] for m, v in med.items()])
+    write_json(
+        "api_overhead",
+        {
+            "model": args.model,
+            "workload": {"requests": args.requests, "prompt_tokens": [64, 512], "output_tokens": [32, 128]},
+            "repeats": args.repeats,
+            "tok_per_s": runs,
+            "median_tok_per_s": med,
+            "vs_plain": {m: v / med["plain"] for m, v in med.items()},
+            "goal": {"logprobs top 5": 0.9},
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
