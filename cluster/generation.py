@@ -122,6 +122,14 @@ class Generation:
         its template has them). 400 for what cannot fit the context or is not in the vocabulary."""
         lim = self.limits
         param = "messages" if messages is not None else "prompt"
+        texts = (
+            [m["content"] for m in messages] if messages is not None else [prompt] if isinstance(prompt, str) else []
+        )
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # JSON can escape a lone surrogate; no tokenizer takes one
+                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
         if messages is not None:
             if len(messages) > MAX_MESSAGES:
                 raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)

@@ -4,8 +4,9 @@ Request models check types (FastAPI publishes them as the OpenAPI schema); value
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
 vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working. A known
 OpenAI field kvmesh does not implement is refused with a 400 naming it whenever it asks for something
-(``presence_penalty: 0.5``, ``tools``, a JSON ``response_format``): never a silent ignore. ``logprobs``,
-``logit_bias``, and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
+(``presence_penalty: 0.5``, ``tools``): never a silent ignore. ``logprobs``, ``logit_bias``,
+``response_format`` (JSON object or schema, by constrained decoding) and vLLM's ``min_tokens`` and
+``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
 its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
@@ -14,6 +15,7 @@ its sequences share its KV blocks. Choices carry their ``index``, in whole respo
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.errors import InvalidRequest
 from replica.limits import MAX_ID_CHARS
-from replica.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from replica.sampling_params import JSON_OBJECT_SCHEMA, MAX_LOGPROBS, MAX_N, SamplingParams
 from router.messages import TokenLogprob, Usage
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -106,7 +108,6 @@ class _Request(BaseModel):
         asked = {
             "presence_penalty": bool(self.presence_penalty),
             "frequency_penalty": bool(self.frequency_penalty),
-            "response_format": bool(self.response_format) and self.response_format.get("type") != "text",
             "best_of": self.best_of not in (None, 1),
         }
         return {name: "is not supported yet" for name, on in asked.items() if on}
@@ -115,11 +116,30 @@ class _Request(BaseModel):
         """Alternatives per token to report (0: only the sampled token's logprob); None: no logprobs."""
         raise NotImplementedError
 
+    def json_schema(self) -> str | None:
+        """The JSON schema ``response_format`` constrains the output to (JSON text), None for free text."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(
+                    "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+                )
+            return json.dumps(schema)
+        raise APIError(
+            f"response_format type {kind!r} is not supported: text, json_object or json_schema", param="response_format"
+        )
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         for name, why in self.unimplemented().items():
             raise APIError(f"{name} {why}", param=name)
         return sampling_params(
             logprobs=self.logprobs_wanted(),
+            json_schema=self.json_schema(),
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -40,6 +40,7 @@ from replica.request import Request, RequestStatus
 from replica.sampler import GREEDY, SamplingTensors, sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledRequest, Scheduler
+from replica.structured import GrammarCompiler, GrammarRows
 from replica.swap import SwapCopies, SwapSpace
 from replica.telemetry import EngineSnapshot, EngineStats, StepRates
 from router.hashing import BlockHash, first_block_extra, model_seed
@@ -142,6 +143,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, list[Request]] = {}
         """Each live request's unfinished sequences (one, or up to ``n`` once forked)."""
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
@@ -250,6 +252,8 @@ class LLMEngine:
             first_block_extra(cache_salt),
             block_hashes,
         )
+        if params.json_schema is not None:
+            req.matcher = self.grammars.matcher(params.json_schema)
         self.requests[request_id] = [req]
         self.scheduler.add(req)
         return request_id
@@ -341,9 +345,13 @@ class LLMEngine:
         sampling, failures = self._sampling_tensors(seqs, positions)
         bias = LogitBias.build(seqs, positions, self.runner.device)
         wants = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        grammar = GrammarRows(constrained, [seqs[i].matcher for i in constrained]) if constrained else None
         top_k = max((seqs[i].params.logprobs for i in wants), default=0)
         expand = torch.tensor(rows) if len(rows) > logits_row else None
-        work = functools.partial(self._device_step, prepared, copies, swaps, sampling, bias, wants, top_k, expand)
+        work = functools.partial(
+            self._device_step, prepared, copies, swaps, sampling, bias, grammar, wants, top_k, expand
+        )
         return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures)
 
     def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
@@ -381,12 +389,13 @@ class LLMEngine:
         swaps: SwapCopies | None,
         sampling: SamplingTensors,
         bias: LogitBias | None,
+        grammar: GrammarRows | None,
         wants_logprobs: list[int],
         top_logprobs: int,
         expand: torch.Tensor | None,
     ) -> StepResult:
         """A step's device work, in launch order (``replica/device_queue.py``): block copies, the forward
-        pass, logit biases, sampling, and the log-probabilities of the rows in ``wants_logprobs`` (the
+        pass, logit biases and grammar masks, sampling, and the log-probabilities of the rows in ``wants_logprobs`` (the
         sampled token's and the ``top_logprobs`` most likely). A row whose sampling fails alone gets token 0
         and its exception."""
         if swaps is not None:
@@ -402,6 +411,8 @@ class LLMEngine:
             raw = torch.log_softmax(logits[torch.tensor(wants_logprobs, device=logits.device)].float(), dim=-1)
         if bias is not None:
             bias.apply(logits)
+        if grammar is not None:
+            grammar.mask(logits)
         failures: dict[int, Exception] = {}
         try:
             tokens = sample(logits, sampling)
@@ -414,6 +425,8 @@ class LLMEngine:
                 except Exception as row_exc:
                     failures[i] = row_exc
         self._last_tokens = tokens
+        if grammar is not None:
+            failures.update(grammar.accept(tokens))
         logprobs = None
         if raw is not None:
             k = top_logprobs

@@ -60,6 +60,8 @@ class Request:
         self._seed_base = params.seed if params.seed is not None else random.getrandbits(64)
         self.sample_seed = self._sample_seed()
         self.kv_row = -1
+        self.matcher = None
+        """The response_format grammar's matcher (``replica/structured.py``), advanced by the device step."""
         """This sequence's row of the KV manager's block tables while it holds blocks; -1 otherwise."""
         self.num_pending = 0
         """Tokens sampled by a step still in flight (0 or 1): counted in ``num_tokens``, appended when the
@@ -111,6 +113,7 @@ class Request:
         child.sample_seed = child._sample_seed()
         child.kv_row = -1
         child.num_pending, child.pending_row = 0, -1
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         return child
 
     # ------------------------------------------------------------------ progress

@@ -3,6 +3,7 @@ before it is queued."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from replica.errors import InvalidRequest
@@ -19,6 +20,10 @@ from replica.limits import (
     check_text,
 )
 
+JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
+"""What ``response_format: {"type": "json_object"}`` asks for: any JSON object."""
+MAX_SCHEMA_CHARS = 64 << 10
+"""Characters of a ``response_format`` JSON schema."""
 MAX_LOGPROBS = 20
 """Most likely alternatives reported per token (OpenAI's chat limit)."""
 MAX_N = 16
@@ -62,6 +67,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Report each generated token's log-probability and this many most likely alternatives (0: none);
     None: no log-probabilities."""
+    json_schema: str | None = None
+    """Constrain the output to JSON valid under this schema (JSON text; ``replica/structured.py``)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -93,6 +100,16 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             check_int("logit_bias", token, 0, MAX_TOKENS_LIMIT)
             check_float("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.json_schema is not None:
+            check_text("response_format", self.json_schema, MAX_SCHEMA_CHARS)
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError:
+                schema = None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format: the JSON schema must be a JSON object", "response_format")
         check_int(
             "min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else MAX_TOKENS_LIMIT
         )

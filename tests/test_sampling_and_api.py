@@ -154,6 +154,13 @@ def test_streaming_deltas_add_up(llm):
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"json_schema": "[1, 2]"}, "response_format"),
+        ({"json_schema": "{not json"}, "response_format"),
     ],
 )
 def test_invalid_sampling_params_are_rejected_naming_the_field(kwargs, param):

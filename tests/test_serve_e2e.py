@@ -169,6 +169,24 @@ def test_logprobs_whole_and_streamed_in_openais_shapes(client, server):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
 
 
+def test_response_format_json_schema_constrains_the_output(client, server):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for seed in range(3):  # a random model: only the grammar makes these JSON
+        reply = chat(client, server, "answer", max_tokens=40, temperature=1.0, seed=seed, response_format=fmt)
+        assert reply.choices[0].finish_reason == "stop"
+        value = json.loads(reply.choices[0].message.content)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, server, "x", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}})
+    assert bad.value.body["param"] == "response_format"
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(client, server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
         r = http.post("/tokenize", json={"model": server.model, "prompt": LONG_PROMPT, "return_token_strs": True})
@@ -284,12 +302,13 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     (CHAT, _chat(logprobs=True, top_logprobs=21), 400),
     (COMP, {"prompt": "x", "logprobs": 6}, 400),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    (CHAT, _chat(response_format={"type": "json_object"}), 400),
+    (CHAT, _chat(response_format={"type": "regex"}), 400),
     (CHAT, _chat(presence_penalty=0.5), 400),
     (CHAT, _chat(logit_bias={"5": 500}), 400),
     (CHAT, _chat(logit_bias={str(10**6): 5}), 400),  # not a token of the model
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
     ("/detokenize", {"tokens": [10**9]}, 400),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),  # a lone surrogate
     (CHAT, _chat(stop=5), 400),
     (CHAT, _chat(stop=[""]), 400),
     (CHAT, _chat(seed="abc"), 400),
