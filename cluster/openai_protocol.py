@@ -286,7 +286,7 @@ class TokenizeRequest(BaseModel):
 
     model: str = ""
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 

@@ -309,6 +309,7 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
     ("/detokenize", {"tokens": [10**9]}, 400),
     ("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),  # a lone surrogate
+    ("/tokenize", {"messages": []}, 400),
     (CHAT, _chat(stop=5), 400),
     (CHAT, _chat(stop=[""]), 400),
     (CHAT, _chat(seed="abc"), 400),
