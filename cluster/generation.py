@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 """What a handle raises when the replica serving a call died or became unreachable."""
-RETRY_ATTEMPTS, RETRY_BACKOFF_S = 3, 0.25
-"""A request whose replica dies before its first token is sent up to twice more, after 0.25 s then 0.5 s."""
+RETRY_ATTEMPTS, RETRY_BACKOFF_S = 4, 0.25
+"""A request whose replica dies before its first token is sent up to three more times, after 0.25, 0.5 and
+1 s: until Serve's long poll tells the routers of the death (about a second), a retry may be offered the
+dead replica again (its index entries live until its heartbeat expires), so the waits span ~2 s."""
 TOKENIZE_INLINE_CHARS = 8192
 """Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
 
@@ -257,7 +259,7 @@ class Generation:
                     )
                     # Routers learn of a death through Serve's long poll; until then a retry may be offered
                     # the same dead replica, so back off a little before each new attempt.
-                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+                    await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
         except BackPressureError as exc:
             outcome = "rejected"
             raise APIError(
