@@ -343,9 +343,10 @@ class LLMEngine:
                     rows.append(logits_row)
                 logits_row += 1
         sampling, failures = self._sampling_tensors(seqs, positions)
-        bias = LogitBias.build(seqs, positions, self.runner.device)
-        wants = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        special = [i for i, seq in enumerate(seqs) if seq.logit_work]  # one scan; most steps find none
+        bias = LogitBias.build(seqs, positions, special, self.runner.device) if special else None
+        wants = [i for i in special if seqs[i].params.logprobs is not None]
+        constrained = [i for i in special if seqs[i].matcher is not None]
         grammar = GrammarRows(constrained, [seqs[i].matcher for i in constrained]) if constrained else None
         top_k = max((seqs[i].params.logprobs for i in wants), default=0)
         expand = torch.tensor(rows) if len(rows) > logits_row else None

@@ -22,12 +22,16 @@ class LogitBias:
     values: torch.Tensor  # float32 [K]
 
     @classmethod
-    def build(cls, seqs: list[Request], positions: list[int], device: torch.device) -> LogitBias | None:
-        """For sequence ``seqs[i]`` sampling its output ``positions[i]``; None when no row asks for any."""
+    def build(
+        cls, seqs: list[Request], positions: list[int], candidates: list[int], device: torch.device
+    ) -> LogitBias | None:
+        """For sequence ``seqs[i]`` sampling its output ``positions[i]``, over the rows ``candidates`` (those
+        whose requests adjust logits at all); None when none of them asks for a bias or a ban now."""
         rows: list[int] = []
         ids: list[int] = []
         values: list[float] = []
-        for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
+        for i in candidates:
+            seq, position = seqs[i], positions[i]
             params = seq.params
             if params.logit_bias:
                 rows += [i] * len(params.logit_bias)

@@ -60,6 +60,8 @@ class Request:
         self._seed_base = params.seed if params.seed is not None else random.getrandbits(64)
         self.sample_seed = self._sample_seed()
         self.kv_row = -1
+        self.logit_work = params.adjusts_logits
+        """Set once: steps look at this request's biases, grammar and logprobs only when it is true."""
         self.matcher = None
         """The response_format grammar's matcher (``replica/structured.py``), advanced by the device step."""
         """This sequence's row of the KV manager's block tables while it holds blocks; -1 otherwise."""

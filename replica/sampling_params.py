@@ -118,5 +118,10 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be a boolean", name)
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether a step must do more than sample for this request: bias, ban, mask or report logprobs."""
+        return bool(self.logit_bias or self.min_tokens or self.logprobs is not None or self.json_schema is not None)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
