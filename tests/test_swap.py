@@ -89,3 +89,26 @@ def test_bad_swap_settings_are_clear_errors():
         EngineConfig(preemption_mode="offload")
     with pytest.raises(ValueError, match="swap_space_bytes must be >= 0"):
         EngineConfig(swap_space_bytes=-1)
+
+
+def test_a_stall_while_measuring_the_copy_bandwidth_does_not_set_it(tiny_llama_dir, monkeypatch):
+    """The bandwidth prices every host-tier load for routers and the swap decision: one timing taken while
+    the process was descheduled (a busy core) must not make the tier look slower than recomputing."""
+    import time
+
+    from replica.swap import SwapSpace
+
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=32, dtype="float32").engine
+    steady = engine.swap._measure_bandwidth()
+    copy, calls = SwapSpace._copy, []
+
+    def stalled_once(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first timed copy (the one before it touches the pages)
+            time.sleep(0.05)
+        copy(*args)
+
+    monkeypatch.setattr(SwapSpace, "_copy", staticmethod(stalled_once))
+    measured = engine.swap._measure_bandwidth()
+    stalled = 8 * engine.swap.block_bytes / 0.05
+    assert measured > 10 * stalled and measured > steady / 10
