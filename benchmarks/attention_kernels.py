@@ -4,7 +4,8 @@ CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode atte
 contiguous KV of the same size, for both CPU decode routes side by side: the compiled kernel that reads the
 paged cache in place (``kernels/cpu_extension.py``, the default) and the gather fallback (gather through
 block tables + SDPA). Batch 32, context 1,024, SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
-block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x.
+block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x. Then causal prefill / extend:
+the compiled prefill kernel against the gather + SDPA fallback, prompts of 64 to 1,024 tokens.
 
 CUDA (when a GPU is present): Triton decode vs the torch path vs SDPA on pre-gathered contiguous KV, for
 decode batch 1-256 and context 512-32k, with achieved bandwidth (KV bytes read / time) as a fraction of
@@ -97,6 +98,51 @@ def cpu_overhead(repeats: int) -> dict:
     }
 
 
+PREFILL_SHAPES = [(8, 64, 64), (1, 128, 128), (4, 256, 256), (1, 512, 512), (1, 2048, 512), (2, 1024, 1024)]
+"""(batch, context, new tokens) of the CPU prefill comparison: whole prompts of the engine_throughput
+workload's sizes (64-512), an extend of 512 tokens on 1.5k cached, and long prompts."""
+
+
+def _prefill(problem_args: tuple, head_dim: int, use_kernel: bool) -> None:
+    meta, q, kc, vc = problem_args
+    if not use_kernel:
+        kernels.torch_attention.cpu_op = lambda name: None if name == "paged_prefill" else cpu_op(name)
+    try:
+        paged_attention_torch(q, kc, vc, meta, head_dim**-0.5)
+    finally:
+        kernels.torch_attention.cpu_op = cpu_op
+
+
+def cpu_prefill(repeats: int) -> list[dict]:
+    """Causal prefill / extend on SmolLM2 shapes: the compiled kernel reading the paged cache in place vs
+    the fallback (gather each sequence's blocks, then torch's SDPA), in interleaved rounds."""
+    if cpu_op("paged_prefill") is None:
+        raise SystemExit("the CPU prefill kernel did not build (see the warning above)")
+    heads, kvh, d = 9, 3, 64
+    rows = []
+    for batch, ctx, new in PREFILL_SHAPES:
+        args = problem(batch, ctx, new, heads, kvh, d, 16, torch.float32, "cpu")
+        kernel, fallback = [], []
+        for _ in range(5):
+            kernel.append(timeit(lambda a=args: _prefill(a, d, use_kernel=True), repeats))
+            fallback.append(timeit(lambda a=args: _prefill(a, d, use_kernel=False), repeats))
+        k_s, f_s = median(kernel), median(fallback)
+        flops = batch * heads * d * 4 * sum(ctx - new + j + 1 for j in range(new))  # q.k and p.v, causal
+        rows.append(
+            {
+                "batch": batch,
+                "context": ctx,
+                "new_tokens": new,
+                "kernel_ms": 1000 * k_s,
+                "gather_sdpa_ms": 1000 * f_s,
+                "speedup": f_s / k_s,
+                "kernel_gflops": flops / k_s / 1e9,
+                "gather_sdpa_gflops": flops / f_s / 1e9,
+            }
+        )
+    return rows
+
+
 def copy_bandwidth(device) -> float:
     x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
@@ -158,7 +204,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cuda_only and not torch.cuda.is_available():
         raise SystemExit("--cuda-only needs a CUDA device")
-    out: dict = {} if args.cuda_only else {"cpu": cpu_overhead(args.repeats)}
+    out: dict = {} if args.cuda_only else {"cpu": cpu_overhead(args.repeats), "cpu_prefill": cpu_prefill(args.repeats)}
     c = out.get("cpu")
     if c:
         print_table(
@@ -181,6 +227,22 @@ def main() -> None:
                     f"{c['gather_overhead']:.2f}x",
                     "<= 1.5x",
                 ]
+            ],
+        )
+    if out.get("cpu_prefill"):
+        print()
+        print_table(
+            ["CPU prefill, SmolLM2 shapes", "kernel ms", "GFLOP/s", "gather + SDPA ms", "GFLOP/s", "speed-up"],
+            [
+                [
+                    f"batch {r['batch']}, {r['new_tokens']} new of {r['context']}",
+                    r["kernel_ms"],
+                    r["kernel_gflops"],
+                    r["gather_sdpa_ms"],
+                    r["gather_sdpa_gflops"],
+                    f"{r['speedup']:.2f}x",
+                ]
+                for r in out["cpu_prefill"]
             ],
         )
     if torch.cuda.is_available():

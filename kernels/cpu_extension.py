@@ -3,13 +3,15 @@
 - ``paged_decode`` (``csrc/paged_decode_cpu.cpp``): gathering scattered blocks into a contiguous tensor
   costs a CPU as much as the attention that follows, so decode rows (one query each, the bulk of every
   step) go through a small C++ kernel that reads the paged cache in place.
+- ``paged_prefill`` (``csrc/paged_prefill_cpu.cpp``): prefill and extend rows, causal, read in place too:
+  tiles of query positions under one KV head (its whole GQA group) with flash attention's online softmax.
 - ``sample_rows`` and ``argmax_rows`` (``csrc/sample_cpu.cpp``): the sampler's rejection path
   (``replica/sampler.py``) fused, a few passes over each row of logits instead of a dozen torch kernels
   with temporaries, and a greedy argmax several times faster than torch's on long rows.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/layers_cpu.cpp``): the model's
   elementwise layers in one pass each (``kernels/layers.py``).
 
-torch's extension builder compiles them on first use (a few seconds) into
+torch's extension builder compiles them on first use (about 30 s on two cores) into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and later processes load the cached
 library; concurrent replicas wait on the builder's lock instead of compiling twice. It is built for the
 CPU it runs on (``-march=native``), so the build folder is named after the CPU's feature flags: a cache
@@ -34,9 +36,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.cpp", "sample_cpu.cpp", "layers_cpu.cpp")
-]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers")]
+HEADERS = [CSRC / "paged_cache.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -67,7 +69,7 @@ def _load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:8]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:8]
     name = f"kvmesh_cpu_{_cpu_fingerprint()}_{digest}"
     cflags, ldflags = _flags()
     start = time.perf_counter()

@@ -1,13 +1,13 @@
 """The vectorized torch path of paged attention, used on CPU (and as a fallback anywhere).
 
-On the CPU, decode sequences (one query each) go to the compiled kernel of ``cpu_extension.py``, which reads
-the paged cache in place. Elsewhere, or where it cannot be built, they are sorted by context length and
-split into a few length buckets; each bucket's blocks are gathered into one padded
-``[batch, kv_heads, context, head_dim]`` view and a single fused SDPA call with a length mask does the
-rest. Bucketing keeps padding (wasted gather and attention work) low when short and long conversations
-decode together. Prefill/extend sequences carry many queries
-and a causal mask offset by their cached prefix; they are few per step (the token budget bounds them), so
-each gets one SDPA call over its gathered context. There are no per-token Python loops.
+On the CPU, decode sequences (one query each) and prefill / extend sequences go to the compiled kernels of
+``cpu_extension.py``, which read the paged cache in place. Elsewhere, or where they cannot be built, decode
+sequences are sorted by context length and split into a few length buckets; each bucket's blocks are
+gathered into one padded ``[batch, kv_heads, context, head_dim]`` view and a single fused SDPA call with a
+length mask does the rest. Bucketing keeps padding (wasted gather and attention work) low when short and
+long conversations decode together. Prefill/extend sequences carry many queries and a causal mask offset by
+their cached prefix; they are few per step (the token budget bounds them), so each gets one SDPA call over
+its gathered context. There are no per-token Python loops.
 
 Gathers write into a per-thread workspace that only grows: allocating a fresh tensor per layer per step
 costs more in page faults than the copy itself.
@@ -26,6 +26,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.quant import as_bytes, dequantize, quantize
 
 _workspace = threading.local()
+PREFILL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def store_kv_torch(
@@ -100,6 +101,12 @@ def _length_buckets(rows: list[int], lens: list[int]) -> list[list[int]]:
     return buckets
 
 
+def _prefill_kernel_takes(q: torch.Tensor) -> bool:
+    """Whether the compiled prefill kernel serves ``q``: on the CPU, a float type it computes in, a head_dim
+    it is built for."""
+    return q.device.type == "cpu" and q.dtype in PREFILL_DTYPES and q.shape[-1] in (64, 128)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -121,25 +128,17 @@ def paged_attention_torch(
     qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
     decode = np.flatnonzero(qlens == 1)
     kernel = cpu_op("paged_decode") if len(decode) and q.device.type == "cpu" and q.dtype in DTYPES else None
+    extend = np.flatnonzero(qlens > 1)
+    prefill = cpu_op("paged_prefill") if len(extend) and _prefill_kernel_takes(q) else None
+    # The compiled kernels read the paged cache in place; token rows may be strided (views of a fused QKV).
+    args = (k_cache, v_cache, k_scale, v_scale, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    q_rows = q if (q.stride(2) == 1 and q.stride(1) == q.size(2)) or not (kernel or prefill) else q.contiguous()
     if kernel is not None:
-        rows = torch.from_numpy(decode)
-        tables, lens, starts_t = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        scales = (k_scale, v_scale)
-        rows_ok = q.stride(2) == 1 and q.stride(1) == q.size(2)  # token rows may be strided (views of a fused QKV)
-        kernel(
-            out,
-            q if rows_ok else q.contiguous(),
-            k_cache,
-            v_cache,
-            *scales,
-            tables,
-            lens,
-            starts_t,
-            rows,
-            scale,
-            window or 0,
-        )
+        kernel(out, q_rows, *args, torch.from_numpy(decode), scale, window or 0)
         decode = decode[:0]
+    if prefill is not None:
+        prefill(out, q_rows, *args, torch.from_numpy(extend), scale, window or 0)
+        extend = extend[:0]
     decode, slens = decode.tolist(), slens.tolist()
     for bucket in _length_buckets(decode, slens) if decode else []:
         rows = torch.tensor(bucket, device=q.device)
@@ -154,7 +153,7 @@ def paged_attention_torch(
         )
         out[tok] = o.squeeze(2)
     starts = np.cumsum(qlens) - qlens
-    for i in np.flatnonzero(qlens > 1).tolist():  # prefill / extend: few per step (the token budget)
+    for i in extend.tolist():  # prefill / extend: few per step (the token budget)
         s, n, length = int(starts[i]), int(qlens[i]), slens[i]
         k = _gather("k", k_cache, meta.block_tables[i : i + 1], length, k_scale, q.dtype)
         v = _gather("v", v_cache, meta.block_tables[i : i + 1], length, v_scale, q.dtype)

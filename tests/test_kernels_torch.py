@@ -13,25 +13,35 @@ from tests.kernel_cases import check_against_reference, check_quantized
 
 def test_cpu_kernels_build():
     """CI has a compiler: the kernels must build, so a broken build can't hide behind the torch fallbacks."""
-    assert all(cpu_op(name) is not None for name in ("paged_decode", "sample_rows", "rms_norm"))
+    assert all(cpu_op(name) is not None for name in ("paged_decode", "paged_prefill", "sample_rows", "rms_norm"))
 
 
 @pytest.mark.parametrize("case", range(12))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("decode", ["kernel", "gather"])
-def test_torch_path_matches_reference(case, dtype, tol, decode, monkeypatch):
-    """Both CPU decode routes (the compiled kernel and the gather fallback) against float64."""
-    if decode == "gather":
+@pytest.mark.parametrize("route", ["kernel", "gather"])
+def test_torch_path_matches_reference(case, dtype, tol, route, monkeypatch):
+    """Both CPU routes (the compiled decode and prefill kernels, and the gather + SDPA fallback) against
+    float64, on batches mixing decode rows with prefill and extend rows of every length."""
+    if route == "gather":
         monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     seed = case * 7919 + (dtype == torch.float16)
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
 
 
+@pytest.mark.parametrize("case", range(4))
+def test_long_prompts_match_reference(case):
+    """Prompts and extends of up to 1,200 tokens: many query tiles per sequence, shared between threads by
+    their work (a causal tile late in a prompt has more keys)."""
+    check_against_reference(
+        store_kv_torch, paged_attention_torch, 500 + case, case, torch.float32, 1e-5, max_len=1200, max_batch=3
+    )
+
+
 @pytest.mark.parametrize("case", range(6))
-@pytest.mark.parametrize("decode", ["kernel", "gather"])
-def test_sliding_window_matches_reference(case, decode, monkeypatch):
+@pytest.mark.parametrize("route", ["kernel", "gather"])
+def test_sliding_window_matches_reference(case, route, monkeypatch):
     """Windows shorter and longer than a block, and longer than some contexts, on mixed batches."""
-    if decode == "gather":
+    if route == "gather":
         monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     window = [1, 7, 16, 37, 100, 1000][case]
     check_against_reference(store_kv_torch, paged_attention_torch, 77 + case, case, torch.float32, 1e-5, window)
@@ -40,9 +50,9 @@ def test_sliding_window_matches_reference(case, decode, monkeypatch):
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("decode", ["kernel", "gather"])
-def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, decode, monkeypatch):
-    if decode == "gather":
+@pytest.mark.parametrize("route", ["kernel", "gather"])
+def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, route, monkeypatch):
+    if route == "gather":
         monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
     seed = 31 * case + len(kv_dtype) + (dtype == torch.float16)
     check_quantized(store_kv_torch, paged_attention_torch, seed, case, kv_dtype, dtype, tol)

@@ -11,14 +11,10 @@
 // size (the query sees its last `window` positions, itself included), 0 for full attention. Accumulates in
 // float.
 //
-// Quantized caches (kernels/quant.py) hold int8 or fp8 with scales: none (the cache holds q's dtype), one
-// float per KV head (fp8), or one half per slot and KV head (int8). A scale is constant along head_dim, so
-// it multiplies the finished q.k score and the softmax weight of its V row instead of every element.
+// Quantized caches: see paged_cache.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
@@ -27,7 +23,11 @@
 #include <optional>
 #include <vector>
 
+#include "paged_cache.h"
+
 namespace {
+
+using kvmesh::Scale;
 
 // D: head_dim when known at compile time (64, 128: fully unrolled vector code), 0 for any. Plain loops:
 // -O3 -ffast-math vectorizes them with register accumulators (an omp simd reduction spills to the stack).
@@ -44,28 +44,6 @@ inline void axpy(float w, const C* v, float* acc, int64_t d) {
   const int64_t n = D ? D : d;
   for (int64_t i = 0; i < n; ++i) acc[i] += w * static_cast<float>(v[i]);
 }
-
-// The scale of one cached row: 1, per KV head, or per slot and KV head.
-struct Scale {
-  const float* per_head = nullptr;
-  const c10::Half* per_slot = nullptr;
-  int64_t kv_heads = 1;
-
-  explicit Scale(const std::optional<at::Tensor>& t, int64_t kvh) : kv_heads(kvh) {
-    if (!t.has_value()) return;
-    if (t->dim() == 1) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == kvh, "per-head scales must be float [kv_heads]");
-      per_head = t->data_ptr<float>();
-    } else {
-      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "per-slot scales must be contiguous half");
-      per_slot = t->data_ptr<c10::Half>();
-    }
-  }
-  inline float at(int64_t slot, int64_t h) const {
-    if (per_slot) return static_cast<float>(per_slot[slot * kv_heads + h]);
-    return per_head ? per_head[h] : 1.f;
-  }
-};
 
 // Calls f(slot, i) for the keys [first, first + len) of a sequence, block by block (no division per key).
 // While a block's row r is read, row r of the next block is prefetched (its bytes [row_offset, row_offset +
@@ -203,17 +181,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
         decode_kernel<0, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
       }
     };
-    if (cache_type == q.scalar_type()) {
-      run(Q{});
-    } else if (cache_type == at::kChar) {
-      run(int8_t{});
-    } else if (cache_type == at::kFloat8_e4m3fn) {
-      run(c10::Float8_e4m3fn{});
-    } else if (cache_type == at::kFloat8_e5m2) {
-      run(c10::Float8_e5m2{});
-    } else {
-      TORCH_CHECK(false, "cache dtype ", cache_type, " does not match q's ", q.scalar_type(), " nor int8/fp8");
-    }
+    kvmesh::with_cache_type<Q>(cache_type, q.scalar_type(), run);
   });
 }
 

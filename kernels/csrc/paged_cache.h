@@ -1,0 +1,55 @@
+// What the paged attention kernels share: the scales of a quantized cache and the dispatch on its dtype.
+//
+// Quantized caches (kernels/quant.py) hold int8 or fp8 with scales: none (the cache holds q's dtype), one
+// float per KV head (fp8), or one half per slot and KV head (int8). A scale is constant along head_dim, so
+// kernels multiply a finished q.k score or a V row's weight by it instead of every element.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace kvmesh {
+
+// The scale of one cached row: 1, per KV head, or per slot and KV head.
+struct Scale {
+  const float* per_head = nullptr;
+  const c10::Half* per_slot = nullptr;
+  int64_t kv_heads = 1;
+
+  explicit Scale(const std::optional<at::Tensor>& t, int64_t kvh) : kv_heads(kvh) {
+    if (!t.has_value()) return;
+    if (t->dim() == 1) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == kvh, "per-head scales must be float [kv_heads]");
+      per_head = t->data_ptr<float>();
+    } else {
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "per-slot scales must be contiguous half");
+      per_slot = t->data_ptr<c10::Half>();
+    }
+  }
+  inline float at(int64_t slot, int64_t h) const {
+    if (per_slot) return static_cast<float>(per_slot[slot * kv_heads + h]);
+    return per_head ? per_head[h] : 1.f;
+  }
+};
+
+// Calls f(C{}) with C the cache's element type: q's own (Q), int8, or one of the fp8 formats.
+template <typename Q, typename F>
+void with_cache_type(at::ScalarType cache, at::ScalarType q, F&& f) {
+  if (cache == q) {
+    f(Q{});
+  } else if (cache == at::kChar) {
+    f(int8_t{});
+  } else if (cache == at::kFloat8_e4m3fn) {
+    f(c10::Float8_e4m3fn{});
+  } else if (cache == at::kFloat8_e5m2) {
+    f(c10::Float8_e5m2{});
+  } else {
+    TORCH_CHECK(false, "cache dtype ", cache, " does not match q's ", q, " nor int8/fp8");
+  }
+}
+
+}  // namespace kvmesh
