@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster import metrics
 from cluster.admission import RETRY_AFTER_S
 from cluster.openai_protocol import APIError, ResponseShape
+from cluster.tool_calls import ToolRequest, template_messages, template_syntax
 from replica.errors import InvalidRequest, RequestFailed
 from replica.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
 from replica.model_files import render_chat
@@ -88,6 +89,8 @@ class Generation:
         self.seed = model_seed(model)
         self.limits = limits
         self.share_prefix_cache = share_prefix_cache
+        self.tool_syntax = template_syntax(getattr(tokenizer, "chat_template", None))
+        """The tool-call syntax the model's chat template teaches; None: it renders no tools (kvmesh does)."""
 
     # ------------------------------------------------------------------ preparing
     def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
@@ -105,6 +108,14 @@ class Generation:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    def with_tools(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
+        """A chat's messages and the tool entries to hand its template: the template's own rendering of tools
+        where it has one, else the tools written into a system message (``cluster/tool_calls.py``)."""
+        offered = None
+        if tools is not None and self.tool_syntax is not None:
+            offered = [{"type": "function", "function": f} for f in tools.functions]
+        return template_messages(messages, tools, self.tool_syntax), offered
+
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` (empty: the served one) is a name this server serves."""
         if model and model not in self.limits.names:
@@ -117,11 +128,16 @@ class Generation:
             )
 
     async def token_ids(
-        self, prompt: str | list[int] | None, messages: list[dict] | None, add_special_tokens: bool | None = None
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        add_special_tokens: bool | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The prompt's token ids as a generation would see them: a chat rendered by the model's template,
-        text encoded, ids checked. ``add_special_tokens`` None: the generation's choice (text: yes, chat: no,
-        its template has them). 400 for what cannot fit the context or is not in the vocabulary."""
+        """The prompt's token ids as a generation would see them: a chat rendered by the model's template
+        (with ``tools``, OpenAI's entries, where the template renders them), text encoded, ids checked.
+        ``add_special_tokens`` None: the generation's choice (text: yes, chat: no, its template has them).
+        400 for what cannot fit the context or is not in the vocabulary."""
         lim = self.limits
         param = "messages" if messages is not None else "prompt"
         texts = (
@@ -138,9 +154,15 @@ class Generation:
             if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
                 raise self._too_long(param)
             try:
-                text = render_chat(self.tokenizer, messages)
+                text = render_chat(self.tokenizer, messages, tools)
             except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
                 raise APIError(f"messages: {exc}", param=param) from exc
+            if len(text) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
+                raise self._too_long(param)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
             return await self.encode(text, bool(add_special_tokens))
         if isinstance(prompt, str):
             if len(prompt) > lim.max_prompt_bytes:
@@ -189,8 +211,10 @@ class Generation:
         tenant: str,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        tools: list[dict] | None = None,
     ) -> Prepared:
-        """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused."""
+        """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused.
+        ``tools``: OpenAI's tool entries, for a chat template that renders them."""
         lim = self.limits
         self.check_model(model)
         try:
@@ -204,7 +228,7 @@ class Generation:
                 param="n",
             )
         param = "messages" if messages is not None else "prompt"
-        ids = await self.token_ids(prompt, messages)
+        ids = await self.token_ids(prompt, messages, tools=tools)
         if not ids:
             raise APIError("prompt is empty", param=param)
         wanted = len(ids) + (params.max_tokens or 1)

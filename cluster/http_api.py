@@ -33,6 +33,7 @@ from cluster.openai_protocol import (
     TokenizeRequest,
     usage_dict,
 )
+from cluster.tool_calls import ToolReplies, check_tools
 from router.messages import GenerateChunk
 from router.metrics import decision_counts
 from router.prefix_index import PrefixIndex
@@ -95,8 +96,15 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _sse(shape: ResponseShape, first: GenerateChunk, chunks: AsyncIterator[GenerateChunk], include_usage: bool):
-    """Server-sent events of a streamed response, OpenAI's shape; the request's last chunk ends it."""
+async def _sse(
+    shape: ResponseShape,
+    first: GenerateChunk,
+    chunks: AsyncIterator[GenerateChunk],
+    include_usage: bool,
+    tools: ToolReplies | None = None,
+):
+    """Server-sent events of a streamed response, OpenAI's shape; the request's last chunk ends it. With
+    ``tools``, each choice's text is parsed as it streams: content deltas, then ``tool_calls`` deltas."""
     try:
         if shape.chat:  # each choice opens with the assistant role, as OpenAI streams it
             for index in range(shape.n):
@@ -106,8 +114,11 @@ async def _sse(shape: ResponseShape, first: GenerateChunk, chunks: AsyncIterator
         while True:
             if chunk.text or chunk.finish_reason or chunk.logprobs:
                 i = chunk.index
+                text, reason, calls = chunk.text, chunk.finish_reason, None
+                if tools is not None:
+                    text, calls, reason = tools.feed(i, text, reason)
                 yield _event(
-                    shape.chunk(chunk.text, chunk.finish_reason, index=i, logprobs=chunk.logprobs, offset=offsets[i])
+                    shape.chunk(text, reason, index=i, logprobs=chunk.logprobs, offset=offsets[i], tool_calls=calls)
                 )
                 offsets[i] += len(chunk.text)
             if chunk.usage is not None:  # the request's last chunk: every choice has finished
@@ -129,7 +140,9 @@ class HttpApi:
     index: PrefixIndex | None
     settings: object
 
-    async def _respond(self, prep: Prepared, stream: bool, include_usage: bool) -> Response:
+    async def _respond(
+        self, prep: Prepared, stream: bool, include_usage: bool, tools: ToolReplies | None = None
+    ) -> Response:
         chunks = self.generation.stream(prep)
         try:
             first = await anext(chunks)  # errors before the first token get a real status code
@@ -138,20 +151,33 @@ class HttpApi:
         headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
         if not stream:
             texts, reasons, last, logprobs = await gather(prep.shape.n, _prepend(first, chunks))
-            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs)
+            calls = None
+            if tools is not None:
+                texts, calls, reasons = tools.whole(texts, reasons)
+            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
             return JSONResponse(body, headers=headers)
         return StreamingResponse(
-            _sse(prep.shape, first, chunks, include_usage), media_type="text/event-stream", headers=headers
+            _sse(prep.shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        params = body.check()
-        messages = [m.render() for m in body.messages]
+        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        params = body.check(tools.forced_schema() if tools else None)
+        messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
         prep = await self.generation.prepare(
-            body.model, None, messages, params, "chat", _tenant(raw), body.cache_salt, body.session_id or body.user
+            body.model,
+            None,
+            messages,
+            params,
+            "chat",
+            _tenant(raw),
+            body.cache_salt,
+            body.session_id or body.user,
+            tools=offered,
         )
-        return await self._respond(prep, body.stream, body.include_usage)
+        replies = ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+        return await self._respond(prep, body.stream, body.include_usage, replies)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -172,8 +198,11 @@ class HttpApi:
     async def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's shape: the ids a generation of this prompt would start from, their count, the context."""
         self.generation.check_model(body.model)
-        messages = [m.render() for m in body.messages] if body.messages is not None else None
-        ids = await self.generation.token_ids(body.prompt, messages, body.add_special_tokens)
+        messages, offered = None, None
+        if body.messages is not None:
+            tools = check_tools(body.tools, None)
+            messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
+        ids = await self.generation.token_ids(body.prompt, messages, body.add_special_tokens, offered)
         strs = self.generation.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),

@@ -4,9 +4,9 @@ Request models check types (FastAPI publishes them as the OpenAPI schema); value
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
 vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working. A known
 OpenAI field kvmesh does not implement is refused with a 400 naming it whenever it asks for something
-(``presence_penalty: 0.5``, ``tools``): never a silent ignore. ``logprobs``, ``logit_bias``,
-``response_format`` (JSON object or schema, by constrained decoding) and vLLM's ``min_tokens`` and
-``stop_token_ids`` are honoured.
+(``presence_penalty: 0.5``, ``functions``): never a silent ignore. ``logprobs``, ``logit_bias``,
+``response_format`` (JSON object or schema, by constrained decoding), ``tools`` and ``tool_choice``
+(``cluster/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
 its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
@@ -134,12 +134,16 @@ class _Request(BaseModel):
             f"response_format type {kind!r} is not supported: text, json_object or json_schema", param="response_format"
         )
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, forced_schema: str | None = None) -> SamplingParams:
+        """The engine's parameters; ``forced_schema``: the JSON schema a forced tool call constrains the reply
+        to (``response_format`` cannot constrain it at the same time)."""
         for name, why in self.unimplemented().items():
             raise APIError(f"{name} {why}", param=name)
+        if forced_schema is not None and self.json_schema() is not None:
+            raise APIError("response_format cannot be combined with a forced tool_choice", param="response_format")
         return sampling_params(
             logprobs=self.logprobs_wanted(),
-            json_schema=self.json_schema(),
+            json_schema=forced_schema or self.json_schema(),
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -182,22 +186,45 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(max_length=MAX_ID_CHARS)
+    arguments: str = ""
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call an earlier assistant turn made, sent back in the history."""
+
+    id: str = Field(default="", max_length=MAX_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":  # OpenAI allows null only for assistant turns
             raise ValueError(f"content is required for a {self.role} message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
 
     def render(self) -> dict:
+        """The message as chat templates take it (tool calls and ids kept for templates that render them)."""
         content = self.content if isinstance(self.content, str) or self.content is None else ""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Request):
@@ -205,6 +232,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -213,8 +241,6 @@ class ChatCompletionRequest(_Request):
 
     def unimplemented(self) -> dict[str, str]:
         asked = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
             "audio": self.audio is not None,
@@ -236,8 +262,8 @@ class ChatCompletionRequest(_Request):
             raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", param="top_logprobs")
         return top
 
-    def check(self) -> SamplingParams:
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens)
+    def check(self, forced_schema: str | None = None) -> SamplingParams:
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens, forced_schema)
 
 
 class CompletionRequest(_Request):
@@ -287,6 +313,8 @@ class TokenizeRequest(BaseModel):
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Any] | None = None
+    """Tools the chat's template renders into the prompt, as a chat request with them would see it."""
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -373,10 +401,16 @@ class ResponseShape:
         finish_reasons: list[str | None],
         usage_: dict,
         logprobs: list[list[TokenLogprob] | None] | None = None,
+        tool_calls: list[list[dict]] | None = None,
     ) -> dict:
+        """The whole response; ``tool_calls``: each choice's calls (``ToolCall.as_dict``), for chat with tools."""
         choices = []
         for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True)):
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            calls = tool_calls[index] if tool_calls else None
+            message = {"role": "assistant", "content": text or (None if calls else text)}
+            if calls:
+                message["tool_calls"] = calls
+            body = {"message": message} if self.chat else {"text": text}
             lps = self.logprobs(logprobs[index]) if logprobs else None
             choices.append({"index": index, **body, "finish_reason": reason, "logprobs": lps})
         return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage_)
@@ -389,11 +423,14 @@ class ResponseShape:
         index: int = 0,
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}

@@ -139,9 +139,10 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
-    """``messages`` rendered by the model's chat template, ready for the assistant's reply."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """``messages`` rendered by the model's chat template, ready for the assistant's reply; ``tools``
+    (OpenAI's ``tools`` entries) for templates that render them."""
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:

@@ -48,8 +48,6 @@ def test_chat_request_translates_to_sampling_params():
         ({"frequency_penalty": -1}, "frequency_penalty"),
         ({"response_format": {"type": "grammar"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"audio": {"voice": "alloy"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),

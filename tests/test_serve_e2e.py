@@ -301,7 +301,7 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     (COMP, {"prompt": "x", "n": 9}, 400),  # more choices than a replica runs at once (--max-num-seqs 8)
     (CHAT, _chat(logprobs=True, top_logprobs=21), 400),
     (COMP, {"prompt": "x", "logprobs": 6}, 400),
-    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": ""}}]), 400),
     (CHAT, _chat(response_format={"type": "regex"}), 400),
     (CHAT, _chat(presence_penalty=0.5), 400),
     (CHAT, _chat(logit_bias={"5": 500}), 400),
