@@ -1,6 +1,8 @@
 """What the agent-facing API options cost the engine: output tok/s with log-probabilities (top 5), with a
-``logit_bias`` and with a ``response_format`` JSON schema, against the same requests without them, side by
-side in one run; and the schema's grammar compile time, cold and cached.
+``logit_bias``, with a ``response_format`` JSON schema, with presence and frequency penalties and with
+prompt log-probabilities (completions' ``echo``: logits at every prompt position, no prefix-cache hits),
+against the same requests without them, side by side in one run; and the schema's grammar compile time,
+cold and cached.
 
 Workload: ``benchmarks/engine_throughput.py``'s (64 requests, prompts of 64-512 random token ids, 32-128
 output tokens, greedy, ``ignore_eos``). Modes alternate within each repeat; every run starts from an empty
@@ -37,6 +39,8 @@ MODES = {
     "logprobs top 5": {"logprobs": 5},
     "logit_bias (10 tokens)": {"logit_bias": {100 + 7 * i: -5.0 for i in range(10)}},
     "response_format json_schema": {"json_schema": json.dumps(SCHEMA)},
+    "presence + frequency penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "prompt logprobs (echo, top 1)": {"prompt_logprobs": 1},
 }
 
 
@@ -49,6 +53,8 @@ def run(llm: LLM, prompts: list[list[int]], olens: list[int], extra: dict) -> fl
     assert [len(o.token_ids) for o in outs] == olens
     if "logprobs" in extra:
         assert all(len(o.logprobs) == len(o.token_ids) for o in outs)
+    if "prompt_logprobs" in extra:
+        assert all(len(o.prompt_logprobs) == len(p) - 1 for o, p in zip(outs, prompts, strict=True))
     return sum(olens) / dt
 
 

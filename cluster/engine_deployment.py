@@ -85,6 +85,7 @@ class EngineReplica:
                 self.index_id,
                 usage,
                 out.logprobs,
+                out.prompt_logprobs,
             )
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:

@@ -68,7 +68,17 @@ class GrpcApi:
     admission: Admission
 
     async def _prepare_grpc(self, request: kvmesh_pb2.GenerateRequest, tenant: str) -> Prepared:
-        optional = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens")
+        optional = (
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "n",
+            "min_tokens",
+            "presence_penalty",
+            "frequency_penalty",
+        )
         params = sampling_params(
             **{f: getattr(request, f) for f in optional if request.HasField(f)},
             stop=list(request.stop),

@@ -34,7 +34,7 @@ from cluster.openai_protocol import (
     usage_dict,
 )
 from cluster.tool_calls import ToolReplies, check_tools
-from router.messages import GenerateChunk
+from router.messages import GenerateChunk, TokenLogprob
 from router.metrics import decision_counts
 from router.prefix_index import PrefixIndex
 
@@ -92,6 +92,23 @@ async def _prepend(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> 
         yield chunk
 
 
+async def _echoed(chunks: AsyncIterator[GenerateChunk], text: str, ids: list[int]) -> AsyncIterator[GenerateChunk]:
+    """Completions' ``echo``: each choice's first chunk starts with the prompt's text and, when the request
+    asked for log-probabilities, the prompt's (its first token has none: nothing before it scores it)."""
+    started: set[int] = set()
+    try:
+        async for chunk in chunks:
+            if chunk.index not in started:
+                started.add(chunk.index)
+                chunk.text = text + chunk.text
+                if chunk.logprobs is not None:
+                    prompt = [TokenLogprob(ids[0], None), *(chunk.prompt_logprobs or [])]
+                    chunk.logprobs = prompt + chunk.logprobs
+            yield chunk
+    finally:
+        await chunks.aclose()  # a client that left cancels the engine request now
+
+
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -141,9 +158,17 @@ class HttpApi:
     settings: object
 
     async def _respond(
-        self, prep: Prepared, stream: bool, include_usage: bool, tools: ToolReplies | None = None
+        self,
+        prep: Prepared,
+        stream: bool,
+        include_usage: bool,
+        tools: ToolReplies | None = None,
+        echo: str | None = None,
     ) -> Response:
+        """The response to a prepared request; ``echo``: the prompt's text, to start each choice with."""
         chunks = self.generation.stream(prep)
+        if echo is not None:
+            chunks = _echoed(chunks, echo, prep.call.prompt_token_ids)
         try:
             first = await anext(chunks)  # errors before the first token get a real status code
         except StopAsyncIteration:
@@ -182,17 +207,14 @@ class HttpApi:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         params = body.check()
+        prompt = body.single_prompt()
         prep = await self.generation.prepare(
-            body.model,
-            body.single_prompt(),
-            None,
-            params,
-            "completions",
-            _tenant(raw),
-            body.cache_salt,
-            body.session_id or body.user,
+            body.model, prompt, None, params, "completions", _tenant(raw), body.cache_salt, body.session_id or body.user
         )
-        return await self._respond(prep, body.stream, body.include_usage)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.generation.tokenizer.decode(prompt)
+        return await self._respond(prep, body.stream, body.include_usage, echo=echo)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest) -> dict:

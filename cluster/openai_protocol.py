@@ -4,9 +4,9 @@ Request models check types (FastAPI publishes them as the OpenAPI schema); value
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
 vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: false``) keep working. A known
 OpenAI field kvmesh does not implement is refused with a 400 naming it whenever it asks for something
-(``presence_penalty: 0.5``, ``functions``): never a silent ignore. ``logprobs``, ``logit_bias``,
-``response_format`` (JSON object or schema, by constrained decoding), ``tools`` and ``tool_choice``
-(``cluster/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
+(``best_of: 2``, ``functions``): never a silent ignore. ``logprobs``, ``logit_bias``, the presence and
+frequency penalties, ``response_format`` (JSON object or schema, by constrained decoding), ``tools`` and
+``tool_choice`` (``cluster/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
 its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
@@ -105,11 +105,7 @@ class _Request(BaseModel):
 
     def unimplemented(self) -> dict[str, str]:
         """Known OpenAI fields this request sets to something kvmesh does not do: field -> why."""
-        asked = {
-            "presence_penalty": bool(self.presence_penalty),
-            "frequency_penalty": bool(self.frequency_penalty),
-            "best_of": self.best_of not in (None, 1),
-        }
+        asked = {"best_of": self.best_of not in (None, 1)}
         return {name: "is not supported yet" for name, on in asked.items() if on}
 
     def logprobs_wanted(self) -> int | None:
@@ -153,6 +149,8 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             n=self.n,
             logit_bias=_token_keys(self.logit_bias),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens,
             stop_token_ids=self.stop_token_ids,
         )
@@ -272,7 +270,7 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
     def unimplemented(self) -> dict[str, str]:
-        asked = {"echo": self.echo, "suffix": bool(self.suffix)}
+        asked = {"suffix": bool(self.suffix)}
         return super().unimplemented() | {name: "is not supported yet" for name, on in asked.items() if on}
 
     def logprobs_wanted(self) -> int | None:
@@ -290,7 +288,10 @@ class CompletionRequest(_Request):
 
     def check(self) -> SamplingParams:
         # OpenAI's default for completions is 16 tokens.
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens)
+        params = self.sampling_params(16 if self.max_tokens is None else self.max_tokens)
+        if self.echo and params.logprobs is not None:  # echo reports the prompt's log-probabilities too
+            params.prompt_logprobs = params.logprobs
+        return params
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a list of one prompt is accepted; batches are not)."""
@@ -391,7 +392,7 @@ class ResponseShape:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{text(i): v for i, v in lp.top} for lp in items],
+            "top_logprobs": [None if lp.logprob is None else {text(i): v for i, v in lp.top} for lp in items],
             "text_offset": offsets,
         }
 

@@ -36,6 +36,7 @@ from replica.model_files import apply_chat_template
 from replica.model_loader import load_model
 from replica.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
 from replica.outputs import RequestOutput
+from replica.penalties import PenaltyCounts, StepPenalties
 from replica.request import Request, RequestStatus
 from replica.sampler import GREEDY, SamplingTensors, sample
 from replica.sampling_params import SamplingParams
@@ -71,6 +72,19 @@ class _Launched:
     decodes: int
     failures: dict[int, Exception]
     """Rows already known to fail (their settings), by row."""
+    prompt: _PromptRows | None = None
+
+
+@dataclass(slots=True)
+class _PromptRows:
+    """The prompt positions of a step whose log-probabilities requests asked for (``prompt_logprobs``): the
+    logits at ``rows`` (flattened batch positions, returned after the sampling rows) score ``targets``, the
+    prompt tokens that follow them, for ``owners``; ``k`` alternatives, the most any of them asked for."""
+
+    rows: list[int]
+    targets: list[int]
+    owners: list[Request]
+    k: int
 
 
 class _PrepareFailed(Exception):
@@ -144,7 +158,10 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
+        self.penalties = PenaltyCounts(self.runner.device)
         self.requests: dict[str, list[Request]] = {}
+        self._prompt_logprob_ids: set[str] = set()
+        """Live requests that report their prompt's log-probabilities: only then are batches scanned for them."""
         """Each live request's unfinished sequences (one, or up to ``n`` once forked)."""
         self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
         """Called with each step's KV events (the index publisher); they must not block."""
@@ -254,6 +271,10 @@ class LLMEngine:
         )
         if params.json_schema is not None:
             req.matcher = self.grammars.matcher(params.json_schema)
+        if params.presence_penalty or params.frequency_penalty:
+            req.penalty_row = self.penalties.assign()
+        if params.prompt_logprobs is not None:
+            self._prompt_logprob_ids.add(request_id)
         self.requests[request_id] = [req]
         self.scheduler.add(req)
         return request_id
@@ -264,7 +285,7 @@ class LLMEngine:
         if seqs is None:
             return False
         for req in seqs:
-            self.scheduler.finish(req, "abort")
+            self._end(req, "abort")
         return True
 
     @property
@@ -307,8 +328,9 @@ class LLMEngine:
         if not batch:
             return None
         t0 = time.perf_counter()
+        prompt = self._prompt_rows(batch) if self._prompt_logprob_ids else None
         try:
-            prepared = self.runner.prepare(batch, self.kv.tables.array)
+            prepared = self.runner.prepare(batch, self.kv.tables.array, prompt.rows if prompt else None)
         except Exception as exc:  # a request's data does not fit the step's buffers; nothing has changed yet
             raise _PrepareFailed(batch) from exc
         copies = self.kv.take_copies()
@@ -349,11 +371,55 @@ class LLMEngine:
         constrained = [i for i in special if seqs[i].matcher is not None]
         grammar = GrammarRows(constrained, [seqs[i].matcher for i in constrained]) if constrained else None
         top_k = max((seqs[i].params.logprobs for i in wants), default=0)
+        penalised = [i for i in special if seqs[i].penalty_row >= 0]
+        penalties = None
+        if penalised or self.penalties.has_work:
+            ps = [seqs[i].params for i in penalised]
+            slots = [seqs[i].penalty_row for i in penalised]
+            presence, frequency = [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]
+            penalties = self.penalties.step(penalised, slots, presence, frequency)
         expand = torch.tensor(rows) if len(rows) > logits_row else None
+        scored = None
+        if prompt is not None:
+            scored = (len(prompt.rows), torch.tensor(prompt.targets), prompt.k)
         work = functools.partial(
-            self._device_step, prepared, copies, swaps, sampling, bias, grammar, wants, top_k, expand
+            self._device_step,
+            prepared,
+            copies,
+            swaps,
+            sampling,
+            bias,
+            penalties,
+            grammar,
+            wants,
+            top_k,
+            expand,
+            scored,
         )
-        return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures)
+        return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures, prompt)
+
+    @staticmethod
+    def _prompt_rows(batch: list[ScheduledRequest]) -> _PromptRows | None:
+        """The positions of ``batch`` (before it advances) whose logits score a prompt token that a request
+        wants the log-probability of and has not been given yet."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        k, offset = 0, 0
+        for sr in batch:
+            req, n = sr.request, sr.num_new_tokens
+            want = req.params.prompt_logprobs
+            if want is not None:
+                start, prompt = req.num_computed_tokens, req.prompt_token_ids
+                first = max(start, len(req.prompt_logprobs))  # position p scores token p + 1
+                last = min(start + n, len(prompt) - 1)
+                if first < last:
+                    rows += range(offset + first - start, offset + last - start)
+                    targets += prompt[first + 1 : last + 1]
+                    owners += [req] * (last - first)
+                    k = max(k, want)
+            offset += n
+        return _PromptRows(rows, targets, owners, k) if rows else None
 
     def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
         """The step's sampling settings; a row whose settings cannot be turned into tensors is sampled
@@ -390,21 +456,30 @@ class LLMEngine:
         swaps: SwapCopies | None,
         sampling: SamplingTensors,
         bias: LogitBias | None,
+        penalties: StepPenalties | None,
         grammar: GrammarRows | None,
         wants_logprobs: list[int],
         top_logprobs: int,
         expand: torch.Tensor | None,
+        scored: tuple[int, torch.Tensor, int] | None = None,
     ) -> StepResult:
         """A step's device work, in launch order (``replica/device_queue.py``): block copies, the forward
-        pass, logit biases and grammar masks, sampling, and the log-probabilities of the rows in ``wants_logprobs`` (the
-        sampled token's and the ``top_logprobs`` most likely). A row whose sampling fails alone gets token 0
-        and its exception."""
+        pass, logit biases, penalties and grammar masks, sampling (then the penalty counts), and the
+        log-probabilities of the rows in ``wants_logprobs`` (the sampled token's and the ``top_logprobs`` most
+        likely). ``scored``: (count, target tokens, alternatives) of the prompt positions whose logits follow
+        the sampling rows; their log-probabilities come back as rows numbered after the sampled ones. A row
+        whose sampling fails alone gets token 0 and its exception."""
         if swaps is not None:
             self.swap.copy_out(swaps)  # before anything writes the blocks they leave
         self.runner.copy_blocks(copies)
         if swaps is not None:
             self.swap.copy_in(swaps)
         logits = self.runner.forward(prepared, self._last_tokens)
+        prompt_lp = None
+        if scored is not None:  # the prompt positions' rows come after the sampling rows
+            count, targets, prompt_k = scored
+            prompt_lp = torch.log_softmax(logits[-count:].float(), dim=-1)
+            logits = logits[:-count]
         if expand is not None:
             logits = logits[expand.to(logits.device)]
         raw = None
@@ -412,6 +487,8 @@ class LLMEngine:
             raw = torch.log_softmax(logits[torch.tensor(wants_logprobs, device=logits.device)].float(), dim=-1)
         if bias is not None:
             bias.apply(logits)
+        if penalties is not None:
+            self.penalties.apply(penalties, logits)
         if grammar is not None:
             grammar.mask(logits)
         failures: dict[int, Exception] = {}
@@ -426,14 +503,24 @@ class LLMEngine:
                 except Exception as row_exc:
                     failures[i] = row_exc
         self._last_tokens = tokens
+        if penalties is not None:
+            self.penalties.count(penalties, tokens)
         if grammar is not None:
             failures.update(grammar.accept(tokens))
         logprobs = None
-        if raw is not None:
-            k = top_logprobs
-            top, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-            chosen = raw.gather(1, tokens[torch.tensor(wants_logprobs, device=tokens.device)][:, None])[:, 0]
-            logprobs = StepLogprobs(wants_logprobs, chosen, top_ids, top)
+        if raw is not None or prompt_lp is not None:
+            k = max(top_logprobs, prompt_k if prompt_lp is not None else 0)
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (log-probabilities, scored token) per row
+            rows = list(wants_logprobs)
+            if raw is not None:
+                parts.append((raw, tokens[torch.tensor(wants_logprobs, device=tokens.device)]))
+            if prompt_lp is not None:
+                parts.append((prompt_lp, targets.to(prompt_lp.device)))
+                rows += range(tokens.shape[0], tokens.shape[0] + prompt_lp.shape[0])
+            values = torch.cat([lp for lp, _ in parts])
+            scored_ids = torch.cat([ids for _, ids in parts])
+            top, top_ids = values.topk(k, dim=-1) if k else (values[:, :0], values[:, :0].long())
+            logprobs = StepLogprobs(rows, values.gather(1, scored_ids[:, None])[:, 0], top_ids, top)
         return tokens, failures, logprobs
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
@@ -444,6 +531,10 @@ class LLMEngine:
         except Exception as exc:
             return self._isolate(launched, exc)
         failures = {**launched.failures, **failures}
+        if launched.prompt is not None:  # before the outputs: the first one carries the prompt's
+            base, p = len(launched.seqs), launched.prompt
+            for j, (req, target) in enumerate(zip(p.owners, p.targets, strict=True)):
+                req.prompt_logprobs.append(_token_logprob(target, logprobs[base + j], req.params.prompt_logprobs))
         outputs = []
         requests = self.requests
         output = RequestOutput.of
@@ -463,6 +554,8 @@ class LLMEngine:
                 out = output(req, [token])
                 if i in logprobs:
                     out.logprobs = [_token_logprob(token, logprobs[i], req.params.logprobs)]
+                if req.params.prompt_logprobs is not None and len(req.all_token_ids) == req.num_prompt_tokens + 1:
+                    out.prompt_logprobs = req.prompt_logprobs  # with the first token
                 outputs.append(out)
             except Exception as exc:
                 outputs.append(self._fail(req.request_id, exc))
@@ -515,7 +608,7 @@ class LLMEngine:
         for family in launched.forks:
             parent, children = family[0], family[1:]
             for child in children:
-                self.scheduler.finish(child, "abort")
+                self._end(child, "abort")
             if parent.request_id in self.requests:
                 self.requests[parent.request_id] = [parent]
             parent.fork_pending = True
@@ -531,7 +624,7 @@ class LLMEngine:
         """End a request (all its sequences) that made the step fail; its output names the cause."""
         seqs = self.requests.pop(request_id, [])
         for req in seqs:
-            self.scheduler.finish(req, "error")
+            self._end(req, "error")
         log.warning("request %s failed in the engine: %r", request_id, exc)
         req = seqs[0] if seqs else None
         return RequestOutput(
@@ -556,12 +649,23 @@ class LLMEngine:
 
     def _fork(self, req: Request) -> list[Request]:
         family = self.scheduler.fork(req)
+        for child in family[1:]:
+            if child.penalty_row >= 0:  # its own counts (still empty: forks come before any output)
+                child.penalty_row = self.penalties.assign()
         self.requests[req.request_id] = list(family)
         return family
 
+    def _end(self, req: Request, reason: str | None) -> None:
+        """Finish a sequence in the scheduler (its blocks) and free its penalty counts."""
+        self.scheduler.finish(req, reason)
+        self._prompt_logprob_ids.discard(req.request_id)
+        if req.penalty_row >= 0:
+            self.penalties.release(req.penalty_row)
+            req.penalty_row = -1
+
     def _retire(self, req: Request) -> None:
         """A sequence stopped: free its blocks; the request ends with its last sequence."""
-        self.scheduler.finish(req, req.finish_reason)
+        self._end(req, req.finish_reason)
         seqs = self.requests[req.request_id]
         seqs.remove(req)
         if not seqs:

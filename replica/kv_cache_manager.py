@@ -87,13 +87,17 @@ class KVCacheManager:
         self.tables = BlockTables(max_seqs, max_blocks_per_seq)
         """The same tables as ``req_blocks``, as ids, one row per sequence (``Request.kv_row``)."""
 
+    def computed_blocks_allowed(self, request: Request) -> bool:
+        """Whether ``request`` may start from cached blocks (not when it wants every prompt position's logits)."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None
+
     def computed_blocks(self, request: Request) -> list[Block]:
         """Leading blocks of ``request`` already in the cache, stopping at the first miss.
 
         The hit never covers the last token: its logits are needed to sample, so at least that token (in
         practice its whole block, since only full blocks are cached) is recomputed.
         """
-        if not self.enable_prefix_caching:
+        if not self.computed_blocks_allowed(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -107,7 +111,7 @@ class KVCacheManager:
     def host_hits(self, request: Request, device_hits: int) -> list[BlockHash]:
         """The blocks of ``request``'s prefix that continue past its ``device_hits`` in the host tier (worth
         loading there), capped like ``computed_blocks`` so the last token is still computed."""
-        if self.swap is None or not self.swap.num_cached or not self.enable_prefix_caching:
+        if self.swap is None or not self.swap.num_cached or not self.computed_blocks_allowed(request):
             return []
         chain = request.block_hashes[device_hits : (request.num_tokens - 1) // self.block_size]
         return chain[: self.swap.cached_prefix(chain, self.block_size)]

@@ -31,7 +31,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
         params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``. With ``logprobs``,
-        each output carries one per generated token."""
+        each output carries one per generated token; with ``prompt_logprobs``, one per prompt token after the
+        first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -41,14 +42,18 @@ class LLM:
         wanted = [(rid, i) for rid, sp in zip(ids, param_list, strict=True) for i in range(sp.n)]
         final: dict[tuple[str, int], RequestOutput] = {}
         logprobs: dict[tuple[str, int], list] = {}
+        prompt_logprobs: dict[tuple[str, int], list] = {}
         while len(final) < len(wanted):
             for out in self.engine.step():
                 key = out.request_id, out.index
                 if out.logprobs is not None:
                     logprobs.setdefault(key, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[key] = out.prompt_logprobs
                 if out.finished:
                     final[key] = out
                     out.logprobs = logprobs.pop(key, None)  # the whole output's, not its last step's
+                    out.prompt_logprobs = prompt_logprobs.pop(key, None)
         return [final[key] for key in wanted]
 
     def stats(self) -> EngineStats:

@@ -116,13 +116,17 @@ class ModelRunner:
         """Prepare and run one forward at once (the synchronous path): fp32 logits for the sampling rows."""
         return self.forward(self.prepare(batch, tables))
 
-    def prepare(self, batch: list[ScheduledRequest], tables: np.ndarray) -> PreparedStep:
+    def prepare(
+        self, batch: list[ScheduledRequest], tables: np.ndarray, extra_rows: list[int] | None = None
+    ) -> PreparedStep:
         """A step's inputs, built on the host with a few numpy operations over the whole batch into the
         next set of persistent buffers (two sets alternate, so a step in flight keeps its own).
 
         ``tables`` holds every sequence's block ids, a row per sequence (``KVCacheManager.tables``). A
         sequence whose input token is still being sampled by the step in flight (``Request.num_pending``)
-        gets a placeholder, and the step fills it on the device from that step's tokens (``fill``)."""
+        gets a placeholder, and the step fills it on the device from that step's tokens (``fill``).
+        ``extra_rows``: more token positions (in the batch's flattened tokens) whose logits the step returns,
+        after the sampling rows: prompt positions whose log-probabilities a request asked for."""
         n = len(batch)
         reqs = [sr.request for sr in batch]
         qlens = np.fromiter((sr.num_new_tokens for sr in batch), np.int64, n)
@@ -162,8 +166,12 @@ class ModelRunner:
         inp.host("block_tables", n, width)[:] = tables[rows, :width]
         samples = slens == known + np.fromiter((r.num_pending for r in reqs), np.int64, n)
         logits_rows = qsl[1:][samples] - 1
-        inp.host("logits_rows", len(logits_rows))[:] = logits_rows
-        return PreparedStep(inp, n, total, len(logits_rows), qlens, slens, width, fill)
+        extra = len(extra_rows) if extra_rows else 0
+        rows_buf = inp.host("logits_rows", len(logits_rows) + extra)
+        rows_buf[: len(logits_rows)] = logits_rows
+        if extra:
+            rows_buf[len(logits_rows) :] = extra_rows
+        return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill)
 
     def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prepared step on the device; ``last_tokens``: the tokens of the step before, for the

@@ -27,6 +27,7 @@ class RequestOutput:
         "index",
         "logprobs",
         "num_cached_tokens",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "text",
@@ -59,6 +60,8 @@ class RequestOutput:
         """Why the request failed (``finish_reason`` "error"): its data made an engine step fail."""
         self.logprobs = logprobs
         """One per token of ``delta_token_ids`` when the request asked for ``logprobs``."""
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        """On a sequence's first output, when asked for: prompt tokens 1.. scored given those before them."""
 
     @classmethod
     def of(cls, req: Request, delta_token_ids: list[int]) -> RequestOutput:
@@ -66,7 +69,7 @@ class RequestOutput:
         out = cls.__new__(cls)
         out.request_id, out.prompt_token_ids, out.index = req.request_id, req.prompt_token_ids, req.index
         out._tokens, out._start, out._end = req.all_token_ids, len(req.prompt_token_ids), len(req.all_token_ids)
-        out.finish_reason, out.error, out.logprobs = req.finish_reason, None, None
+        out.finish_reason, out.error, out.logprobs, out.prompt_logprobs = req.finish_reason, None, None, None
         detok = req.detokenizer
         out.text, out.delta_text = detok.text, detok.take_delta(req.finish_reason is not None)
         out.delta_token_ids, out.num_cached_tokens = delta_token_ids, req.num_cached_tokens  # admitted: >= 0

@@ -9,6 +9,7 @@ import random
 from replica.detokenizer import IncrementalDetokenizer
 from replica.sampling_params import SamplingParams
 from router.hashing import BlockHash, hash_blocks
+from router.messages import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -60,11 +61,15 @@ class Request:
         self._seed_base = params.seed if params.seed is not None else random.getrandbits(64)
         self.sample_seed = self._sample_seed()
         self.kv_row = -1
+        """This sequence's row of the KV manager's block tables while it holds blocks; -1 otherwise."""
         self.logit_work = params.adjusts_logits
-        """Set once: steps look at this request's biases, grammar and logprobs only when it is true."""
+        """Set once: steps look at this request's biases, penalties, grammar and logprobs only when it is true."""
         self.matcher = None
         """The response_format grammar's matcher (``replica/structured.py``), advanced by the device step."""
-        """This sequence's row of the KV manager's block tables while it holds blocks; -1 otherwise."""
+        self.prompt_logprobs: list[TokenLogprob] = []
+        """Log-probabilities of prompt tokens 1.. so far, when ``params.prompt_logprobs`` asks for them."""
+        self.penalty_row = -1
+        """This sequence's row of the engine's penalty counts (``replica/penalties.py``); -1: no penalty."""
         self.num_pending = 0
         """Tokens sampled by a step still in flight (0 or 1): counted in ``num_tokens``, appended when the
         step's results are collected."""

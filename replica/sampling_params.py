@@ -26,6 +26,8 @@ MAX_SCHEMA_CHARS = 64 << 10
 """Characters of a ``response_format`` JSON schema."""
 MAX_LOGPROBS = 20
 """Most likely alternatives reported per token (OpenAI's chat limit)."""
+MAX_PENALTY = 2.0
+"""Presence and frequency penalties lie in [-2, 2] (OpenAI's range)."""
 MAX_N = 16
 """The most sequences one request may ask for (``n``): each costs a running slot and its own KV blocks."""
 MAX_TEMPERATURE = 100.0
@@ -43,8 +45,10 @@ class SamplingParams:
     batched with it (each seeded request owns its random generator).
 
     ``logit_bias`` (token id -> -100..100) is added to the logits before temperature and every cut, as
-    OpenAI and vLLM do; -100 in effect bans a token. ``min_tokens``: the stop tokens (EOS unless
-    ``ignore_eos``, and ``stop_token_ids``) are banned until that many tokens were generated.
+    OpenAI and vLLM do; -100 in effect bans a token. ``presence_penalty`` / ``frequency_penalty`` lower the
+    logits of tokens the sequence has generated (``replica/penalties.py``), also before temperature.
+    ``min_tokens``: the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are banned until
+    that many tokens were generated.
 
     ``n`` asks for that many sequences from one prompt (parallel sampling). The prompt is prefilled once and
     its KV blocks are shared by the ``n`` sequences (copy-on-write, see ``KVCacheManager``). Sequence ``i``
@@ -63,10 +67,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token generated so far (-2 to 2, OpenAI's range)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far (-2 to 2)."""
     min_tokens: int = 0
     logprobs: int | None = None
     """Report each generated token's log-probability and this many most likely alternatives (0: none);
     None: no log-probabilities."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability (given the tokens before it; the first has none) and this
+    many most likely alternatives; None: none. Such a request's prompt is computed in full (no prefix-cache
+    hits), so every position has logits."""
     json_schema: str | None = None
     """Constrain the output to JSON valid under this schema (JSON text; ``replica/structured.py``)."""
     skip_special_tokens: bool = True
@@ -100,8 +112,12 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             check_int("logit_bias", token, 0, MAX_TOKENS_LIMIT)
             check_float("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        check_float("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_float("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.json_schema is not None:
             check_text("response_format", self.json_schema, MAX_SCHEMA_CHARS)
             try:
@@ -120,7 +136,14 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether a step must do more than sample for this request: bias, ban, mask or report logprobs."""
-        return bool(self.logit_bias or self.min_tokens or self.logprobs is not None or self.json_schema is not None)
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logprobs is not None
+            or self.json_schema is not None
+        )
 
     @property
     def greedy(self) -> bool:

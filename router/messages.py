@@ -49,11 +49,12 @@ class Usage:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """A generated token's log-probability under the model (raw logits: before ``logit_bias``, temperature
-    and every cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first."""
+    """A token's log-probability under the model (raw logits: before ``logit_bias``, temperature and every
+    cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first. None for a
+    prompt's first token, which nothing before it scores."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -72,6 +73,8 @@ class GenerateChunk:
     """Set on the request's last chunk (every sequence finished): the end of the stream."""
     logprobs: list[TokenLogprob] | None = None
     """One per token of ``token_ids``, when the request asked for ``logprobs``."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On a sequence's first chunk, when the request asked for ``prompt_logprobs``: prompt tokens 1.."""
 
 
 @dataclass(slots=True)

@@ -44,8 +44,8 @@ def test_chat_request_translates_to_sampling_params():
         ({"logprobs": 3}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"response_format": {"type": "grammar"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"functions": [{"name": "f"}]}, "functions"),
@@ -99,9 +99,12 @@ def test_defaults_clients_send_are_accepted_and_vllm_extensions_honoured():
     chat_lp = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
     assert ChatCompletionRequest.model_validate(chat_lp).check().logprobs == 0
     assert ChatCompletionRequest.model_validate({**chat_lp, "top_logprobs": 20}).check().logprobs == 20
+    echo = {"model": "m", "prompt": "x", "echo": True}
+    assert CompletionRequest.model_validate(echo).check().prompt_logprobs is None  # text only
+    assert CompletionRequest.model_validate({**echo, "logprobs": 2}).check().prompt_logprobs == 2
     with pytest.raises(APIError) as err:
-        CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True}).check()
-    assert err.value.param == "echo"
+        CompletionRequest.model_validate({**echo, "suffix": "y"}).check()
+    assert err.value.param == "suffix"
 
 
 def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():

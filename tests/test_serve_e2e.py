@@ -140,6 +140,22 @@ def test_logit_bias_forces_and_bans_through_the_official_client(client, server):
     assert banned.choices[0].text != plain.choices[0].text
 
 
+def test_penalties_change_the_output_alike_over_http_and_grpc(client, server):
+    """Negative penalties reward what was generated: the tiny model's greedy text, which never repeats a
+    token, turns repetitive; gRPC carries the same penalties and gets the same text."""
+    ask = {"model": server.model, "prompt": "la la la la", "max_tokens": 16, "temperature": 0}
+    plain = client.completions.create(**ask)
+    penalised = client.completions.create(**ask, frequency_penalty=-2.0, presence_penalty=-2.0, logprobs=0)
+    tokens = penalised.choices[0].logprobs.tokens
+    assert penalised.choices[0].text != plain.choices[0].text and len(set(tokens)) < len(tokens)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        request = kvmesh_pb2.GenerateRequest(
+            prompt="la la la la", max_tokens=16, temperature=0, frequency_penalty=-2.0, presence_penalty=-2.0
+        )
+        over_grpc = kvmesh_pb2_grpc.KVMeshStub(channel).Complete(request, timeout=60, metadata=GRPC_AUTH).text
+    assert over_grpc == penalised.choices[0].text
+
+
 def test_logprobs_whole_and_streamed_in_openais_shapes(client, server):
     ask = {"model": server.model, "max_tokens": 6, "temperature": 0}
     messages = [{"role": "user", "content": "Tell me about caches"}]
@@ -167,6 +183,26 @@ def test_logprobs_whole_and_streamed_in_openais_shapes(client, server):
     for top, value in zip(lp.top_logprobs, lp.token_logprobs, strict=True):  # ids decoding alike share a key
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(value)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_whole_and_streamed(client, server):
+    """lm-eval's loglikelihood request: echo, logprobs 1, one token. The prompt's tokens come first, the
+    first with no log-probability, every other one scored and no likelier than its top alternative."""
+    prompt = "The cache keeps the prefix warm"
+    ask = {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = client.completions.create(**ask).choices[0]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()["tokens"]
+    lp = whole.logprobs
+    assert whole.text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert chosen <= 0 and len(top) == 1 and max(top.values()) >= chosen - 1e-4
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens[: len(ids)]) == prompt
+    streamed = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == whole.text
+    assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    plain = client.completions.create(**{**ask, "logprobs": None}).choices[0]
+    assert plain.text == whole.text and plain.logprobs is None
 
 
 def test_response_format_json_schema_constrains_the_output(client, server):
@@ -303,7 +339,7 @@ MALFORMED = [  # (path, body: bytes are sent as is, dicts as JSON with the serve
     (COMP, {"prompt": "x", "logprobs": 6}, 400),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": ""}}]), 400),
     (CHAT, _chat(response_format={"type": "regex"}), 400),
-    (CHAT, _chat(presence_penalty=0.5), 400),
+    (CHAT, _chat(presence_penalty=2.5), 400),
     (CHAT, _chat(logit_bias={"5": 500}), 400),
     (CHAT, _chat(logit_bias={str(10**6): 5}), 400),  # not a token of the model
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
