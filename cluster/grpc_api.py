@@ -8,7 +8,9 @@ start with the offending field.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import NoReturn
 
 import grpc
@@ -18,6 +20,7 @@ from cluster.admission import Admission
 from cluster.generation import Generation, Prepared, gather
 from cluster.openai_protocol import CHAT_ROLES, APIError, sampling_params
 from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from cluster.tool_calls import ToolReplies, ToolRequest, check_tools
 from replica.limits import MAX_MESSAGES
 from router.messages import Usage
 
@@ -48,6 +51,45 @@ def _usage(u: Usage) -> kvmesh_pb2.Usage:
     )
 
 
+def _message(m: kvmesh_pb2.ChatMessage) -> dict:
+    """A chat message as the HTTP API's ``ChatMessage.render`` gives it to the template."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tools(request: kvmesh_pb2.GenerateRequest, chat: bool) -> ToolRequest | None:
+    """The request's tools (``tools_json``, ``tool_choice``: a mode or a function's name), checked as HTTP's."""
+    if not request.tools_json:
+        return check_tools(None, request.tool_choice or None)
+    if not chat:
+        raise APIError("tools need a chat (messages), not a prompt", param="tools")
+    try:
+        tools = json.loads(request.tools_json)
+    except ValueError:
+        raise APIError("tools_json must be a JSON array of tools", param="tools") from None
+    if not isinstance(tools, list):
+        raise APIError("tools_json must be a JSON array of tools", param="tools")
+    choice: str | dict | None = request.tool_choice or None
+    if choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    return check_tools(tools, choice, parallel)
+
+
+def _calls(calls: list[dict] | None) -> list[kvmesh_pb2.ToolCall]:
+    return [
+        kvmesh_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in calls or []
+    ]
+
+
 async def _fail(grpc_context, exc: APIError) -> NoReturn:
     """End the call with the status matching ``exc`` and details naming its parameter: ``abort`` on the
     ingress's own server; Ray's proxy context has no abort and reads the code and details set on it when
@@ -67,7 +109,10 @@ class GrpcApi:
     generation: Generation
     admission: Admission
 
-    async def _prepare_grpc(self, request: kvmesh_pb2.GenerateRequest, tenant: str) -> Prepared:
+    async def _prepare_grpc(
+        self, request: kvmesh_pb2.GenerateRequest, tenant: str
+    ) -> tuple[Prepared, ToolReplies | None]:
+        """The request prepared for the engine, and the parser of its replies when it offers tools."""
         optional = (
             "max_tokens",
             "temperature",
@@ -87,10 +132,15 @@ class GrpcApi:
         )
         if len(request.messages) > MAX_MESSAGES:
             raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+        messages = [_message(m) for m in request.messages] or None
         if messages and any(m["role"] not in CHAT_ROLES for m in messages):
             raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
-        return await self.generation.prepare(
+        tools, offered = _tools(request, messages is not None), None
+        if tools is not None:
+            if tools.forced_schema() is not None:
+                params = replace(params, json_schema=tools.forced_schema())
+            messages, offered = self.generation.with_tools(messages, tools)
+        prep = await self.generation.prepare(
             request.model,
             request.prompt,
             messages,
@@ -99,7 +149,9 @@ class GrpcApi:
             tenant,
             request.cache_salt or None,
             request.session_id or None,
+            tools=offered,
         )
+        return prep, ToolReplies(tools, self.generation.tool_syntax, params.n) if tools is not None else None
 
     def _admit(self, grpc_context) -> str:
         """The caller's tenant, once its key and the in-flight limit let it in (``release`` when done)."""
@@ -121,12 +173,17 @@ class GrpcApi:
         except APIError as exc:
             await _fail(grpc_context, exc)
         try:
-            async for chunk in self.generation.stream(await self._prepare_grpc(request, tenant)):
+            prep, tools = await self._prepare_grpc(request, tenant)
+            async for chunk in self.generation.stream(prep):
+                text, reason, calls = chunk.text, chunk.finish_reason, None
+                if tools is not None:
+                    text, calls, reason = tools.feed(chunk.index, text, reason)
                 yield kvmesh_pb2.GenerateChunk(
-                    text=chunk.text,
-                    finish_reason=chunk.finish_reason or "",
+                    text=text,
+                    finish_reason=reason or "",
                     usage=_usage(chunk.usage) if chunk.usage is not None else None,
                     index=chunk.index,
+                    tool_calls=_calls(calls),
                 )
         except APIError as exc:
             await _fail(grpc_context, exc)
@@ -139,15 +196,18 @@ class GrpcApi:
         except APIError as exc:
             await _fail(grpc_context, exc)
         try:
-            prep = await self._prepare_grpc(request, tenant)
+            prep, tools = await self._prepare_grpc(request, tenant)
             texts, reasons, last, _ = await gather(prep.shape.n, self.generation.stream(prep))
         except APIError as exc:
             await _fail(grpc_context, exc)
         finally:
             self.admission.inflight.release()
+        calls: list[list[dict]] = [[] for _ in texts]
+        if tools is not None:
+            texts, calls, reasons = tools.whole(texts, reasons)
         choices = [
-            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r)
-            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r, tool_calls=_calls(c))
+            for i, (t, r, c) in enumerate(zip(texts, reasons, calls, strict=True))
         ]
         return kvmesh_pb2.Completion(
             id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices

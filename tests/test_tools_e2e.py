@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -167,6 +168,47 @@ def test_a_tool_round_trip_ends_in_an_answer(client, server):
             response_format={"type": "json_object"},
         )
     assert bad.value.body["param"] == "response_format"
+
+
+def test_tools_over_grpc_whole_and_streamed(server):
+    """gRPC carries tools as JSON text and returns typed calls: a forced call validates, the stream's calls
+    equal the whole answer's, and a history with the call and its result gets a text answer."""
+    from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+
+    auth = (("authorization", f"Bearer {KEY}"),)
+    ask = [kvmesh_pb2.ChatMessage(role="user", content=ASK[0]["content"])]
+    request = kvmesh_pb2.GenerateRequest(
+        messages=ask,
+        tools_json=json.dumps(TOOLS),
+        tool_choice="get_weather",
+        max_tokens=80,
+        temperature=1.0,
+        seed=4,
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        whole = stub.Complete(request, timeout=60, metadata=auth)
+        streamed = list(stub.Generate(request, timeout=60, metadata=auth))
+        [call] = whole.choices[0].tool_calls
+        history = [
+            *ask,
+            kvmesh_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+            kvmesh_pb2.ChatMessage(role="tool", tool_call_id=call.id, content="12 C and rain"),
+        ]
+        answer = stub.Complete(
+            kvmesh_pb2.GenerateRequest(
+                messages=history, tools_json=json.dumps(TOOLS), tool_choice="none", max_tokens=6, temperature=0
+            ),
+            timeout=60,
+            metadata=auth,
+        )
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Complete(kvmesh_pb2.GenerateRequest(messages=ask, tools_json="{not json"), timeout=60, metadata=auth)
+    assert call.name == "get_weather" and whole.finish_reason == "tool_calls" and whole.text == ""
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    assert [(c.name, c.arguments) for ch in streamed for c in ch.tool_calls] == [(call.name, call.arguments)]
+    assert answer.text and not answer.choices[0].tool_calls and answer.finish_reason == "length"
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.value.details().startswith("tools")
 
 
 def test_an_openai_agents_sdk_agent_completes_a_tool_using_run(server):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/proto/kvmesh.proto\x12\x06kvmesh\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe5\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12%\n\x08messages\x18\x03 \x03(\x0b\x32\x13.kvmesh.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x05\x88\x01\x01\x12:\n\nlogit_bias\x18\r \x03(\x0b\x32&.kvmesh.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"a\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.kvmesh.Usage\x12\r\n\x05index\x18\x04 \x01(\r\"<\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"|\n\nCompletion\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.kvmesh.Usage\x12\x1f\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x0e.kvmesh.Choice2\x7f\n\x06KVMesh\x12<\n\x08Generate\x12\x17.kvmesh.GenerateRequest\x1a\x15.kvmesh.GenerateChunk0\x01\x12\x37\n\x08\x43omplete\x12\x17.kvmesh.GenerateRequest\x1a\x12.kvmesh.Completionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63luster/proto/kvmesh.proto\x12\x06kvmesh\"h\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\ntool_calls\x18\x03 \x03(\x0b\x32\x10.kvmesh.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xc8\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12%\n\x08messages\x18\x03 \x03(\x0b\x32\x13.kvmesh.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x0e\n\x01n\x18\x0c \x01(\rH\x05\x88\x01\x01\x12:\n\nlogit_bias\x18\r \x03(\x0b\x32&.kvmesh.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\ntools_json\x18\x12 \x01(\t\x12\x13\n\x0btool_choice\x18\x13 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x14 \x01(\x08H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_parallel_tool_calls\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x87\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.kvmesh.Usage\x12\r\n\x05index\x18\x04 \x01(\r\x12$\n\ntool_calls\x18\x05 \x03(\x0b\x32\x10.kvmesh.ToolCall\"b\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12$\n\ntool_calls\x18\x04 \x03(\x0b\x32\x10.kvmesh.ToolCall\"|\n\nCompletion\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.kvmesh.Usage\x12\x1f\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x0e.kvmesh.Choice2\x7f\n\x06KVMesh\x12<\n\x08Generate\x12\x17.kvmesh.GenerateRequest\x1a\x15.kvmesh.GenerateChunk0\x01\x12\x37\n\x08\x43omplete\x12\x17.kvmesh.GenerateRequest\x1a\x12.kvmesh.Completionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=38
-  _globals['_CHATMESSAGE']._serialized_end=82
-  _globals['_GENERATEREQUEST']._serialized_start=85
-  _globals['_GENERATEREQUEST']._serialized_end=698
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=526
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=574
-  _globals['_USAGE']._serialized_start=700
-  _globals['_USAGE']._serialized_end=780
-  _globals['_GENERATECHUNK']._serialized_start=782
-  _globals['_GENERATECHUNK']._serialized_end=879
-  _globals['_CHOICE']._serialized_start=881
-  _globals['_CHOICE']._serialized_end=941
-  _globals['_COMPLETION']._serialized_start=943
-  _globals['_COMPLETION']._serialized_end=1067
-  _globals['_KVMESH']._serialized_start=1069
-  _globals['_KVMESH']._serialized_end=1196
+  _globals['_CHATMESSAGE']._serialized_end=142
+  _globals['_TOOLCALL']._serialized_start=144
+  _globals['_TOOLCALL']._serialized_end=199
+  _globals['_GENERATEREQUEST']._serialized_start=202
+  _globals['_GENERATEREQUEST']._serialized_end=914
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=718
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=766
+  _globals['_USAGE']._serialized_start=916
+  _globals['_USAGE']._serialized_end=996
+  _globals['_GENERATECHUNK']._serialized_start=999
+  _globals['_GENERATECHUNK']._serialized_end=1134
+  _globals['_CHOICE']._serialized_start=1136
+  _globals['_CHOICE']._serialized_end=1234
+  _globals['_COMPLETION']._serialized_start=1236
+  _globals['_COMPLETION']._serialized_end=1360
+  _globals['_KVMESH']._serialized_start=1362
+  _globals['_KVMESH']._serialized_end=1489
 # @@protoc_insertion_point(module_scope)
