@@ -22,7 +22,7 @@ from cluster.openai_protocol import CHAT_ROLES, APIError, sampling_params
 from cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from cluster.tool_calls import ToolReplies, ToolRequest, check_tools
 from replica.limits import MAX_MESSAGES
-from router.messages import Usage
+from router.messages import TokenLogprob, Usage
 
 GRPC_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -83,6 +83,18 @@ def _tools(request: kvmesh_pb2.GenerateRequest, chat: bool) -> ToolRequest | Non
     return check_tools(tools, choice, parallel)
 
 
+def _logprobs(items: list[TokenLogprob] | None) -> list[kvmesh_pb2.TokenLogprob]:
+    return [
+        kvmesh_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_ids=[i for i, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in items or []
+    ]
+
+
 def _calls(calls: list[dict] | None) -> list[kvmesh_pb2.ToolCall]:
     return [
         kvmesh_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
@@ -123,12 +135,14 @@ class GrpcApi:
             "min_tokens",
             "presence_penalty",
             "frequency_penalty",
+            "logprobs",
         )
         params = sampling_params(
             **{f: getattr(request, f) for f in optional if request.HasField(f)},
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),
             logit_bias=dict(request.logit_bias),
+            json_schema=request.json_schema or None,
         )
         if len(request.messages) > MAX_MESSAGES:
             raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
@@ -138,6 +152,8 @@ class GrpcApi:
         tools, offered = _tools(request, messages is not None), None
         if tools is not None:
             if tools.forced_schema() is not None:
+                if params.json_schema is not None:
+                    raise APIError("json_schema cannot be combined with a forced tool_choice", param="json_schema")
                 params = replace(params, json_schema=tools.forced_schema())
             messages, offered = self.generation.with_tools(messages, tools)
         prep = await self.generation.prepare(
@@ -184,6 +200,7 @@ class GrpcApi:
                     usage=_usage(chunk.usage) if chunk.usage is not None else None,
                     index=chunk.index,
                     tool_calls=_calls(calls),
+                    logprobs=_logprobs(chunk.logprobs),
                 )
         except APIError as exc:
             await _fail(grpc_context, exc)
@@ -197,7 +214,7 @@ class GrpcApi:
             await _fail(grpc_context, exc)
         try:
             prep, tools = await self._prepare_grpc(request, tenant)
-            texts, reasons, last, _ = await gather(prep.shape.n, self.generation.stream(prep))
+            texts, reasons, last, logprobs = await gather(prep.shape.n, self.generation.stream(prep))
         except APIError as exc:
             await _fail(grpc_context, exc)
         finally:
@@ -206,8 +223,8 @@ class GrpcApi:
         if tools is not None:
             texts, calls, reasons = tools.whole(texts, reasons)
         choices = [
-            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r, tool_calls=_calls(c))
-            for i, (t, r, c) in enumerate(zip(texts, reasons, calls, strict=True))
+            kvmesh_pb2.Choice(index=i, text=t, finish_reason=r, tool_calls=_calls(c), logprobs=_logprobs(lp))
+            for i, (t, r, c, lp) in enumerate(zip(texts, reasons, calls, logprobs, strict=True))
         ]
         return kvmesh_pb2.Completion(
             id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices

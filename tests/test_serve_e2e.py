@@ -680,6 +680,32 @@ def test_grpc_streams_a_generation(server):
     assert example.returncode == 0 and "[length:" in example.stdout and "unary Complete" in example.stdout
 
 
+def test_grpc_carries_logprobs_and_a_json_schema(server, client):
+    """The same log-probabilities as HTTP's for the same greedy request, and output constrained to a schema."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        scored = stub.Complete(
+            kvmesh_pb2.GenerateRequest(prompt="Count to ten", max_tokens=5, temperature=0, logprobs=2),
+            timeout=60,
+            metadata=GRPC_AUTH,
+        )
+        constrained = kvmesh_pb2.GenerateRequest(
+            prompt="{", max_tokens=40, temperature=1.0, seed=2, json_schema=json.dumps(schema)
+        )
+        shaped = stub.Complete(constrained, timeout=60, metadata=GRPC_AUTH)
+    over_http = (
+        client.completions.create(model=server.model, prompt="Count to ten", max_tokens=5, temperature=0, logprobs=2)
+        .choices[0]
+        .logprobs
+    )
+    lps = scored.choices[0].logprobs
+    assert len(lps) == 5 and [len(lp.top_ids) for lp in lps] == [2] * 5
+    assert [round(lp.logprob, 4) for lp in lps] == [round(v, 4) for v in over_http.token_logprobs]
+    assert all(lp.top_logprobs[0] >= lp.logprob - 1e-5 for lp in lps)
+    assert shaped.finish_reason == "stop" and isinstance(json.loads(shaped.text)["n"], int)
+
+
 def test_grpc_samples_n_sequences(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
         stub = kvmesh_pb2_grpc.KVMeshStub(channel)
