@@ -538,6 +538,7 @@ class LLMEngine:
         outputs = []
         requests = self.requests
         output = RequestOutput.of
+        scores_prompts = bool(self._prompt_logprob_ids)  # before the loop: retiring a request drops its id
         for i, (req, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
             req.num_pending -= 1
             if req.finish_reason is not None or req.request_id not in requests:  # ended while in flight
@@ -554,7 +555,8 @@ class LLMEngine:
                 out = output(req, [token])
                 if i in logprobs:
                     out.logprobs = [_token_logprob(token, logprobs[i], req.params.logprobs)]
-                if req.params.prompt_logprobs is not None and len(req.all_token_ids) == req.num_prompt_tokens + 1:
+                first = scores_prompts and len(req.all_token_ids) == req.num_prompt_tokens + 1
+                if first and req.params.prompt_logprobs is not None:
                     out.prompt_logprobs = req.prompt_logprobs  # with the first token
                 outputs.append(out)
             except Exception as exc:

@@ -36,6 +36,24 @@ struct Scale {
   }
 };
 
+// The layouts both paged kernels take (their callers: kernels/torch_attention.py); `name` heads the errors.
+inline void check_paged_args(const char* name, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, const at::Tensor& rows) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), name, " is a CPU kernel");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
+              "q/out must be [tokens, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && rows.scalar_type() == at::kLong,
+              "block_tables/seq_lens/query_start_loc must be int32 and rows int64");
+}
+
 // Calls f(C{}) with C the cache's element type: q's own (Q), int8, or one of the fp8 formats.
 template <typename Q, typename F>
 void with_cache_type(at::ScalarType cache, at::ScalarType q, F&& f) {

@@ -237,18 +237,7 @@ void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cach
                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    const at::Tensor& rows, double scale, int64_t window) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_prefill is the CPU kernel");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.stride(2) == 1 && out.stride(2) == 1 &&
-                  q.stride(1) == q.size(2) && out.stride(1) == out.size(2),
-              "q/out must be [tokens, heads, head_dim] with contiguous heads");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k/v caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "head shapes do not match");
-  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt && rows.scalar_type() == at::kLong,
-              "block_tables/seq_lens/query_start_loc must be int32 and rows int64");
+  kvmesh::check_paged_args("paged_prefill", out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows);
   const int64_t kvh = k_cache.size(2), d = q.size(2);
   TORCH_CHECK(d == 64 || d == 128, "paged_prefill takes head_dim 64 or 128, got ", d);
   const Scale ks(k_scale, kvh), vs(v_scale, kvh);
