@@ -214,12 +214,16 @@ def simulate(
 ):
     mean_output = statistics.fmean(out for _, _, out in rows)
     replicas = [Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output) for i in range(n)]
-    seeded = "seed" in inspect.signature(POLICIES[policy_name]).parameters  # random tie-breaks: reproducible runs
-    routers = [make_policy(policy_name, **({"seed": k} if seeded else {}), **policy_kwargs) for k in range(processes)]
+    clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
+    accepts = inspect.signature(POLICIES[policy_name]).parameters
+    simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
+    routers = [
+        make_policy(policy_name, **({"seed": k} if "seed" in accepts else {}), **simulated, **policy_kwargs)
+        for k in range(processes)
+    ]  # seeded random tie-breaks: reproducible runs
     uses_index = routers[0].uses_index
     events: list = []
     predicted: dict[bytes, tuple[str, float]] = {}  # Redis predict-on-route entries, shared by all routers
-    clock = [0.0]  # simulated time, for the shared counts of conversation starts (the index's session.lua)
     starts = DecayingCounts(getattr(routers[0], "session_decay_s", SESSION_DECAY_S), clock=lambda: clock[0])
     seq = itertools.count()
     reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
@@ -270,7 +274,10 @@ def simulate(
                     starts.add(rid)
             rep = replicas[int(rid[1:])]
             r.replica = int(rid[1:])
-            r.queued = r.tokens - ((hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+            # What the router believes the replica must prefill, never below the last token: a prediction can
+            # deepen the device hits past where the host tier's blocks were counted from.
+            believed = ((hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+            r.queued = r.tokens - min(believed, r.tokens - 1)
             rep.queued_tokens += r.queued
             if rep.running < costs.slots:
                 rep.running += 1

@@ -32,3 +32,29 @@ def test_calibrated_costs_keep_the_measured_balance(tmp_path):
     assert speedup == 20.0 and costs.prefill_tok_s == 20_000.0  # brought to the GPU-class prefill rate
     assert costs.min_step_s == 0.03 / 20 and costs.decode_s_per_seq == 0.002 / 20
     assert Costs.from_calibration(cal, speedup=2.0)[0].prefill_tok_s == 2000.0
+
+
+def test_a_replicas_queued_prefill_never_reads_below_zero(monkeypatch):
+    """A prediction can deepen a replica's device hits past where its host-tier blocks were counted from;
+    the queued prefill the router is told must still never go negative, or that replica looks ever cheaper
+    and takes the whole fleet's traffic (an agentic run once sent 1,745 of 2,443 requests to one of 8)."""
+    import math
+
+    from benchmarks.host_tier_sim import working_set
+    from benchmarks.simulate import Replica, compare_routers, trace_rows
+    from benchmarks.trace_workloads import agentic
+
+    seen = []
+    load = Replica.load
+
+    def checked(self):
+        seen.append(self.queued_tokens)
+        return load(self)
+
+    monkeypatch.setattr(Replica, "load", checked)
+    rows = trace_rows(agentic(seed=0, size=1.0))
+    capacity = math.ceil(0.25 * working_set(rows) / 8)
+    _, res = compare_routers(
+        rows, 8, capacity, 0.8, 4, [("kv_aware", "kv_aware", {})], Costs(), host_capacity=4 * capacity
+    )
+    assert min(seen) >= 0 and res["kv_aware"]["imbalance"] < 1.5
