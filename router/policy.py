@@ -13,6 +13,7 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -101,7 +102,10 @@ class Decision:
     fresher signal choose among them (Ray probes their live queue lengths)."""
     opens_session: bool = False
     """A new conversation on a shared prefix (some replica holds part of the prompt, none half of it: its
-    own history): counted as a conversation start where it goes."""
+    own history; or it branches off a prefix conversations grow from): counted as a conversation start
+    where it goes."""
+    known_blocks: int = 0
+    """Leading blocks of the prompt this router had routed before (its own memory, not the index's)."""
 
 
 class RoutingPolicy(Protocol):
@@ -172,6 +176,7 @@ class KVAwarePolicy:
         busy_weight: float = 2.0,
         host_tier: bool = True,
         seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
             raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
@@ -186,7 +191,7 @@ class KVAwarePolicy:
         self.override_margin_s = override_margin_s
         self.tie_margin = tie_margin
         self.predict_ttl_s = predict_ttl_s
-        self._recent = _RecentOwners(memory_size)
+        self._recent = _RecentOwners(memory_size, clock)
         self._rng = random.Random(seed)  # seeded only to make simulations reproducible
 
     @property
@@ -207,21 +212,22 @@ class KVAwarePolicy:
         reason_prefix = ""
         ids = [r.index_id for r in replicas]
         if hits is None:
-            hits = self._recent.match(req.block_hashes, ids)
+            hits, known = self._recent.match(req.block_hashes, ids)
             reason_prefix = "index_unavailable_"
         else:
             # What we just routed may not have reached the index yet: recent decisions extend its answer,
             # never contradict it. A candidate it has no answer for (no live heartbeat: its publisher
             # stalled or lost Redis for a moment) is answered from memory, as when the whole index is down.
             unknown = [rid for rid in ids if rid not in hits]
-            remembered = self._recent.match(req.block_hashes, unknown) if unknown else {}
-            ttl = self.predict_ttl_s
-            predicted = self._recent.match(req.block_hashes, ids, ttl) if ttl > 0 else dict.fromkeys(ids, 0)
-            known = max((hits.get(rid, 0) for rid in ids), default=0)
+            remembered = self._recent.match(req.block_hashes, unknown)[0] if unknown else {}
+            predicted, known = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
+            if self.predict_ttl_s <= 0:
+                predicted = dict.fromkeys(ids, 0)
+            indexed = max((hits.get(rid, 0) for rid in ids), default=0)
             hits = {
                 rid: remembered[rid]
                 if rid in remembered
-                else max(hits[rid], predicted[rid] if predicted[rid] > known else 0)
+                else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
                 for rid in ids
             }
         costs, own_prefill_s = {}, {}
@@ -255,7 +261,12 @@ class KVAwarePolicy:
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
         holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
-        opens = 0 < holder_share < 0.5  # a new conversation on a shared prefix: some hold part, none its history
+        # A new conversation on a shared prefix: some replica holds part, none its history; or it branches off
+        # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
+        # may have routed its earlier turns).
+        opens = 0 < holder_share < 0.5 or (
+            depth[holder] <= known and self.sessions.branches.opens(req.block_hashes, known)
+        )
         if not opens and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
         capped: set[str] = set()
@@ -280,7 +291,7 @@ class KVAwarePolicy:
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
             ranked, tied, reason = [home, *(rid for rid in ranked if rid != home)], 1, "session"
             reason_prefix = ""
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens)
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
 
     def _depths(
         self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], host: dict[str, int] | None
@@ -300,6 +311,7 @@ class KVAwarePolicy:
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
         self._recent.record(req.block_hashes, index_id)
         self.sessions.routed(req.session_id, index_id, decision.opens_session)
+        self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
 
     def _bounded(self, ranked: list[str], starts: dict[str, float]) -> tuple[list[str], set[str]]:
         """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise), and them.
@@ -319,15 +331,17 @@ class _RecentOwners:
     """Bounded memory of which replica this router last sent each block to, and when.
 
     Two uses: predict-on-route (a burst of siblings on a brand-new prefix lands together before the
-    replica's KV events reach the index) and the fallback when the index is down.
+    replica's KV events reach the index) and the fallback when the index is down. The clock is injectable
+    so the trace simulator can run the prediction's time-to-live on simulated time.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.size = size
+        self.clock = clock
         self._owner: dict[BlockHash, tuple[str, float]] = {}
 
     def record(self, block_hashes: list[BlockHash], index_id: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for h in block_hashes:
             self._owner.pop(h, None)
             self._owner[h] = (index_id, now)  # re-insert: dicts keep insertion order, oldest first
@@ -336,21 +350,24 @@ class _RecentOwners:
 
     def match(
         self, block_hashes: list[BlockHash], candidates: list[str], max_age_s: float = math.inf
-    ) -> dict[str, int]:
-        """Per candidate, the deepest block of the chain last sent to it (it received the whole prefix).
+    ) -> tuple[dict[str, int], int]:
+        """Per candidate, the deepest block of the chain last sent to it (it received the whole prefix), and
+        how many leading blocks of the chain were sent anywhere.
 
         Shallow shared blocks (a system prompt) are re-recorded by every request, so their owner is just
         the latest router choice; each replica's depth is therefore read independently, not as one chain.
         """
         out = dict.fromkeys(candidates, 0)
-        oldest = time.monotonic() - max_age_s
-        for i, h in enumerate(block_hashes):
+        oldest = self.clock() - max_age_s
+        known = 0
+        for h in block_hashes:
             entry = self._owner.get(h)
             if entry is None:
                 break  # nobody was sent this deep: nothing deeper either
+            known += 1
             if entry[1] >= oldest and entry[0] in out:
-                out[entry[0]] = i + 1
-        return out
+                out[entry[0]] = known
+        return out, known
 
 
 def fill_unmeasured_rates(replicas: list[ReplicaLoad]) -> None:

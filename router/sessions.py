@@ -5,7 +5,7 @@ replica (stickiness). Where a conversation starts therefore decides the long-run
 conversations on a shared prefix are placed with bounded loads on recent start counts: every router's,
 shared through the index (``router/lua/session.lua``) and fading over ``SESSION_DECAY_S``, plus this
 router's own starts the index has not acknowledged yet; or, when the index did not answer, this router's
-own fading counts.
+own fading counts. Which requests start a conversation is learned from the prompts' shapes (``Branches``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 SESSION_DECAY_S = 600.0
 """Time constant over which counts of conversation starts fade (about a conversation's lifetime)."""
@@ -46,9 +46,57 @@ class DecayingCounts:
         self._counts[key] = (self.get(key) + amount, self.clock())
 
 
+class Branches:
+    """Which shared prefixes conversations grow from, learned from this router's own decisions.
+
+    A request whose longest prefix this router has routed before (``known`` leading blocks) ends where an
+    earlier request's prompt ended continues that conversation: its next turn, or a sub-agent forked from
+    its whole context. Every block of a continued conversation is marked as one conversations grow from.
+    A request that leaves the known prefix where no prompt ended branches off a shared prefix (a system or
+    tool prompt, a document); if a conversation grew from there, it opens a new one however long the shared
+    part is (an agent's tool prompt is most of its first request). Branches off a prefix no conversation
+    continued from (RAG questions on one document, few-shot queries) stay one-off requests.
+    """
+
+    def __init__(self, size: int = MAX_SESSIONS) -> None:
+        self._size = size
+        self._ends: OrderedDict[Hashable, None] = OrderedDict()
+        """The last full block of each routed prompt."""
+        self._grown: OrderedDict[Hashable, None] = OrderedDict()
+        """Blocks of prompts a later turn continued."""
+
+    def opens(self, block_hashes: list, known: int) -> bool:
+        """Whether the request branches off a prefix conversations grow from after ``known`` blocks."""
+        if not 0 < known < len(block_hashes):
+            return False
+        fork = block_hashes[known - 1]
+        return fork not in self._ends and fork in self._grown
+
+    def routed(self, block_hashes: list, known: int) -> None:
+        """Learn from a routed request whose first ``known`` blocks this router had routed before."""
+        if not block_hashes or known >= len(block_hashes):
+            return  # no full block, or a prompt seen whole before (a retry, a repeated question)
+        if known and block_hashes[known - 1] in self._ends:  # continues the conversation whose prompt ended there
+            for i in range(known - 1, -1, -1):  # back to the first block already marked: each block once
+                if block_hashes[i] in self._grown:
+                    break
+                _remember(self._grown, block_hashes[i], None, self._size)
+        _remember(self._ends, block_hashes[-1], None, self._size)
+
+
+def _remember(table: OrderedDict, key: Hashable, value: object, size: int) -> None:
+    """Set ``key`` as the most recent entry of a table bounded to ``size`` (the oldest dropped)."""
+    table[key] = value
+    table.move_to_end(key)
+    if len(table) > size:
+        table.popitem(last=False)
+
+
 class SessionCounts:
     def __init__(self, decay_s: float = SESSION_DECAY_S, max_sessions: int = MAX_SESSIONS) -> None:
         self.decay_s = decay_s
+        self.branches = Branches(max_sessions)
+        """Where conversations start on a shared prefix longer than half their first request."""
         self.local = DecayingCounts(decay_s)
         """Conversations this router started on each replica: what the bound uses when the index is silent."""
         self.unacknowledged: Counter[str] = Counter()
@@ -72,7 +120,4 @@ class SessionCounts:
         if opened:
             self.local.add(index_id)
         if session_id:
-            self._homes[session_id] = index_id
-            self._homes.move_to_end(session_id)
-            if len(self._homes) > self._max_sessions:
-                self._homes.popitem(last=False)
+            _remember(self._homes, session_id, index_id, self._max_sessions)

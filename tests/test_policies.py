@@ -390,3 +390,62 @@ def test_a_host_tier_continuing_a_device_hit_adds_to_it():
     reps = replicas(2, cache_fill=0.5, host_load_tok_s=50_000)
     d = KVAwarePolicy().rank(req, reps, {"r0": 30, "r1": 40}, None, {"r0": 30})
     assert d.ranked[0] == "r0" and d.matched_blocks == 60 and d.reason == "host_hit"
+
+
+def _route_with_index(policy, held, tokens):
+    """Route one prompt with an index that answers each replica's leading blocks from ``held`` (the blocks
+    it caches), then cache the prompt where it went, as its replica would."""
+    req = request(tokens)
+    hits = {}
+    for rid, blocks in held.items():
+        hits[rid] = next((i for i, h in enumerate(req.block_hashes) if h not in blocks), len(req.block_hashes))
+    d = policy.rank(req, replicas(len(held)), hits)
+    policy.on_routed(req, d.ranked[0], d)
+    held[d.ranked[0]].update(req.block_hashes)
+    return d
+
+
+def test_agent_sessions_on_a_long_shared_tool_prompt_are_spread_while_one_off_questions_stay_with_it():
+    """A tool prompt of 12 blocks is most of each agent session's first request, so no replica holds
+    "part, but less than half" of it; sessions still open conversations once one that passed through the
+    prompt was continued, and are placed with bounded loads instead of all following the prompt's first holder.
+    Each session's next step continues its own history (and so does a sub-agent forked from it). Questions
+    on one document that nobody continues stay where the document is cached: they create no later load."""
+    tools = list(range(192))  # 12 blocks
+    held = {f"r{i}": set() for i in range(4)}
+    policy = KVAwarePolicy()
+    homes = {}
+    for s in range(16):
+        own = list(range(100_000 * (s + 1), 100_000 * (s + 1) + 16))
+        first = _route_with_index(policy, held, tools + own)
+        assert first.opens_session == (s > 0)  # the first shows that conversations grow from the prompt
+        step = _route_with_index(policy, held, tools + own + list(range(7_000_000 + 32 * s, 7_000_000 + 32 * s + 32)))
+        assert not step.opens_session and step.ranked[0] == first.ranked[0]  # its history stays home
+        fork = _route_with_index(policy, held, tools + own + [9_000_000 + s] * 16)  # a sub-agent off step one
+        assert not fork.opens_session and fork.ranked[0] == first.ranked[0]
+        homes[s] = first.ranked[0]
+    per_replica = Counter(homes.values())
+    assert len(per_replica) == 4 and max(per_replica.values()) <= 1.25 * 16 / 4 + 1
+
+    document = list(range(20_000_000, 20_000_192))
+    held = {f"r{i}": set() for i in range(4)}
+    policy = KVAwarePolicy()
+    questions = [_route_with_index(policy, held, document + [30_000_000 + q] * 16) for q in range(16)]
+    assert not any(d.opens_session for d in questions)
+    assert {d.ranked[0] for d in questions[1:]} == {questions[0].ranked[0]}
+
+
+def test_a_router_that_did_not_see_a_conversations_history_does_not_count_its_next_turn_as_a_start():
+    """With several router processes one may know only the shared prompt while the index shows a replica
+    holding more of the request than that: another router routed its earlier turns. Not a new conversation."""
+    tools = list(range(192))
+    held = {f"r{i}": set() for i in range(4)}
+    policy = KVAwarePolicy()
+    for s in range(4):  # this router learns that conversations grow from the tool prompt
+        own = list(range(100_000 * (s + 1), 100_000 * (s + 1) + 16))
+        _route_with_index(policy, held, tools + own)
+        _route_with_index(policy, held, tools + own + list(range(7_000_000 + 32 * s, 7_000_000 + 32 * s + 32)))
+    history = tools + list(range(50_000_000, 50_000_064))  # routed by another router: held by r3, unknown here
+    held["r3"].update(request(history).block_hashes)
+    d = _route_with_index(policy, held, history + list(range(60_000_000, 60_000_016)))
+    assert not d.opens_session and d.ranked[0] == "r3"
