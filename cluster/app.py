@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from ray import serve
@@ -18,6 +19,12 @@ from cluster.engine_deployment import engine_deployment
 from cluster.ingress import Ingress, IngressSettings
 from replica.sampling_params import MAX_N
 from router.index_schema import REDIS_URL_ENV, index_redis_url
+
+PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
+PROBE_DEADLINE_S = "0.5"
+"""How long the routers (in the ingress processes) wait for a replica's queue-length probe before trying their
+next choice. Ray's 0.1 s is missed by a busy CPU replica, and the request then leaves the replica holding its
+prefix for a full recompute elsewhere; Ray doubles it on each retry, up to 1 s. An environment value wins."""
 
 
 def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Application:
@@ -58,9 +65,11 @@ def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Applicat
     )
     # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
     ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
-    return Ingress.options(num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing).bind(
-        engine, dataclasses.asdict(settings)
-    )
+    deadline = {PROBE_DEADLINE_ENV: os.environ.get(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)}
+    actor = {"num_cpus": 0, "runtime_env": {"env_vars": deadline}}
+    return Ingress.options(
+        num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing, ray_actor_options=actor
+    ).bind(engine, dataclasses.asdict(settings))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Ray Serve reads this when its modules are first imported (test modules import them at collection): set here,
+# so the handles' routers in this process use it. Ray's 0.1 s is missed by replicas on a loaded 2-core machine,
+# and a missed probe sends a request past the replica holding its prefix (kvmesh serve uses 0.5 s too).
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +74,6 @@ def own_redis():
 @pytest.fixture(scope="session")
 def ray_serve():
     """One local Ray + Serve session shared by every integration test (Serve start costs ~12 s here)."""
-    import os
-
-    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
     import ray
     from ray import serve
 

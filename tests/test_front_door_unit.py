@@ -432,3 +432,25 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     assert first.cancelled and not second.cancelled
     ids = [c.request_id for c in handle.calls]
     assert len(set(ids)) == 2 and ids[0] == shape.id
+
+
+def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
+    """The KV-aware routers live in the ingress processes; Ray's 0.1 s probe deadline, missed by a busy CPU
+    replica, sends a request past the replica holding its prefix. The ingress gets 0.5 s unless told."""
+    from ray.serve._private.build_app import build_app
+
+    from cluster.app import PROBE_DEADLINE_ENV, app_builder
+    from router.index_schema import REDIS_URL_ENV
+
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:1/0")
+
+    def ingress_deadline() -> str:
+        built = build_app(app_builder({"replicas": 1}), name="kvmesh")
+        (ingress,) = [d for d in built.deployments if d.name == "ingress"]
+        assert ingress.ray_actor_options["num_cpus"] == 0
+        return ingress.ray_actor_options["runtime_env"]["env_vars"][PROBE_DEADLINE_ENV]
+
+    monkeypatch.delenv(PROBE_DEADLINE_ENV, raising=False)
+    assert float(ingress_deadline()) == 0.5
+    monkeypatch.setenv(PROBE_DEADLINE_ENV, "2")
+    assert ingress_deadline() == "2"
