@@ -564,7 +564,7 @@ class LLMEngine:
         # A step's time is from its launch, or from the previous collection if it ran behind it: the period
         # of the pipeline, what one more step costs.
         now = time.perf_counter()
-        self.rates.observe(launched.prefill, launched.decodes, now - max(launched.t0, self._last_collect))
+        self.rates.observe(launched.prefill, launched.decodes, now - max(launched.t0, self._last_collect), now)
         self._last_collect = now
         return outputs
 
@@ -769,6 +769,7 @@ class LLMEngine:
             decode_s_per_seq=self.rates.decode_s_per_seq,
             step_s=self.rates.step_s,
             mean_output_tokens=self.rates.mean_output_tokens,
+            prefill_busy=self.rates.prefill_busy(time.perf_counter()),
         )
 
     def stats(self) -> EngineStats:

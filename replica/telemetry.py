@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from router.messages import LoadReport
+from router.messages import BUSY_WINDOW_S, LoadReport
 
 
 @dataclass
@@ -74,6 +75,8 @@ class EngineSnapshot:
     decode_s_per_seq: float | None
     step_s: float
     mean_output_tokens: float
+    prefill_busy: float = 0.0
+    """Share of the last ``BUSY_WINDOW_S`` spent prefilling (moving average)."""
 
     def load_report(self, index_id: str, reported_at: float) -> LoadReport:
         """For routers: the wait a newcomer would see here. ``kv_free_blocks`` is what it could take once
@@ -90,6 +93,7 @@ class EngineSnapshot:
             kv_total_blocks=self.num_blocks,
             cache_fill=self.cache_fill,
             prefill_tok_s=self.prefill_tok_s,
+            prefill_busy=self.prefill_busy,
             host_load_tok_s=self.host_load_tok_s,
             decode_s_per_seq=self.decode_s_per_seq,
             step_s=self.step_s,
@@ -141,6 +145,8 @@ class StepRates:
     ``step_s = base + slope * running`` fitted by exponentially weighted least squares over pure-decode
     steps. It stays unmeasured (``None``) until steps of different batch sizes were seen; a serving replica
     runs ``LLMEngine.warm_up`` first, so it reports a measured slope from its first request on.
+    ``prefill_busy`` is the share of recent time spent prefilling (each step's prefill tokens at the measured
+    rate, at most the step), a moving average over ``BUSY_WINDOW_S``: how loaded routers price churn.
     """
 
     def __init__(self, alpha: float = 0.2, decode_alpha: float = 0.05) -> None:
@@ -151,12 +157,22 @@ class StepRates:
         self.decode_alpha = decode_alpha
         self.prefill_measured = False
         self._fit = [0.0] * 5  # weighted sums: 1, x, y, xx, xy (x = running, y = step seconds)
+        self._busy, self._busy_at = 0.0, 0.0
 
     def observe_finished(self, output_tokens: int) -> None:
         self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
 
-    def observe(self, prefill: int, decodes: int, seconds: float) -> None:
-        """One step: ``prefill`` tokens of chunks longer than one token, ``decodes`` one-token sequences."""
+    def prefill_busy(self, now: float) -> float:
+        """Share of the ``BUSY_WINDOW_S`` before ``now`` (``time.perf_counter`` seconds) spent prefilling."""
+        return min(self._busy * math.exp(-max(now - self._busy_at, 0.0) / BUSY_WINDOW_S), 1.0)
+
+    def observe(self, prefill: int, decodes: int, seconds: float, now: float | None = None) -> None:
+        """One step, ending at ``now`` (``time.perf_counter``; None: not timed): ``prefill`` tokens of chunks
+        longer than one token, ``decodes`` one-token sequences."""
+        if now is not None:
+            busy = min(prefill / self.prefill_tok_s, seconds) if prefill else 0.0
+            self._busy = self.prefill_busy(now) + busy / BUSY_WINDOW_S
+            self._busy_at = now
         a = self.alpha
         self.step_s += a * (seconds - self.step_s)
         if prefill >= 64 and prefill >= 8 * decodes:

@@ -77,6 +77,10 @@ class GenerateChunk:
     """On a sequence's first chunk, when the request asked for ``prompt_logprobs``: prompt tokens 1.."""
 
 
+BUSY_WINDOW_S = 10.0
+"""Time constant of a replica's moving average of how busy its prefill is (``LoadReport.prefill_busy``)."""
+
+
 @dataclass(slots=True)
 class LoadReport:
     """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time)."""
@@ -102,6 +106,8 @@ class LoadReport:
     host_load_tok_s: float | None = None
     """Prompt tokens per second the replica loads back from its host prefix tier (its measured copy
     bandwidth over the KV bytes per token); None without a host tier."""
+    prefill_busy: float | None = None
+    """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average); None until measured."""
     step_s: float = 0.02
     mean_output_tokens: float = 128.0
     max_num_seqs: int = 256

@@ -25,6 +25,10 @@ DEFAULT_PREFILL_TOK_S = 2000.0
 """Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
 DEFAULT_DECODE_S_PER_SEQ = 0.0005
 """Per running sequence, seconds it adds to every engine step, when not reported."""
+FULL_PRESSURE_BUSY = 0.8
+"""Prefill utilisation from which churn is priced at the full ``miss_weight`` (the load it was tuned at);
+below it, less (``KVAwarePolicy._pressure``). Above it no higher: a saturated fleet is no reason never to
+move (its queues are priced already)."""
 
 
 @dataclass
@@ -133,9 +137,10 @@ class KVAwarePolicy:
 
     ``cost(r) = queue_s(r) + kv_wait_s(r) + uncached_tokens(r) / prefill_rate(r)
                + host_tokens(r) / host_load_rate(r)
-               + max((miss_weight - 1) * cache_fill(r), busy) * uncached_tokens(r) / median_prefill_rate
+               + max((miss_weight - 1) * cache_fill(r) * pressure, busy) * uncached_tokens(r) / median_prefill_rate
                + decode_weight * mean_output_tokens(r) * load(r) * decode_s_per_seq(r)``
     ``busy = busy_weight * median_queue_s / (num_tokens / median_prefill_rate)``
+    ``pressure = min(u / 0.8, 1) ** 2``, ``u`` the replicas' median measured prefill utilisation
 
     A prefix in a replica's host tier (``host_hits``) is charged what loading it back costs at the rate that
     replica measured and reported, not a fixed fraction of a hit: on equal load a device hit beats a host
@@ -145,7 +150,9 @@ class KVAwarePolicy:
     priced as misses, evictions as losses), for comparison.
 
     The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
-    (it evicts other prefixes, which later requests miss), in proportion to how full the pool is, or, when
+    (it evicts other prefixes, which later requests miss), in proportion to how full the pool is and to how
+    much a recompute later delays others (``pressure``: 1 on a fleet whose prefill is 80% busy or more, where
+    ``miss_weight`` was tuned; near 0 on an idle one, where a recompute costs only its own time), or, when
     more, the delay its extra prefill adds to the requests queued behind it on a busy fleet. The last
     term, off by default, charges a newcomer the decode speed it would take from the sequences already
     there.
@@ -239,6 +246,7 @@ class KVAwarePolicy:
         queues = {r.index_id: r.queue_s for r in replicas}
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
+        pressure = self._pressure(replicas)
         depth = self._depths(req, replicas, hits, host_hits)
         for r in replicas:
             most = max(req.num_tokens - 1, 0)  # the last token is always computed
@@ -249,7 +257,7 @@ class KVAwarePolicy:
             load_s = hosted / r.host_load_tok_s if hosted else 0.0
             own_prefill_s[r.index_id] = uncached / rates[r.index_id] + load_s
             prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
-            evictions = max(self.miss_weight - 1.0, 0.0) * fill
+            evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
             if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
                 evictions *= rates[r.index_id] / r.host_load_tok_s
             churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
@@ -292,6 +300,20 @@ class KVAwarePolicy:
             ranked, tied, reason = [home, *(rid for rid in ranked if rid != home)], 1, "session"
             reason_prefix = ""
         return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
+
+    @staticmethod
+    def _pressure(replicas: list[ReplicaLoad]) -> float:
+        """The share of ``miss_weight`` churn is priced at: 1 on a busy fleet, little on an idle one.
+
+        An evicted prefix is recomputed when it is next asked for. On an idle fleet that costs the asker its
+        own prefill; on a busy one it also delays everyone queued behind it, more the busier the fleet.
+        ``(u / FULL_PRESSURE_BUSY) ** 2`` at the replicas' median prefill utilisation ``u`` priced it best in
+        the simulator (``docs/routing.md``). Unreported: 1.
+        """
+        busy = sorted(r.prefill_busy for r in replicas if r.prefill_busy is not None)
+        if not busy:
+            return 1.0
+        return min(max(busy[len(busy) // 2], 0.0) / FULL_PRESSURE_BUSY, 1.0) ** 2
 
     def _depths(
         self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], host: dict[str, int] | None

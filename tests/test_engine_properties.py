@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.kv_events import AllBlocksCleared, BlockStored
+from router.messages import BUSY_WINDOW_S
 
 BLOCK = 4
 POOL = 24
@@ -151,3 +154,19 @@ def test_load_report_tells_routers_how_much_kv_room_a_newcomer_has(tiny_llama_di
     engine.step()
     assert report().num_running == 1 and report().num_waiting == 1
     assert report().kv_free_blocks == engine.pool.num_free - 7 < 0
+
+
+def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
+    """Routers price cache churn by how busy the fleet's prefill is: a replica that only prefilled reports a
+    share of the last window in proportion to the time it spent at it, and an idle one reports none."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=256, max_num_seqs=16))
+    assert engine.snapshot().load_report("r", 0.0).prefill_busy == 0.0
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for r in range(8):
+        engine.add_request([3000 + 97 * r + i for i in range(512)], params, f"p{r}")
+        while engine.has_unfinished:
+            engine.step()
+    elapsed = time.perf_counter() - t0
+    busy = engine.snapshot().load_report("r", 0.0).prefill_busy
+    assert 0.3 * elapsed / BUSY_WINDOW_S < busy <= min(1.0, elapsed / BUSY_WINDOW_S)  # most of the time it ran

@@ -216,6 +216,43 @@ def test_decode_cost_never_exceeds_a_recent_step():
     assert rates.decode_s_per_seq <= rates.step_s < 0.018
 
 
+def test_prefill_utilisation_is_the_share_of_recent_time_spent_prefilling():
+    from replica.telemetry import StepRates
+    from router.messages import BUSY_WINDOW_S
+
+    rates, now = StepRates(), 0.0
+    for _ in range(int(3 * BUSY_WINDOW_S / 0.05)):  # prefilling without a pause for three windows
+        now += 0.05
+        rates.observe(100, 0, 0.05, now)
+    assert rates.prefill_busy(now) == pytest.approx(0.95, abs=0.01)
+    assert rates.prefill_busy(now + 2 * BUSY_WINDOW_S) == pytest.approx(0.95 * math.exp(-2), abs=0.01)  # idle
+    rates, now = StepRates(), 0.0
+    for _ in range(int(3 * BUSY_WINDOW_S / 0.1)):
+        now += 0.05
+        rates.observe(0, 16, 0.025, now)  # decode steps only
+        now += 0.05
+        rates.observe(50, 8, 0.05, now)  # mixed steps: half the step is the chunk, at the measured rate
+    assert rates.prefill_tok_s == 2000.0  # mixed steps do not move the measured rate
+    assert rates.prefill_busy(now) == pytest.approx(0.95 * 0.25, abs=0.01)
+
+
+def test_churn_is_cheap_on_an_idle_fleet_and_dear_on_a_busy_one():
+    """Moving a request off the replica holding most of its prompt evicts what the other replica cached.
+    On a busy fleet that recompute later delays everyone (stay, behind a queue); on an idle one it costs
+    only its own prefill (do not wait 0.5 s behind the holder's queue for a 0.16 s recompute)."""
+    req = request(list(range(320)))  # 20 blocks, 16 held by r0, which has 0.5 s of prefill queued
+    hits = {"r0": 16, "r1": 0, "r2": 0, "r3": 0}
+
+    def chosen(busy):
+        reps = replicas(4, prefill_busy=busy)
+        reps[0].pending_prefill_tokens = 1000
+        return KVAwarePolicy().rank(req, reps, hits).ranked[0]
+
+    assert chosen(None) == "r0"  # unreported: priced as on a busy fleet
+    assert chosen(0.9) == "r0"
+    assert chosen(0.3) != "r0"
+
+
 def test_new_conversations_are_placed_with_bounded_loads():
     """Every new conversation shares a system prompt the first replica holds: by cost alone they would all
     start there. With the bound (1.25 x fair share) starts spread evenly, while a continuing conversation

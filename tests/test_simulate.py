@@ -47,9 +47,9 @@ def test_a_replicas_queued_prefill_never_reads_below_zero(monkeypatch):
     seen = []
     load = Replica.load
 
-    def checked(self):
+    def checked(self, now):
         seen.append(self.queued_tokens)
-        return load(self)
+        return load(self, now)
 
     monkeypatch.setattr(Replica, "load", checked)
     rows = trace_rows(agentic(seed=0, size=1.0))
