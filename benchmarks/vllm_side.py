@@ -4,9 +4,9 @@ build (never a kvmesh dependency), so it imports nothing of kvmesh.
     VENV/bin/python benchmarks/vllm_side.py MODEL_DIR WORK.json
 
 WORK.json: ``prompts`` (token id lists), ``output_lens``, ``sampled`` (temperature 1, top_p 0.9, unseeded:
-its CPU build fails requests that carry a seed; else greedy), ``threads``. Prints one JSON line: output
-tokens per second of ``LLM.generate`` over the whole batch, after a short warm-up (its prefixes then
-dropped from the cache), in fp32 on the CPU like the kvmesh side.
+its CPU build fails requests that carry a seed; else greedy), ``threads``, ``dtype`` (default float32).
+Prints one JSON line: output tokens per second of ``LLM.generate`` over the whole batch, after a short
+warm-up (its prefixes then dropped from the cache), in the same dtype on the CPU as the kvmesh side.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     longest = max(len(p) for p in work["prompts"]) + max(work["output_lens"])
     llm = LLM(
         model=model,
-        dtype="float32",
+        dtype=work.get("dtype", "float32"),
         max_num_seqs=256,
         max_model_len=max(longest, 256),
         seed=0,
