@@ -21,7 +21,13 @@
 #include <cmath>
 #include <vector>
 
+#include "convert.h"
+
 namespace {
+
+using kvmesh::from_float;
+using kvmesh::round_to;
+using kvmesh::to_float;
 
 constexpr int64_t kRowGrain = 16;
 
@@ -31,8 +37,8 @@ inline void norm_row(const float* src, T* dst, const T* w, int64_t dim, double e
   for (int64_t i = 0; i < dim; ++i) sq += src[i] * src[i];
   const float inv = 1.f / std::sqrt(sq / static_cast<float>(dim) + static_cast<float>(eps));
   for (int64_t i = 0; i < dim; ++i) {
-    const float normed = static_cast<float>(static_cast<T>(src[i] * inv));
-    dst[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
+    const float normed = round_to<T>(src[i] * inv);
+    dst[i] = from_float<T>(to_float(w[i]) * normed);
   }
 }
 
@@ -55,7 +61,7 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       std::vector<float> row(dim);
       for (const auto r : c10::irange(begin, end)) {
-        for (const auto i : c10::irange(dim)) row[i] = static_cast<float>(xp[r * xs + i]);
+        for (const auto i : c10::irange(dim)) row[i] = to_float(xp[r * xs + i]);
         norm_row(row.data(), op + r * os, w, dim, eps);
       }
     });
@@ -80,8 +86,8 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
         scalar_t* xr = xp + r * xs;
         scalar_t* rr = rp + r * rs;
         for (const auto i : c10::irange(dim)) {
-          rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          row[i] = static_cast<float>(rr[i]);
+          rr[i] = from_float<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
+          row[i] = to_float(rr[i]);
         }
         norm_row(row.data(), xr, w, dim, eps);
       }
@@ -94,10 +100,10 @@ inline void silu_mul_row(const T* gate, T* dst, int64_t d) {
   const T* up = gate + d;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) {
-    const float g = static_cast<float>(gate[i]);
+    const float g = to_float(gate[i]);
     // silu is rounded to the dtype before the multiply, as torch's silu(gate) * up would be.
-    const float s = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
-    dst[i] = static_cast<T>(s * static_cast<float>(up[i]));
+    const float s = round_to<T>(g / (1.f + std::exp(-g)));
+    dst[i] = from_float<T>(s * to_float(up[i]));
   }
 }
 
@@ -122,9 +128,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 template <typename T>
 inline void rotate(T* x, const float* c, const float* s, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
-    const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
-    x[i] = static_cast<T>(a * c[i] - b * s[i]);
-    x[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
+    const float a = to_float(x[i]), b = to_float(x[i + half]);
+    x[i] = from_float<T>(a * c[i] - b * s[i]);
+    x[i + half] = from_float<T>(b * c[i + half] + a * s[i + half]);
   }
 }
 

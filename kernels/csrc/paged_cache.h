@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "convert.h"
+
 namespace kvmesh {
 
 // The scale of one cached row: 1, per KV head, or per slot and KV head.

@@ -35,14 +35,14 @@ template <int64_t D, typename C>
 inline float dot(const float* q, const C* k, int64_t d) {
   const int64_t n = D ? D : d;
   float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) acc += q[i] * static_cast<float>(k[i]);
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * kvmesh::to_float(k[i]);
   return acc;
 }
 
 template <int64_t D, typename C>
 inline void axpy(float w, const C* v, float* acc, int64_t d) {
   const int64_t n = D ? D : d;
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * static_cast<float>(v[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * kvmesh::to_float(v[i]);
 }
 
 // Calls f(slot, i) for the keys [first, first + len) of a sequence, block by block (no division per key).
@@ -102,7 +102,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       const int32_t* table = tables + seq * table_width;
       for (const auto w : c10::irange(width)) {
         const Q* src = qp + token * q_stride0 + (h0 * group + w) * d;
-        for (const auto i : c10::irange(d)) qf[w * d + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+        for (const auto i : c10::irange(d)) qf[w * d + i] = kvmesh::to_float(src[i]) * static_cast<float>(scale);
       }
       scores.resize(width * len);
       const int64_t offset = static_cast<int64_t>(sizeof(C)) * h0 * d, bytes = static_cast<int64_t>(sizeof(C)) * span * d;
@@ -141,7 +141,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
                    });
       for (const auto w : c10::irange(width)) {
         Q* dst = op + token * o_stride0 + (h0 * group + w) * d;
-        for (const auto i : c10::irange(d)) dst[i] = static_cast<Q>(acc[w * d + i]);
+        for (const auto i : c10::irange(d)) dst[i] = kvmesh::from_float<Q>(acc[w * d + i]);
       }
     }
   });

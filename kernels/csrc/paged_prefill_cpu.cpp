@@ -175,7 +175,7 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       std::fill(qf.begin(), qf.begin() + prows * D, 0.f);
       for (const auto r : c10::irange(nrows)) {
         const Q* src = qp + (starts[seq] + j + r / group) * q_stride0 + (h * group + r % group) * D;
-        for (const auto i : c10::irange(D)) qf[r * D + i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+        for (const auto i : c10::irange(D)) qf[r * D + i] = kvmesh::to_float(src[i]) * static_cast<float>(scale);
       }
       std::fill(o.begin(), o.begin() + prows * VC, v16{});
       std::fill(l.begin(), l.end(), 0.f);
@@ -194,9 +194,9 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           const C* krow = kp + slot * row_stride + h * D;
           const C* vrow = vp + slot * row_stride + h * D;
           const float ks = k_scale.at(slot, h), vs = v_scale.at(slot, h);
-          for (const auto d : c10::irange(D)) kt[d][i] = ks * static_cast<float>(krow[d]);
+          for (const auto d : c10::irange(D)) kt[d][i] = ks * kvmesh::to_float(krow[d]);
           float* vf = reinterpret_cast<float*>(vt.data() + i * VC);
-          for (const auto d : c10::irange(D)) vf[d] = vs * static_cast<float>(vrow[d]);
+          for (const auto d : c10::irange(D)) vf[d] = vs * kvmesh::to_float(vrow[d]);
         }
         for (int64_t r = 0; r < prows; r += kRows) tile_scores<D>(qf.data() + r * D, kt.data(), s.data() + r);
         // Online softmax: row r weighs the tile's keys [a, b) it may see; m, l: its running max and sum.
@@ -227,7 +227,7 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         Q* dst = op + (starts[seq] + j + r / group) * o_stride0 + (h * group + r % group) * D;
         const float* src = reinterpret_cast<const float*>(o.data() + r * VC);
         const float inv = 1.f / l[r];
-        for (const auto i : c10::irange(D)) dst[i] = static_cast<Q>(src[i] * inv);
+        for (const auto i : c10::irange(D)) dst[i] = kvmesh::from_float<Q>(src[i] * inv);
       }
     }
   });
