@@ -51,6 +51,10 @@ _GAUGES = {
     "host_cached_blocks": ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes."),
     "host_cache_blocks": ("kvmesh_replica_host_cache_blocks", "Host-tier capacity for evicted prefixes, in blocks."),
     "index_entries": ("kvmesh_replica_index_entries", "Blocks the replica has published to the index."),
+    "prefill_busy": (
+        "kvmesh_replica_prefill_busy_ratio",
+        "Share of the last 10 s the replica spent prefilling (what routers price cache churn by).",
+    ),
 }
 
 

@@ -54,12 +54,13 @@ def render_status(status: dict) -> str:
             str(r.get("num_running", "?")),
             str(r.get("num_waiting", "?")),
             str(r.get("num_preemptions", "?")),
+            f"{100 * r.get('prefill_busy', 0):.0f}%",
             str(r.get("index_entries", "?")),
         ]
         for rid, r in sorted(status["replicas"].items())
     ]
     headers = ["REPLICA", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
-    out += format_table([*headers, "INDEXED"], rows)
+    out += format_table([*headers, "PREFILL BUSY", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
     out.append("")

@@ -42,6 +42,8 @@ class EngineStats:
     host_cache_blocks: int = 0
     """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
     host_cached_blocks: int = 0
+    prefill_busy: float = 0.0
+    """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
 
 
 @dataclass
@@ -134,6 +136,7 @@ class EngineSnapshot:
             host_hit_rate=self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0,
             host_cache_blocks=self.host_cache_blocks,
             host_cached_blocks=self.host_cached_blocks,
+            prefill_busy=self.prefill_busy,
         )
 
 

@@ -736,6 +736,7 @@ def test_metrics_and_status_show_the_cluster(client, server):
         "kvmesh_replica_kv_usage_ratio",
         "kvmesh_replica_prefix_hit_rate",
         "kvmesh_replica_requests_waiting",
+        "kvmesh_replica_prefill_busy_ratio",
         "kvmesh_replica_preemptions_total",
         "kvmesh_routing_decisions_total",
         "kvmesh_index_lookup_seconds_count",
