@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
 from cluster.embedded_redis import free_port
 
 
@@ -37,7 +38,7 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.http}"
         # Always a cluster of its own, with its own embedded Redis.
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "KVMESH_REDIS_URL")}
-        env.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+        env.setdefault(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.http), "--grpc-port", str(self.grpc)]
         self.started_at = time.perf_counter()
         self.proc = subprocess.Popen([*cmd, *self.args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -31,7 +31,6 @@ import heapq
 import inspect
 import itertools
 import json
-import math
 import statistics
 import struct
 import time
@@ -41,15 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.report import print_table, write_json
+from replica.telemetry import BusyShare
 from router.baselines import POLICIES, make_policy
-from router.messages import BUSY_WINDOW_S
 from router.policy import ReplicaLoad, RouteRequest
 from router.sessions import SESSION_DECAY_S, DecayingCounts
 
 BLOCK_TOKENS = 16
 WINDOW_SHARE = 0.1
 """A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces
-last about a second of simulated time at GPU-class rates, so the engine's ``BUSY_WINDOW_S`` would never fill."""
+last about a second of simulated time at GPU-class rates, so the engine's 10 s window would never fill."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +107,8 @@ class Replica:
     prefill_busy: bool = False
     queued_tokens: int = 0
     served: int = 0
-    busy: float = 0.0
-    """Moving average of the share of time spent prefilling, as of ``busy_at`` (over ``busy_window_s``)."""
-    busy_at: float = 0.0
-    busy_window_s: float = BUSY_WINDOW_S
+    busy: BusyShare = field(default_factory=BusyShare)
+    """How busy its prefill has been, as the engine measures it (``replica/telemetry.py``)."""
     mean_output_steps: float = 1.0
     """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
 
@@ -144,15 +141,6 @@ class Replica:
                 if len(self.host) > self.host_capacity:
                     self.host.popitem(last=False)
 
-    def utilisation(self, now: float) -> float:
-        """The moving average of the share of time spent prefilling, at ``now`` (as the engine reports it)."""
-        return self.busy * math.exp(-(now - self.busy_at) / self.busy_window_s)
-
-    def note_prefill(self, now: float, seconds: float) -> None:
-        """A prefill of ``seconds`` starts at ``now``."""
-        self.busy = self.utilisation(now) + seconds / self.busy_window_s
-        self.busy_at = now
-
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(
             self.rid,
@@ -165,7 +153,7 @@ class Replica:
             step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
             mean_output_tokens=self.mean_output_steps,
             cache_fill=len(self.cache) / self.capacity,
-            prefill_busy=min(self.utilisation(now), 1.0),
+            prefill_busy=self.busy.at(now),
             host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
         )
 
@@ -234,7 +222,7 @@ def simulate(
     mean_output = statistics.fmean(out for _, _, out in rows)
     window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
     replicas = [
-        Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output, busy_window_s=window)
+        Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output, busy=BusyShare(window))
         for i in range(n)
     ]
     clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
@@ -267,7 +255,7 @@ def simulate(
         uncached = r.tokens - r.hits * BLOCK_TOKENS
         rep.prefill_busy = True
         done = now + uncached / costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / costs.host_load_tok_s
-        rep.note_prefill(now, done - now)
+        rep.busy.add(now, done - now)
         heapq.heappush(events, (done, next(seq), "prefilled", i))
 
     while events:

@@ -14,17 +14,11 @@ from typing import Any
 from ray import serve
 
 from cluster.admission import key_digests
-from cluster.config import APP_NAME, ClusterConfig, build_config
+from cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
 from cluster.engine_deployment import engine_deployment
 from cluster.ingress import Ingress, IngressSettings
 from replica.sampling_params import MAX_N
 from router.index_schema import REDIS_URL_ENV, index_redis_url
-
-PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
-PROBE_DEADLINE_S = "0.5"
-"""How long the routers (in the ingress processes) wait for a replica's queue-length probe before trying their
-next choice. Ray's 0.1 s is missed by a busy CPU replica, and the request then leaves the replica holding its
-prefix for a full recompute elsewhere; Ray doubles it on each retry, up to 1 s. An environment value wins."""
 
 
 def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Application:

@@ -20,6 +20,14 @@ from replica.config import EngineConfig
 from replica.model_files import DEFAULT_MODEL
 from router.baselines import POLICIES
 
+PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
+PROBE_DEADLINE_S = "0.5"
+"""How long the routers (in the ingress processes) wait for a replica's queue-length probe before trying their
+next choice. Ray's 0.1 s is missed by a busy CPU replica, and the request then leaves the replica holding its
+prefix for a full recompute elsewhere; Ray doubles it on each retry, up to 1 s. An environment value wins.
+Ray Serve reads it when first imported, so it must be in a router process's environment from its start
+(here: torch-free and Ray-free, so test and benchmark launchers can set it before importing Ray)."""
+
 APP_NAME = "kvmesh"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000

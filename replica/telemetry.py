@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from router.messages import BUSY_WINDOW_S, LoadReport
+from router.sessions import decayed
 
 
 @dataclass
@@ -140,6 +140,22 @@ class EngineSnapshot:
         )
 
 
+class BusyShare:
+    """The share of recent time something was busy: busy seconds added as they happen, fading as
+    ``exp(-age / window_s)``, over ``window_s`` (1 when busy without a pause for several windows)."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._sum, self._at = 0.0, 0.0
+
+    def at(self, now: float) -> float:
+        return min(decayed(self._sum, now - self._at, self.window_s) / self.window_s, 1.0)
+
+    def add(self, now: float, seconds: float) -> None:
+        self._sum = decayed(self._sum, now - self._at, self.window_s) + seconds
+        self._at = now
+
+
 class StepRates:
     """Running estimates of this engine's speed, reported to routers to turn queues into seconds.
 
@@ -160,22 +176,20 @@ class StepRates:
         self.decode_alpha = decode_alpha
         self.prefill_measured = False
         self._fit = [0.0] * 5  # weighted sums: 1, x, y, xx, xy (x = running, y = step seconds)
-        self._busy, self._busy_at = 0.0, 0.0
+        self._prefill = BusyShare()
 
     def observe_finished(self, output_tokens: int) -> None:
         self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
 
     def prefill_busy(self, now: float) -> float:
         """Share of the ``BUSY_WINDOW_S`` before ``now`` (``time.perf_counter`` seconds) spent prefilling."""
-        return min(self._busy * math.exp(-max(now - self._busy_at, 0.0) / BUSY_WINDOW_S), 1.0)
+        return self._prefill.at(now)
 
     def observe(self, prefill: int, decodes: int, seconds: float, now: float | None = None) -> None:
         """One step, ending at ``now`` (``time.perf_counter``; None: not timed): ``prefill`` tokens of chunks
         longer than one token, ``decodes`` one-token sequences."""
         if now is not None:
-            busy = min(prefill / self.prefill_tok_s, seconds) if prefill else 0.0
-            self._busy = self.prefill_busy(now) + busy / BUSY_WINDOW_S
-            self._busy_at = now
+            self._prefill.add(now, min(prefill / self.prefill_tok_s, seconds) if prefill else 0.0)
         a = self.alpha
         self.step_s += a * (seconds - self.step_s)
         if prefill >= 64 and prefill >= 8 * decodes:

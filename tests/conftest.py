@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
+
 # Ray Serve reads this when its modules are first imported (test modules import them at collection): set here,
-# so the handles' routers in this process use it. Ray's 0.1 s is missed by replicas on a loaded 2-core machine,
-# and a missed probe sends a request past the replica holding its prefix (kvmesh serve uses 0.5 s too).
-os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+# so the handles' routers in this process use what kvmesh serve gives its routers.
+os.environ.setdefault(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)
 
 
 @pytest.fixture(scope="session")

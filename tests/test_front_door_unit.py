@@ -440,7 +440,8 @@ def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
     replica, sends a request past the replica holding its prefix. The ingress gets 0.5 s unless told."""
     from ray.serve._private.build_app import build_app
 
-    from cluster.app import PROBE_DEADLINE_ENV, app_builder
+    from cluster.app import app_builder
+    from cluster.config import PROBE_DEADLINE_ENV
     from router.index_schema import REDIS_URL_ENV
 
     monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:1/0")
