@@ -4,8 +4,10 @@ CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode atte
 contiguous KV of the same size, for both CPU decode routes side by side: the compiled kernel that reads the
 paged cache in place (``kernels/cpu_extension.py``, the default) and the gather fallback (gather through
 block tables + SDPA). Batch 32, context 1,024, SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
-block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x. Then causal prefill / extend:
-the compiled prefill kernel against the gather + SDPA fallback, prompts of 64 to 1,024 tokens.
+block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x. Then the decode kernel alone in
+float32 and bfloat16 on batches of mixed context lengths (ms and KV bytes read per second). Then causal
+prefill / extend: the compiled prefill kernel against the gather + SDPA fallback, prompts of 64 to 1,024
+tokens.
 
 CUDA (when a GPU is present): Triton decode vs the torch path vs SDPA on pre-gathered contiguous KV, for
 decode batch 1-256 and context 512-32k, with achieved bandwidth (KV bytes read / time) as a fraction of
@@ -96,6 +98,50 @@ def cpu_overhead(repeats: int) -> dict:
         "gather_overhead": gather / sdpa,
         "goal": 1.5,
     }
+
+
+DECODE_SHAPES = [(1, 4096, 4096), (8, 64, 640), (32, 64, 640), (64, 64, 640), (64, 1024, 1024)]
+"""(batch, shortest, longest context) of the CPU decode kernel's table: one long context, and batches of the
+engine_throughput workload's lengths (prompts of 64-512 tokens and up to 128 generated)."""
+
+
+def mixed_decode(batch: int, shortest: int, longest: int, dtype: torch.dtype):
+    """One decode query per sequence over contexts of random lengths in [shortest, longest] on shuffled
+    blocks (SmolLM2 shapes); also returns the number of cached keys the batch reads."""
+    rng = random.Random(0)
+    lens = [rng.randint(shortest, longest) for _ in range(batch)]
+    need = [-(-n // 16) for n in lens]
+    ids = list(range(sum(need)))
+    rng.shuffle(ids)
+    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(batch)]
+    meta = AttentionMetadata.build([1] * batch, lens, tables, 16, "cpu")
+    kc = torch.randn(sum(need), 16, 3, 64, dtype=dtype)
+    return meta, torch.randn(batch, 9, 64, dtype=dtype), kc, torch.randn_like(kc), sum(lens)
+
+
+def cpu_decode(repeats: int) -> list[dict]:
+    """The compiled decode kernel alone (``paged_decode``), median of 5 rounds, in both dtypes."""
+    op = cpu_op("paged_decode")
+    if op is None:
+        raise SystemExit("the CPU decode kernel did not build (see the warning above)")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, shortest, longest in DECODE_SHAPES:
+            meta, q, kc, vc, keys = mixed_decode(batch, shortest, longest, dtype)
+            out, ids = torch.empty_like(q), torch.arange(batch)
+            args = (out, q, kc, vc, None, None, meta.block_tables, meta.seq_lens, meta.query_start_loc, ids)
+            ms = 1000 * median([timeit(lambda a=args: op(*a, 0.125, 0), repeats) for _ in range(5)])
+            kv_bytes = 2 * keys * 3 * 64 * kc.element_size()
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "batch": batch,
+                    "context": f"{shortest}-{longest}" if shortest != longest else str(shortest),
+                    "kernel_ms": ms,
+                    "kv_GBps": kv_bytes / ms / 1e6,
+                }
+            )
+    return rows
 
 
 PREFILL_SHAPES = [(8, 64, 64), (1, 128, 128), (4, 256, 256), (1, 512, 512), (1, 2048, 512), (2, 1024, 1024)]
@@ -204,7 +250,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.cuda_only and not torch.cuda.is_available():
         raise SystemExit("--cuda-only needs a CUDA device")
-    out: dict = {} if args.cuda_only else {"cpu": cpu_overhead(args.repeats), "cpu_prefill": cpu_prefill(args.repeats)}
+    out: dict = {}
+    if not args.cuda_only:
+        out = {"cpu": cpu_overhead(args.repeats), "cpu_decode": cpu_decode(args.repeats)}
+        out["cpu_prefill"] = cpu_prefill(args.repeats)
     c = out.get("cpu")
     if c:
         print_table(
@@ -227,6 +276,15 @@ def main() -> None:
                     f"{c['gather_overhead']:.2f}x",
                     "<= 1.5x",
                 ]
+            ],
+        )
+    if out.get("cpu_decode"):
+        print()
+        print_table(
+            ["CPU decode kernel, SmolLM2 shapes", "kernel ms", "KV GB/s"],
+            [
+                [f"{r['dtype']}, batch {r['batch']}, context {r['context']}", r["kernel_ms"], r["kv_GBps"]]
+                for r in out["cpu_decode"]
             ],
         )
     if out.get("cpu_prefill"):

@@ -67,6 +67,8 @@ def check_against_reference(
     window: int | None = None,
     device: str = "cpu",
     splits: int | None = None,
+    group: int | None = None,
+    head_dim: int | None = None,
     **shape,
 ) -> None:
     """Store a random batch's new K/V and attend with the implementation under test, against float64.
@@ -75,14 +77,15 @@ def check_against_reference(
     output starts as NaN, so any element the implementation forgets to write fails the comparison.
     ``window``: sliding-window attention over the same batch. ``device``: where the implementation under
     test runs (the float64 reference always runs on the CPU). ``splits``: the parts each decode context is
-    split into (the Triton kernels' flash-decoding; None lets them choose).
+    split into (the Triton kernels' flash-decoding; None lets them choose). ``group``, ``head_dim``: fixed
+    instead of drawn.
     """
     from kernels.reference import paged_attention_reference, store_kv_reference
 
     rng = random.Random(seed)
     block_size = rng.choice([16, 32])
-    group = [1, 3, 4, 8][case % 4]
-    head_dim = rng.choice([64, 128])
+    group = [1, 3, 4, 8][case % 4] if group is None else group
+    head_dim = rng.choice([64, 128]) if head_dim is None else head_dim
     meta, q, k, v, kc, vc = random_batch(rng, block_size, rng.choice([1, 2]), group, head_dim, **shape)
     scale = head_dim**-0.5
     ref_kc, ref_vc = kc.clone(), vc.clone()
