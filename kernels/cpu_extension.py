@@ -2,8 +2,7 @@
 
 - ``paged_decode`` (``csrc/paged_decode_cpu.cpp``): gathering scattered blocks into a contiguous tensor
   costs a CPU as much as the attention that follows, so decode rows (one query each, the bulk of every
-  step) go through a small C++ kernel that reads the paged cache in place; on AVX-512 CPUs float32 and bf16
-  caches take its vector path (``csrc/decode_avx512.h``).
+  step) go through a small C++ kernel that reads the paged cache in place.
 - ``paged_prefill`` (``csrc/paged_prefill_cpu.cpp``): prefill and extend rows, causal, read in place too:
   tiles of query positions under one KV head (its whole GQA group) with flash attention's online softmax.
 - ``sample_rows`` and ``argmax_rows`` (``csrc/sample_cpu.cpp``): the sampler's rejection path
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers")]
-HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h", CSRC / "decode_avx512.h"]
+HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

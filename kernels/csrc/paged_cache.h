@@ -9,11 +9,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <utility>
-#include <vector>
 
 #include "convert.h"
 
@@ -73,19 +70,6 @@ void with_cache_type(at::ScalarType cache, at::ScalarType q, F&& f) {
   } else {
     TORCH_CHECK(false, "cache dtype ", cache, " does not match q's ", q, " nor int8/fp8");
   }
-}
-
-// The tasks [lo, hi) of parts [part_begin, part_end) out of `parts` equal shares of the work, where done[t]
-// is the work of tasks 0..t (a running total): a thread's tasks are those whose work ends in its share.
-// Splitting by count instead leaves one thread waiting on the other when sequences differ in length.
-inline std::pair<int64_t, int64_t> share_of(const std::vector<double>& done, int64_t part_begin, int64_t part_end,
-                                            int64_t parts) {
-  const double total = done.empty() ? 0.0 : done.back();
-  auto end_of = [&](int64_t part) {
-    if (part == parts) return static_cast<int64_t>(done.size());
-    return static_cast<int64_t>(std::lower_bound(done.begin(), done.end(), total * part / parts - 1e-9) - done.begin());
-  };
-  return {end_of(part_begin), end_of(part_end)};
 }
 
 }  // namespace kvmesh

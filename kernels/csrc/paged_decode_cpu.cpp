@@ -11,8 +11,7 @@
 // size (the query sees its last `window` positions, itself included), 0 for full attention. Accumulates in
 // float.
 //
-// Quantized caches: see paged_cache.h. Unquantized float32/bf16 caches with the usual head shapes take the
-// AVX-512 path of decode_avx512.h where the CPU has it.
+// Quantized caches: see paged_cache.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,7 +23,6 @@
 #include <optional>
 #include <vector>
 
-#include "decode_avx512.h"
 #include "paged_cache.h"
 
 namespace {
@@ -149,102 +147,6 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   });
 }
 
-#if defined(KVMESH_DECODE_AVX512)
-// decode_kernel's tasks (a sequence's KV heads [h0, h0 + span)) on the AVX-512 path: q, the caches and out
-// are all C.
-template <int D, int G, typename C>
-void decode_avx512(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                   const at::Tensor& rows, double scale, int64_t window) {
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), row_stride = kv_heads * D;
-  const int64_t table_width = block_tables.size(1), q_stride0 = q.stride(0), o_stride0 = out.stride(0);
-  const C* qp = q.data_ptr<C>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
-  C* op = out.data_ptr<C>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int64_t* row_ids = rows.data_ptr<int64_t>();
-  const int64_t span = rows.numel() >= 4 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t per_seq = kv_heads / span, tasks = rows.numel() * per_seq;
-  std::vector<double> done(tasks);  // work: the keys a task walks, and a fixed cost per task
-  double total = 0;
-  for (const auto task : c10::irange(tasks)) {
-    const int64_t len = lens[row_ids[task / per_seq]];
-    done[task] = total += static_cast<double>(span) * ((window > 0 ? std::min(len, window) : len) + 16);
-  }
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    const auto [begin, end] = kvmesh::share_of(done, part_begin, part_end, parts);
-    std::vector<int64_t> offsets;
-    std::vector<float> scores, acc(G * D);
-    for (const auto task : c10::irange(begin, end)) {
-      const int64_t seq = row_ids[task / per_seq], h0 = (task % per_seq) * span;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0, len = lens[seq] - first;
-      const int32_t* table = tables + seq * table_width;
-      offsets.resize((len + 15) / 16 * 16);
-      int64_t i = 0;
-      for (int64_t b = first / block_size; i < len; ++b) {
-        const int64_t slot0 = static_cast<int64_t>(table[b]) * block_size;
-        for (int64_t t = std::max(first, b * block_size); t < (b + 1) * block_size && i < len; ++t, ++i)
-          offsets[i] = (slot0 + t - b * block_size) * row_stride;
-      }
-      std::fill(offsets.begin() + len, offsets.end(), offsets[0]);
-      scores.resize(G * len);
-      for (int64_t h = h0; h < h0 + span; ++h) {
-        for (auto& o : offsets) o += h == h0 ? h0 * D : D;
-        const C* qh = qp + starts[seq] * q_stride0 + h * G * D;
-        kvmesh::avx512::attend<D, G, C>(qh, offsets.data(), kp, vp, len, static_cast<float>(scale), scores.data(),
-                                        acc.data());
-        C* dst = op + starts[seq] * o_stride0 + h * G * D;
-        for (const auto i : c10::irange(G * D)) dst[i] = kvmesh::from_float<C>(acc[i]);
-      }
-    }
-  });
-}
-
-template <int D, typename C>
-bool try_avx512(int64_t group, at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                const at::Tensor& query_start_loc, const at::Tensor& rows, double scale, int64_t window) {
-  switch (group) {
-#define KVMESH_GROUP(G)                                                                                        \
-  case G:                                                                                                      \
-    decode_avx512<D, G, C>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, scale, window); \
-    return true;
-    KVMESH_GROUP(1)
-    KVMESH_GROUP(2)
-    KVMESH_GROUP(3)
-    KVMESH_GROUP(4)
-    KVMESH_GROUP(5)
-    KVMESH_GROUP(6)
-    KVMESH_GROUP(7)
-    KVMESH_GROUP(8)
-#undef KVMESH_GROUP
-    default:
-      return false;
-  }
-}
-
-// The AVX-512 path where it applies: an unquantized cache of q's dtype (float32 or bf16), head_dim 64 or
-// 128, 1-8 query heads per KV head. False otherwise (the portable kernel serves).
-bool decode_fast(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 bool scaled, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                 const at::Tensor& query_start_loc, const at::Tensor& rows, double scale, int64_t window) {
-  const auto dtype = q.scalar_type();
-  if (scaled || k_cache.scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kBFloat16)) return false;
-  const int64_t d = q.size(2), group = q.size(1) / k_cache.size(2);
-  auto run = [&](auto tag) {
-    using C = decltype(tag);
-    if (d == 64) return try_avx512<64, C>(group, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, scale, window);
-    if (d == 128) return try_avx512<128, C>(group, out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, scale, window);
-    return false;
-  };
-  return dtype == at::kFloat ? run(float{}) : run(c10::BFloat16{});
-}
-#endif
-
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -255,11 +157,6 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const auto starts = query_start_loc.contiguous(), rows_c = rows.contiguous();
   const auto cache_type = k_cache.scalar_type();
-#if defined(KVMESH_DECODE_AVX512)
-  if (decode_fast(out, q, k_cache, v_cache, k_scale.has_value() || v_scale.has_value(), tables, lens, starts, rows_c,
-                  scale, window))
-    return;
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     using Q = scalar_t;
     auto run = [&](auto cache_tag) {

@@ -160,7 +160,11 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(max_rows * D), m(max_rows), l(max_rows), corr(max_rows);
     std::vector<v16> kt(D), vt(kKeys * VC), s(max_rows), o(max_rows * VC);
-    const auto [lo, hi] = kvmesh::share_of(done, part_begin, part_end, parts);
+    // This thread's tasks: those whose work ends in its share of the total.
+    const auto lo = std::lower_bound(done.begin(), done.end(), total * part_begin / parts - 1e-9) - done.begin();
+    const auto hi = part_end == parts ? static_cast<int64_t>(tasks.size())
+                                      : std::lower_bound(done.begin(), done.end(), total * part_end / parts - 1e-9) -
+                                            done.begin();
     for (int64_t t = lo; t < hi; ++t) {
       const auto [seq, h, j] = tasks[t];
       const int64_t n = starts[seq + 1] - starts[seq], len = lens[seq];
