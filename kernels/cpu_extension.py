@@ -10,6 +10,9 @@
   with temporaries, and a greedy argmax several times faster than torch's on long rows.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/layers_cpu.cpp``): the model's
   elementwise layers in one pass each (``kernels/layers.py``).
+- ``linear_rows`` (``csrc/linear_cpu.cpp``): a prepacked linear layer with its rows shared out between
+  threads, one single-threaded oneDNN call each, for the shapes where that beats oneDNN's own threading
+  (``kernels/cpu_linear.py`` measures which).
 
 All of them compute in float and widen and round half-precision values through ``csrc/convert.h`` (c10's
 rounding, in a form the compiler vectorizes: with c10's own operators bf16 SiLU-and-mul ran 8x slower).
@@ -40,7 +43,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers")]
+SOURCES = [CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear")]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -9,7 +9,7 @@ from torch import nn
 
 from kernels import layers
 from kernels.cpu_extension import cpu_op
-from kernels.cpu_linear import PackedLinear, pack_linears
+from kernels.cpu_linear import PackedLinear, RowSplit, pack_linears
 
 pytestmark = pytest.mark.skipif(cpu_op("rms_norm") is None, reason="the CPU kernels could not be built here")
 
@@ -84,6 +84,49 @@ def test_packed_linear_equals_the_linear_it_replaces(dtype, bias):
         strided = model(torch.randn(5, 300, dtype=dtype)[:, :96])  # a non-contiguous input is accepted
     assert got.shape == want.shape and strided.shape == (5, 40)
     close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 257])
+def test_both_ways_of_threading_a_packed_linear_compute_it(dtype, bias, rows):
+    """oneDNN's own threads and the rows shared out between threads (odd splits included), inside and outside
+    inference mode (worker threads do not inherit it), against ``F.linear``."""
+    torch.manual_seed(rows)
+    dense = nn.Linear(96, 200, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
+    want = dense(x).detach()
+    layer = PackedLinear(dense)
+    for split in (False, True):
+        close(layer.run(x, split), want, dtype)
+        with torch.inference_mode():
+            close(layer.run(x, split), want, dtype)
+
+
+def test_row_split_keeps_the_faster_way_per_shape_and_batch_size():
+    """Each way is timed ``trials`` times on the first calls of a key, alternating, every call served; then the
+    faster one serves alone, each key deciding for itself."""
+    now = [0.0]
+    split = RowSplit(trials=2, clock=lambda: now[0])
+    cost = {("a", False): 2.0, ("a", True): 1.0, ("b", False): 1.0, ("b", True): 3.0}
+    calls = []
+
+    def call(key):
+        def run(rows_shared: bool) -> str:
+            calls.append((key, rows_shared))
+            now[0] += cost[(key, rows_shared)]
+            return f"{key}:{rows_shared}"
+
+        return run
+
+    for _ in range(4):
+        assert split.run("a", call("a")) in ("a:False", "a:True")
+        split.run("b", call("b"))
+    assert sorted(calls) == sorted([(k, s) for k in "ab" for s in (False, True) for _ in range(2)])
+    assert split.chosen == {"a": True, "b": False}
+    calls.clear()
+    assert split.run("a", call("a")) == "a:True" and split.run("b", call("b")) == "b:False"
+    assert calls == [("a", True), ("b", False)]
 
 
 def test_packing_can_be_turned_off(monkeypatch):
