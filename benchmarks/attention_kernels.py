@@ -37,13 +37,16 @@ from kernels.torch_attention import paged_attention_torch
 
 
 def problem(batch, ctx, new, heads, kv_heads, head_dim, block_size, dtype, device):
-    """A batch of ``batch`` sequences of ``ctx`` tokens (``new`` of them queries) on shuffled blocks."""
-    nb = -(-ctx // block_size)
-    ids = list(range(batch * nb))
+    """A batch of ``batch`` sequences of ``ctx`` tokens (or of ``ctx[i]`` tokens each, a list), ``new`` of them
+    queries, on shuffled blocks."""
+    lens = [ctx] * batch if isinstance(ctx, int) else list(ctx)
+    need = [-(-n // block_size) for n in lens]
+    ids = list(range(sum(need)))
     random.Random(0).shuffle(ids)
-    tables = [ids[i * nb : (i + 1) * nb] for i in range(batch)]
-    meta = AttentionMetadata.build([new] * batch, [ctx] * batch, tables, block_size, device)
-    shape = (batch * nb, block_size, kv_heads, head_dim)
+    starts = [sum(need[:i]) for i in range(batch)]
+    tables = [ids[at : at + n] for at, n in zip(starts, need, strict=True)]
+    meta = AttentionMetadata.build([new] * batch, lens, tables, block_size, device)
+    shape = (len(ids), block_size, kv_heads, head_dim)
     kc = torch.randn(shape, dtype=dtype, device=device)
     vc = torch.randn(shape, dtype=dtype, device=device)
     q = torch.randn(batch * new, heads, head_dim, dtype=dtype, device=device)
@@ -107,20 +110,6 @@ DECODE_SHAPES = [(1, 4096, 4096), (8, 64, 640), (32, 64, 640), (64, 64, 640), (6
 engine_throughput workload's lengths (prompts of 64-512 tokens and up to 128 generated)."""
 
 
-def mixed_decode(batch: int, shortest: int, longest: int, dtype: torch.dtype):
-    """One decode query per sequence over contexts of random lengths in [shortest, longest] on shuffled
-    blocks (SmolLM2 shapes); also returns the number of cached keys the batch reads."""
-    rng = random.Random(0)
-    lens = [rng.randint(shortest, longest) for _ in range(batch)]
-    need = [-(-n // 16) for n in lens]
-    ids = list(range(sum(need)))
-    rng.shuffle(ids)
-    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(batch)]
-    meta = AttentionMetadata.build([1] * batch, lens, tables, 16, "cpu")
-    kc = torch.randn(sum(need), 16, 3, 64, dtype=dtype)
-    return meta, torch.randn(batch, 9, 64, dtype=dtype), kc, torch.randn_like(kc), sum(lens)
-
-
 def last_level_cache_bytes() -> int:
     """The CPU's last-level cache (Linux sysfs), or 64 MiB where it cannot be read."""
     sizes = []
@@ -141,7 +130,10 @@ def cpu_decode(repeats: int) -> list[dict]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for batch, shortest, longest in DECODE_SHAPES:
-            meta, q, kc, vc, keys = mixed_decode(batch, shortest, longest, dtype)
+            rng = random.Random(0)
+            lens = [rng.randint(shortest, longest) for _ in range(batch)]  # mixed, as a running batch's
+            meta, q, kc, vc = problem(batch, lens, 1, 9, 3, 64, 16, dtype, "cpu")
+            keys = sum(lens)
             out, ids = torch.empty_like(q), torch.arange(batch)
             kv_bytes = 2 * keys * 3 * 64 * kc.element_size()
             copies = -(-2 * last_level_cache_bytes() // (2 * kc.nbytes))

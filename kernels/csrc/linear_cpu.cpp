@@ -28,11 +28,12 @@ void linear_rows(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   const int64_t parts =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / std::max<int64_t>(min_rows, 1)));
   const bool inference = c10::InferenceMode::is_enabled();
+  const c10::List<std::optional<c10::Scalar>> no_scalars;
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     c10::InferenceMode guard(inference);  // the caller's mode: worker threads do not inherit it
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t r0 = rows * p / parts, r1 = rows * (p + 1) / parts;
-      out.narrow(0, r0, r1 - r0).copy_(linear.call(x.narrow(0, r0, r1 - r0), packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt));
+      const int64_t r0 = rows * p / parts, n = rows * (p + 1) / parts - r0;
+      out.narrow(0, r0, n).copy_(linear.call(x.narrow(0, r0, n), packed, bias, "none", no_scalars, std::nullopt));
     }
   });
 }
