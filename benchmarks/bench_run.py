@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import httpx
@@ -34,6 +33,7 @@ from benchmarks.report import print_table, pyplot, save_figure, write_json
 from benchmarks.serve_process import ServeProcess
 from benchmarks.trace_workloads import WORKLOADS as TRACE_WORKLOADS
 from benchmarks.workloads import Session, mooncake_trace, multi_turn_chat, shared_prefix, trace_sessions
+from router.prefix_lru import PrefixLRU
 
 ROUTERS = "kv_aware,pow2,round_robin,session_hash,approx_tree"
 
@@ -64,6 +64,11 @@ def _delta(before: dict, after: dict, key: str) -> dict[str, int]:
     return {rid: r.get(key, 0) - before.get(rid, {}).get(key, 0) for rid, r in after.items()}
 
 
+def _prefix_keys(ids: list[int], block_size: int, blocks: int) -> list[tuple[int, ...]]:
+    """The first ``blocks`` full blocks of ``ids``, each keyed by its whole prefix, as the hash chain keys it."""
+    return [tuple(ids[: (j + 1) * block_size]) for j in range(blocks)]
+
+
 def pooled_bound(
     sent: list[tuple[list[int], list[int]]],
     block_size: int,
@@ -73,29 +78,15 @@ def pooled_bound(
     """Hit rate by tokens of one pooled LRU over (prompt ids, reply ids) in send order, counted as the
     engine counts hits (full blocks only, the last prompt token always recomputed). ``prefill`` (the
     warm-up's requests) enters the cache first without being counted, as it does on the replicas."""
-    lru: OrderedDict[tuple, None] = OrderedDict()
+    lru = PrefixLRU(capacity_blocks)
     hit = total = 0
     for k, (prompt, reply) in enumerate([*prefill, *sent]):
-        counted = k >= len(prefill)
-        blocks = [tuple(prompt[i : i + block_size]) for i in range(0, len(prompt) - block_size + 1, block_size)]
-        chain, n = [], 0
-        for b in blocks[: (len(prompt) - 1) // block_size]:
-            chain.append(b)
-            if tuple(chain) not in lru:  # a block is its whole prefix, as the hash chain makes it
-                break
-            n += 1
-        if counted:
+        n = lru.leading(_prefix_keys(prompt, block_size, (len(prompt) - 1) // block_size))
+        if k >= len(prefill):
             hit += n * block_size
             total += len(prompt)
         seq = prompt + reply
-        chain = []
-        for i in range(0, len(seq) - block_size + 1, block_size):
-            chain.append(tuple(seq[i : i + block_size]))
-            key = tuple(chain)
-            lru[key] = None
-            lru.move_to_end(key)
-        while len(lru) > capacity_blocks:
-            lru.popitem(last=False)
+        lru.touch(_prefix_keys(seq, block_size, len(seq) // block_size))
     return hit / total if total else 0.0
 
 

@@ -34,7 +34,7 @@ import json
 import statistics
 import struct
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from benchmarks.report import print_table, write_json
 from replica.telemetry import BusyShare
 from router.baselines import POLICIES, make_policy
 from router.policy import ReplicaLoad, RouteRequest
+from router.prefix_lru import PrefixLRU
 from router.sessions import SESSION_DECAY_S, DecayingCounts
 
 BLOCK_TOKENS = 16
@@ -99,8 +100,8 @@ class Replica:
     costs: Costs
     host_capacity: int = 0
     """Blocks of the host prefix tier: what the device evicts goes there (LRU), exclusive with the device."""
-    cache: OrderedDict = field(default_factory=OrderedDict)
-    host: OrderedDict = field(default_factory=OrderedDict)
+    cache: PrefixLRU = field(init=False)
+    host: PrefixLRU = field(init=False)
     prefill_queue: deque = field(default_factory=deque)
     slot_waiters: deque = field(default_factory=deque)
     running: int = 0
@@ -112,34 +113,23 @@ class Replica:
     mean_output_steps: float = 1.0
     """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
 
+    def __post_init__(self) -> None:
+        self.cache = PrefixLRU(self.capacity)
+        self.host = PrefixLRU(self.host_capacity)
+
     def leading_hits(self, chain: list[bytes]) -> int:
-        n = 0
-        for h in chain:
-            if h not in self.cache:
-                break
-            n += 1
-        return n
+        return self.cache.leading(chain)
 
     def host_hits(self, chain: list[bytes], start: int) -> int:
         """Blocks of ``chain`` after its first ``start`` that the host tier holds, in a row."""
-        n = 0
-        for h in chain[start:]:
-            if h not in self.host:
-                break
-            n += 1
-        return n
+        return self.host.leading(chain[start:])
 
     def insert(self, chain: list[bytes]) -> None:
         for h in chain:
-            self.cache[h] = None
-            self.cache.move_to_end(h)
-            self.host.pop(h, None)  # loaded back or recomputed: the device holds it now
-        while len(self.cache) > self.capacity:
-            evicted, _ = self.cache.popitem(last=False)
+            self.host.discard(h)  # loaded back or recomputed: the device holds it now
+        for evicted in self.cache.touch(chain):
             if self.host_capacity:
-                self.host[evicted] = None
-                if len(self.host) > self.host_capacity:
-                    self.host.popitem(last=False)
+                self.host.touch((evicted,))
 
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(
@@ -173,24 +163,15 @@ def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], 
 
 def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[float, float]:
     """Block hit rate and prefill seconds of the trace on one LRU of ``capacity`` blocks (None: infinite)."""
-    cache: OrderedDict = OrderedDict()
+    cache = PrefixLRU(capacity)
     hit = total = 0
     work = 0.0
     for _, chain, _ in rows:
-        n = 0
-        for h in chain:
-            if h not in cache:
-                break
-            n += 1
+        n = cache.leading(chain)
         hit += n
         total += len(chain)
         work += (len(chain) - n) * BLOCK_TOKENS / prefill_tok_s
-        for h in chain:
-            cache[h] = None
-            cache.move_to_end(h)
-        if capacity is not None:
-            while len(cache) > capacity:
-                cache.popitem(last=False)
+        cache.touch(chain)
     return hit / total, work
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
 
 import xxhash
 
 from router.policy import Decision, KVAwarePolicy, ReplicaLoad, RouteRequest, RoutingPolicy, least_loaded
+from router.prefix_lru import PrefixLRU
 
 
 class RoundRobinPolicy:
@@ -103,17 +103,11 @@ class ApproxTreePolicy:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.max_blocks = max_blocks_per_replica
-        self._trees: dict[str, OrderedDict[bytes, None]] = {}
+        self._trees: dict[str, PrefixLRU] = {}
 
     def _match(self, index_id: str, block_hashes) -> int:
         tree = self._trees.get(index_id)
-        n = 0
-        if tree:
-            for h in block_hashes:
-                if h not in tree:
-                    break
-                n += 1
-        return n
+        return tree.leading(block_hashes) if tree else 0
 
     def rank(
         self, req: RouteRequest, replicas: list[ReplicaLoad], hits=None, shared_starts=None, host_hits=None
@@ -135,12 +129,7 @@ class ApproxTreePolicy:
         return Decision([r.index_id for r in order], "smallest_tree")
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
-        tree = self._trees.setdefault(index_id, OrderedDict())
-        for h in req.block_hashes:
-            tree[h] = None
-            tree.move_to_end(h)
-        while len(tree) > self.max_blocks:
-            tree.popitem(last=False)
+        self._trees.setdefault(index_id, PrefixLRU(self.max_blocks)).touch(req.block_hashes)
 
 
 POLICIES: dict[str, type] = {

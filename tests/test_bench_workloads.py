@@ -61,8 +61,9 @@ def test_pooled_bound_counts_reuse_like_the_engine():
     reply = list(range(500, 532))
     turn2 = a + reply + [1, 2, 3]
     assert pooled_bound([(a, reply), (turn2, [])], 16, 100) == (6 * 16) / (64 + len(turn2))
-    # capacity bounds it: a one-block pool keeps only the newest chain's last block
-    assert pooled_bound([(a, []), (a, [])], 16, 1) == 0.0
+    # capacity bounds it: a one-block pool keeps only the newest chain's first block (tails go first)
+    assert pooled_bound([(a, []), (a, [])], 16, 1) == 16 / (2 * 64)
+    assert pooled_bound([(a, []), (list(range(900, 964)), []), (a, [])], 16, 1) == 0.0
     # warm-up traffic fills the cache without being counted
     assert pooled_bound([(a, [])], 16, 100, prefill=[(a, [])]) == (3 * 16) / 64
 
