@@ -7,7 +7,12 @@ run:
 - the packed layer's two ways to use the threads: oneDNN's own, or the rows shared out, one oneDNN call per
   thread (``PackedLinear`` measures which is faster per shape and batch size and keeps it).
 
-    python -m benchmarks.cpu_linear [--repeats 30] [--dtype bfloat16]
+``--decode-step`` times instead what one decode step's linears cost: SmolLM2's 30 layers, each with its own
+weights, and the LM head, at 4-64 rows, against the same calls on one layer's weights reused 30 times. A
+model's weights (538 MB in float32, 269 MB in bf16) pass through the caches once per step; reused, one
+layer's stay in them. The gap is what streaming the weights from memory adds to a step.
+
+    python -m benchmarks.cpu_linear [--repeats 30] [--dtype bfloat16] [--decode-step]
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ SHAPES = {
     "down 1536->576": (1536, 576),
 }
 ROWS = (1, 16, 64, 256, 512, 1024)
+LAYERS, HIDDEN, VOCAB = 30, 576, 49152
+"""SmolLM2-135M's depth, width and vocabulary (its LM head)."""
 
 
 def timeit(fn, x: torch.Tensor, repeats: int) -> float:
@@ -42,14 +49,76 @@ def timeit(fn, x: torch.Tensor, repeats: int) -> float:
     return median(times)
 
 
+def decode_step(dtype: torch.dtype, repeats: int) -> list[dict]:
+    """One decode step's linears at 4-64 rows: every layer's own weights, then one layer's reused."""
+    layers = [[PackedLinear(nn.Linear(i, o, bias=False).to(dtype)) for i, o in SHAPES.values()] for _ in range(LAYERS)]
+    head = PackedLinear(nn.Linear(HIDDEN, VOCAB, bias=False).to(dtype))
+    weight_bytes = sum(lin.packed.nbytes for layer in layers for lin in layer) + head.packed.nbytes
+    out = []
+    for n in (4, 16, 32, 64):
+        xs = {i: torch.randn(n, i, dtype=dtype) for i, _ in SHAPES.values()}
+
+        def step(reuse: bool, xs=xs) -> float:
+            t0 = time.perf_counter()
+            for layer in layers[:1] * LAYERS if reuse else layers:
+                for lin in layer:
+                    lin(xs[lin.in_features])
+            head(xs[HIDDEN])
+            return time.perf_counter() - t0
+
+        flop = 2 * n * (LAYERS * sum(i * o for i, o in SHAPES.values()) + HIDDEN * VOCAB)
+        step(False), step(True)  # warm-up: first calls time both ways of threading (kernels/cpu_linear.py)
+        step(False), step(True)
+        own, reused = [], []
+        for _ in range(repeats):  # alternated, so drift hits both alike
+            own.append(step(False))
+            reused.append(step(True))
+        own_s, reused_s = median(own), median(reused)
+        out.append(
+            {
+                "rows": n,
+                "weights_MB": weight_bytes / 1e6,
+                "own_weights_ms": 1e3 * own_s,
+                "reused_weights_ms": 1e3 * reused_s,
+                "own_GFLOPs": flop / own_s / 1e9,
+                "reused_GFLOPs": flop / reused_s / 1e9,
+                "own_weights_GBps": weight_bytes / own_s / 1e9,
+            }
+        )
+    return out
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--decode-step", action="store_true", help="a decode step's linears, own vs reused weights")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
+    if args.decode_step:
+        rows = decode_step(dtype, max(args.repeats // 2, 5))
+        print_table(
+            ["rows", "own weights ms", "GFLOP/s", "weights GB/s", "one layer's reused ms", "GFLOP/s", "slow-down"],
+            [
+                [
+                    r["rows"],
+                    r["own_weights_ms"],
+                    r["own_GFLOPs"],
+                    r["own_weights_GBps"],
+                    r["reused_weights_ms"],
+                    r["reused_GFLOPs"],
+                    r["own_weights_ms"] / r["reused_weights_ms"],
+                ]
+                for r in rows
+            ],
+        )
+        write_json(
+            f"cpu_linear_decode_step_{args.dtype}",
+            {"dtype": args.dtype, "threads": torch.get_num_threads(), "layers": LAYERS, "decode_step": rows},
+        )
+        return
     rows_out, table, split_table = [], [], []
     for name, (fan_in, fan_out) in SHAPES.items():
         dense = nn.Linear(fan_in, fan_out, bias=False).to(dtype)
