@@ -23,9 +23,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-METRIC_KEYS = ("kv_used_blocks", "kv_waiting_blocks", "kv_total_blocks", "num_waiting", "num_running", "preemptions")
-"""What each engine replica reports to Ray Serve for autoscaling (``record_autoscaling_stats``)."""
-
 SCALING_POLICIES = ("kv_pressure", "ongoing_requests")
 """``kv_pressure``: ``KVPressurePolicy``; ``ongoing_requests``: Ray Serve's default (the baseline)."""
 
