@@ -4,12 +4,13 @@ run:
 
 - ``F.linear`` (repacks its weight on every call) vs ``PackedLinear`` (weight packed once for oneDNN,
   ``kernels/cpu_linear.py``) as it serves;
-- the packed layer's two ways to use the threads: oneDNN's own, or the rows shared out, one oneDNN call per
-  thread (``PackedLinear`` measures which is faster per shape and batch size and keeps it).
+- the packed layer's ways of computing (``PackedLinear.run``; it measures which is fastest per shape and batch
+  size and keeps it): oneDNN's own threads, the rows shared out (one oneDNN call per thread, from 32 rows),
+  and in float32 the panel kernel, as speed-ups over oneDNN's.
 
-``--decode-step`` times instead what one decode step's linears cost: SmolLM2's 30 layers, each with its own
-weights, and the LM head, at 4-64 rows, against the same calls on one layer's weights reused 30 times. A
-model's weights (538 MB in float32, 269 MB in bf16) pass through the caches once per step; reused, one
+``--decode-step`` times instead what one decode step's linears cost, each way: SmolLM2's 30 layers, each with
+its own weights, and the LM head, at 4-256 rows, against the same calls on one layer's weights reused 30 times.
+A model's weights (538 MB in float32, 269 MB in bf16) pass through the caches once per step; reused, one
 layer's stay in them. The gap is what streaming the weights from memory adds to a step.
 
     python -m benchmarks.cpu_linear [--repeats 30] [--dtype bfloat16] [--decode-step]
@@ -50,41 +51,47 @@ def timeit(fn, x: torch.Tensor, repeats: int) -> float:
 
 
 def decode_step(dtype: torch.dtype, repeats: int) -> list[dict]:
-    """One decode step's linears at 4-64 rows: every layer's own weights, then one layer's reused."""
+    """One decode step's linears at 4-256 rows, each way of computing them (``PackedLinear.run``): on every
+    layer's own weights, then on one layer's reused."""
     layers = [[PackedLinear(nn.Linear(i, o, bias=False).to(dtype)) for i, o in SHAPES.values()] for _ in range(LAYERS)]
     head = PackedLinear(nn.Linear(HIDDEN, VOCAB, bias=False).to(dtype))
     weight_bytes = sum(lin.packed.nbytes for layer in layers for lin in layer) + head.packed.nbytes
     out = []
-    for n in (4, 16, 32, 64):
+    for n in (4, 16, 32, 64, 128, 256):
         xs = {i: torch.randn(n, i, dtype=dtype) for i, _ in SHAPES.values()}
 
-        def step(reuse: bool, xs=xs) -> float:
+        def step(way: str, reuse: bool, xs=xs) -> float:
             t0 = time.perf_counter()
             for layer in layers[:1] * LAYERS if reuse else layers:
                 for lin in layer:
-                    lin(xs[lin.in_features])
-            head(xs[HIDDEN])
+                    lin.run(xs[lin.in_features], way)
+            head.run(xs[HIDDEN], way)
             return time.perf_counter() - t0
 
         flop = 2 * n * (LAYERS * sum(i * o for i, o in SHAPES.values()) + HIDDEN * VOCAB)
-        step(False), step(True)  # warm-up: first calls time both ways of threading (kernels/cpu_linear.py)
-        step(False), step(True)
-        own, reused = [], []
-        for _ in range(repeats):  # alternated, so drift hits both alike
-            own.append(step(False))
-            reused.append(step(True))
-        own_s, reused_s = median(own), median(reused)
-        out.append(
-            {
-                "rows": n,
-                "weights_MB": weight_bytes / 1e6,
-                "own_weights_ms": 1e3 * own_s,
-                "reused_weights_ms": 1e3 * reused_s,
-                "own_GFLOPs": flop / own_s / 1e9,
-                "reused_GFLOPs": flop / reused_s / 1e9,
-                "own_weights_GBps": weight_bytes / own_s / 1e9,
-            }
-        )
+        ways = head.ways(n, torch.get_num_threads(), panel_cap=n)  # panels timed past the size they serve
+        runs = [(way, reuse) for way in ways for reuse in (False, True)]
+        times: dict[tuple[str, bool], list[float]] = {run: [] for run in runs}
+        for run in runs:  # warm-up
+            step(*run)
+        for _ in range(repeats):  # alternated, so drift hits every way alike
+            for run in runs:
+                times[run].append(step(*run))
+        for way in dict.fromkeys(w for w, _ in runs):
+            own_s, reused_s = median(times[(way, False)]), median(times[(way, True)])
+            out.append(
+                {
+                    "rows": n,
+                    "way": way,
+                    "weights_MB": weight_bytes / 1e6,
+                    "own_weights_ms": 1e3 * own_s,
+                    "reused_weights_ms": 1e3 * reused_s,
+                    "own_GFLOPs": flop / own_s / 1e9,
+                    "reused_GFLOPs": flop / reused_s / 1e9,
+                    "own_weights_GBps": weight_bytes / own_s / 1e9,
+                    "own_vs_onednn": median(times[("onednn", False)]) / own_s,
+                }
+            )
     return out
 
 
@@ -100,16 +107,28 @@ def main() -> None:
     if args.decode_step:
         rows = decode_step(dtype, max(args.repeats // 2, 5))
         print_table(
-            ["rows", "own weights ms", "GFLOP/s", "weights GB/s", "one layer's reused ms", "GFLOP/s", "slow-down"],
+            [
+                "rows",
+                "way",
+                "own weights ms",
+                "GFLOP/s",
+                "weights GB/s",
+                "one layer's reused ms",
+                "GFLOP/s",
+                "slow-down",
+                "speed-up on own weights vs onednn",
+            ],
             [
                 [
                     r["rows"],
+                    r["way"],
                     r["own_weights_ms"],
                     r["own_GFLOPs"],
                     r["own_weights_GBps"],
                     r["reused_weights_ms"],
                     r["reused_GFLOPs"],
                     r["own_weights_ms"] / r["reused_weights_ms"],
+                    r["own_vs_onednn"],
                 ]
                 for r in rows
             ],
@@ -128,8 +147,11 @@ def main() -> None:
             times = {
                 "f_linear_ms": timeit(dense, x, args.repeats),
                 "packed_ms": timeit(packed, x, args.repeats),
-                "onednn_threads_ms": timeit(functools.partial(packed.run, split=False), x, args.repeats),
-                "rows_per_thread_ms": timeit(functools.partial(packed.run, split=True), x, args.repeats),
+                **{
+                    f"{way}_ms": timeit(functools.partial(packed.run, way=way), x, args.repeats)
+                    for way in ("onednn", "rows", "panels")
+                    if way in packed.ways(n, torch.get_num_threads(), panel_cap=n)
+                },
             }
             ms = {k: 1e3 * v for k, v in times.items()}
             rows_out.append({"layer": name, "rows": n, **ms})
@@ -138,14 +160,13 @@ def main() -> None:
                 [
                     name,
                     n,
-                    ms["onednn_threads_ms"],
-                    ms["rows_per_thread_ms"],
-                    ms["onednn_threads_ms"] / ms["rows_per_thread_ms"],
+                    ms["onednn_ms"],
+                    *(ms["onednn_ms"] / ms[w] if w in ms else None for w in ("rows_ms", "panels_ms")),
                 ]
             )
     print_table(["layer", "rows", "F.linear ms", "packed ms", "speed-up"], table)
     print()
-    print_table(["layer", "rows", "oneDNN threads ms", "rows per thread ms", "rows / oneDNN speed-up"], split_table)
+    print_table(["layer", "rows", "onednn ms", "rows: speed-up", "panels: speed-up"], split_table)
     write_json(
         "cpu_linear" if dtype == torch.float32 else f"cpu_linear_{args.dtype}",
         {"dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats, "results": rows_out},

@@ -13,6 +13,9 @@
 - ``linear_rows`` (``csrc/linear_cpu.cpp``): a prepacked linear layer with its rows shared out between
   threads, one single-threaded oneDNN call each, for the shapes where that beats oneDNN's own threading
   (``kernels/cpu_linear.py`` measures which).
+- ``pack_panels`` and ``linear_panels`` (``csrc/panel_linear_cpu.cpp``): float32 linear layers for decode-sized
+  batches on weights packed in 32-column panels, the next panel prefetched while one computes: a decode
+  step streams every weight from memory, which oneDNN's GEMM leaves unhidden.
 
 All of them compute in float and widen and round half-precision values through ``csrc/convert.h`` (c10's
 rounding, in a form the compiler vectorizes: with c10's own operators bf16 SiLU-and-mul ran 8x slower).
@@ -43,7 +46,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear")]
+SOURCES = [
+    CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear")
+]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

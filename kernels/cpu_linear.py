@@ -2,17 +2,27 @@
 
 ``torch.nn.functional.linear`` on the CPU repacks its weight into the GEMM's blocked layout on every call;
 for a serving engine, whose weights never change, that is work thrown away on every step (on SmolLM2's
-shapes oneDNN on a prepacked weight is 1.2-1.9x faster from 16 to 1,024 rows: ``benchmarks/cpu_linear.py``).
+shapes oneDNN on a prepacked weight was 1.2-1.9x faster from 16 to 1,024 rows on a 2-core AMD EPYC, 1.04-2.1x
+at 16-64 rows and about level from 256 on a 2-core Xeon: ``benchmarks/cpu_linear.py``).
 ``pack_linears`` replaces each ``nn.Linear`` of a model on the CPU with a ``PackedLinear`` holding its
-weight once, in oneDNN's layout (same bytes as before: the dense weight is dropped unless something else,
-such as a tied embedding, still holds it).
+weight in oneDNN's layout (the dense weight is dropped unless something else, such as a tied embedding,
+still holds it) and, in float32, a second copy in 32-column panels for ``linear_panels``
+(``csrc/panel_linear_cpu.cpp``, on CPUs with AVX-512): float32 weights then take twice their size
+(``KVMESH_CPU_PANELS=0``: once).
 
-Two ways to use the threads: oneDNN's own, or one single-threaded oneDNN call per thread on its share of the
-rows (``linear_rows``, ``csrc/linear_cpu.cpp``). On bf16 weights with AMX oneDNN leaves a thread idle on
-some shapes (with two threads, SmolLM2's 1,536 -> 576 projection at 512 rows ran no faster than with one),
-on others its own split is the faster. Which one serves is measured, not guessed: ``RowSplit`` times both on
-the first calls for each weight shape and size of batch (rows, by powers of two) and keeps the faster. The two
-can differ in the last bit of a bf16 result, like any change of GEMM blocking.
+Three ways to compute a layer, and which serves is measured, not guessed: ``FastestWay`` times each on the
+first calls for each weight shape and size of batch (rows, by powers of two) and keeps the fastest.
+
+- ``onednn``: oneDNN's own threads.
+- ``rows``: one single-threaded oneDNN call per thread on its share of the rows (``linear_rows``,
+  ``csrc/linear_cpu.cpp``). On bf16 weights with AMX oneDNN leaves a thread idle on some shapes (with two
+  threads, SmolLM2's 1,536 -> 576 projection at 512 rows ran no faster than with one).
+- ``panels`` (float32): a decode step reads every weight once, more than stays in the caches between steps,
+  and oneDNN's GEMM does not hide that stream behind its arithmetic; the panel kernel prefetches the next
+  panel while one computes (SmolLM2's float32 decode-step linears 1.3-1.4x faster on 4-64 rows:
+  ``python -m benchmarks.cpu_linear --decode-step``). oneDNN stays faster on prefill-sized batches.
+
+The ways can differ in the last bits of a result, like any change of GEMM blocking.
 
 Where oneDNN is missing or refuses the dtype, the model keeps its plain layers. ``KVMESH_CPU_PACKED_LINEAR=0``
 turns packing off.
@@ -20,10 +30,11 @@ turns packing off.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,68 +46,103 @@ log = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class RowSplit:
-    """Per (weight shape, dtype, threads, rows rounded up to a power of two): whether splitting the rows between
-    threads beats oneDNN's own threading, from ``trials`` timings of each on the first calls (the faster's
-    best time wins). Shared by every layer of a shape: a model's 30 identical projections decide together."""
+class FastestWay:
+    """Per (weight shape, dtype, threads, rows rounded up to a power of two): which way of computing a linear
+    layer is fastest, from ``trials`` timings of each on the first calls (the best time wins; every call is
+    served while timing). Shared by every layer of a shape: a model's 30 identical projections decide
+    together."""
 
     def __init__(self, trials: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
         self.trials, self.clock = trials, clock
-        self.chosen: dict[tuple, bool] = {}
-        self._times: dict[tuple, tuple[list[float], list[float]]] = {}
+        self.chosen: dict[tuple, str] = {}
+        self._times: dict[tuple, dict[str, list[float]]] = {}
 
-    def run(self, key: tuple, call: Callable[[bool], torch.Tensor]) -> torch.Tensor:
-        """``call(split)``'s result, with ``split`` the measured choice for ``key`` (or the next one to time)."""
-        split = self.chosen.get(key)
-        if split is not None:
-            return call(split)
-        own, rows = self._times.setdefault(key, ([], []))
-        split = len(rows) < len(own)
+    def run(self, key: tuple, ways: Sequence[str], call: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """``call(way)``'s result, with ``way`` the measured choice for ``key`` among ``ways`` (or the next
+        one to time: the least timed so far, in the given order)."""
+        way = self.chosen.get(key)
+        if way is not None:
+            return call(way)
+        times = self._times.setdefault(key, {w: [] for w in ways})
+        way = min(ways, key=lambda w: len(times[w]))
         start = self.clock()
-        out = call(split)
-        (rows if split else own).append(self.clock() - start)
-        if len(own) >= self.trials and len(rows) >= self.trials:
-            self.chosen[key] = min(rows) < min(own)
+        out = call(way)
+        times[way].append(self.clock() - start)
+        if all(len(t) >= self.trials for t in times.values()):
+            self.chosen[key] = min(times, key=lambda w: min(times[w]))
             del self._times[key]
         return out
 
 
-ROW_SPLIT = RowSplit()
+FASTEST = FastestWay()
 MIN_ROWS = 16
-"""Rows each thread takes at least (an AMX tile's height); fewer rows run as one call."""
+"""Rows each thread takes at least in the rows-shared way (an AMX tile's height)."""
+PANEL_MAX_ROWS = 128
+"""The most rows the panel kernel is offered for: from 256 rows oneDNN is faster even on weights streamed from
+memory (SmolLM2's float32 decode-step linears: panels 1.19-1.29x at 16-64 rows, 1.09x at 128, 0.93x at 256),
+so timing it there could only mislead the choice."""
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` prepacked for oneDNN's inner-product primitive; its threads used as
-    ``ROW_SPLIT`` measured to be faster."""
+    """``y = x @ W.T + b`` with ``W`` prepacked for oneDNN's inner-product primitive and, in float32, also in
+    32-column panels; each call served by whichever way ``FASTEST`` measured fastest for its shape and batch
+    size: ``onednn`` (oneDNN's threads), ``rows`` (the rows shared out between threads, one oneDNN call each)
+    or ``panels`` (``linear_panels``)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._rows_op = cpu_op("linear_rows")
+        self._panels_op = cpu_op("linear_panels") if panels_enabled(weight) else None
+        self.panels = cpu_op("pack_panels")(weight) if self._panels_op is not None else None
+
+    def ways(self, rows: int, threads: int, panel_cap: int = PANEL_MAX_ROWS) -> list[str]:
+        """The ways that may serve ``rows`` rows on ``threads`` threads, oneDNN's own first."""
+        ways = ["onednn"]
+        if self._rows_op is not None and threads >= 2 and rows >= 2 * MIN_ROWS:
+            ways.append("rows")
+        if self.panels is not None and rows <= panel_cap:
+            ways.append("panels")
+        return ways
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()  # the primitive takes dense rows only
+        flat = x.reshape(-1, self.in_features).contiguous()  # the kernels take dense rows only
         threads, rows = torch.get_num_threads(), flat.shape[0]
-        if self._rows_op is None or threads < 2 or rows < 2 * MIN_ROWS:
-            y = self.run(flat, split=False)
+        key = (self.in_features, self.out_features, flat.dtype, threads, rows.bit_length())
+        way = FASTEST.chosen.get(key)  # measured already: the common case, kept cheap
+        if way is not None:
+            y = self.run(flat, way)
         else:
-            key = (self.in_features, self.out_features, flat.dtype, threads, rows.bit_length())
-            y = ROW_SPLIT.run(key, lambda split: self.run(flat, split))
+            y = FASTEST.run(key, self.ways(rows, threads), functools.partial(self.run, flat))
         return y.view(*x.shape[:-1], self.out_features)
 
-    def run(self, flat: torch.Tensor, split: bool) -> torch.Tensor:
-        """``flat @ W.T + b`` for dense rows, with oneDNN's threading or (``split``) the rows shared out."""
-        if not split:
+    def run(self, flat: torch.Tensor, way: str) -> torch.Tensor:
+        """``flat @ W.T + b`` for dense rows, computed the given way (one of ``ways``)."""
+        if way == "onednn":
             return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         out = flat.new_empty(flat.shape[0], self.out_features)
-        self._rows_op(out, flat, self.packed, self.bias, MIN_ROWS)
+        if way == "rows":
+            self._rows_op(out, flat, self.packed, self.bias, MIN_ROWS)
+        else:
+            self._panels_op(out, flat, self.panels, self.bias)
         return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def panels_enabled(weight: torch.Tensor) -> bool:
+    """Whether a packed layer also keeps its weight in panels: float32 on a CPU with AVX-512 (the kernel keeps
+    24 accumulators of 16 floats in registers, more than AVX2's 16 registers hold). A second copy of the
+    weight: ``KVMESH_CPU_PANELS=0`` saves that memory and gives up the way."""
+    return (
+        weight.dtype == torch.float32
+        and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        and os.environ.get("KVMESH_CPU_PANELS", "1") != "0"
+    )
 
 
 def packing_enabled(weight: torch.Tensor) -> bool:
@@ -123,11 +169,13 @@ def pack_linears(model: nn.Module) -> int:
     for name, linear in linears:
         try:
             layer = PackedLinear(linear)
-            probe = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
+            probe = torch.randn(2 * MIN_ROWS, linear.in_features, dtype=linear.weight.dtype)
             expected = nn.functional.linear(probe, linear.weight, linear.bias)
             tol = 1e-4 if linear.weight.dtype == torch.float32 else 3e-2
-            if not torch.allclose(layer(probe), expected, rtol=tol, atol=tol * float(expected.abs().max())):
-                raise RuntimeError("results differ from F.linear")
+            for way in layer.ways(len(probe), torch.get_num_threads()):
+                got = layer.run(probe, way)
+                if not torch.allclose(got, expected, rtol=tol, atol=tol * float(expected.abs().max())):
+                    raise RuntimeError(f"the {way} way's results differ from F.linear")
         except RuntimeError as exc:
             log.warning("keeping %s unpacked: %s", name, exc)
             continue

@@ -9,12 +9,15 @@ from torch import nn
 
 from kernels import layers
 from kernels.cpu_extension import cpu_op
-from kernels.cpu_linear import PackedLinear, RowSplit, pack_linears
+from kernels.cpu_linear import PANEL_MAX_ROWS, FastestWay, PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(cpu_op("rms_norm") is None, reason="the CPU kernels could not be built here")
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOL)
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -88,45 +91,62 @@ def test_packed_linear_equals_the_linear_it_replaces(dtype, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 31, 32, 33, 257])
-def test_both_ways_of_threading_a_packed_linear_compute_it(dtype, bias, rows):
-    """oneDNN's own threads and the rows shared out between threads (odd splits included), inside and outside
-    inference mode (worker threads do not inherit it), against ``F.linear``."""
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 31, 32, 33, 257])
+def test_every_way_of_computing_a_packed_linear_computes_it(dtype, bias, rows):
+    """oneDNN's own threads, the rows shared out between threads (odd splits included) and, in float32, the
+    panel kernel (row tiles of 12, a last panel of 8 columns), inside and outside inference mode (worker
+    threads do not inherit it), against ``F.linear``."""
     torch.manual_seed(rows)
     dense = nn.Linear(96, 200, bias=bias).to(dtype)
     x = torch.randn(rows, 96, dtype=dtype)
     want = dense(x).detach()
     layer = PackedLinear(dense)
-    for split in (False, True):
-        close(layer.run(x, split), want, dtype)
+    ways = layer.ways(max(rows, 32), 2, panel_cap=max(rows, 32))  # every way, even where another always serves
+    assert ways == (["onednn", "rows", "panels"] if dtype == torch.float32 and AVX512 else ["onednn", "rows"])
+    for way in ways:
+        close(layer.run(x, way), want, dtype)
         with torch.inference_mode():
-            close(layer.run(x, split), want, dtype)
+            close(layer.run(x, way), want, dtype)
 
 
-def test_row_split_keeps_the_faster_way_per_shape_and_batch_size():
-    """Each way is timed ``trials`` times on the first calls of a key, alternating, every call served; then the
-    faster one serves alone, each key deciding for itself."""
+@pytest.mark.skipif(not AVX512, reason="the panel kernel serves on CPUs with AVX-512")
+def test_panels_are_a_float32_way_that_can_be_turned_off(monkeypatch):
+    dense = nn.Linear(64, 48)
+    assert PackedLinear(dense).ways(8, 2) == ["onednn", "panels"]
+    assert PackedLinear(dense).ways(PANEL_MAX_ROWS, 1) == ["onednn", "panels"]
+    assert PackedLinear(dense).ways(PANEL_MAX_ROWS + 1, 2) == ["onednn", "rows"]  # prefill sizes: oneDNN's
+    monkeypatch.setenv("KVMESH_CPU_PANELS", "0")
+    layer = PackedLinear(dense)
+    assert layer.ways(64, 2) == ["onednn", "rows"] and layer.panels is None
+
+
+def test_the_fastest_way_serves_each_shape_and_batch_size_once_measured():
+    """Each way is timed ``trials`` times on the first calls of a key, in turn, every call served; then the
+    fastest one serves alone, each key deciding for itself."""
     now = [0.0]
-    split = RowSplit(trials=2, clock=lambda: now[0])
-    cost = {("a", False): 2.0, ("a", True): 1.0, ("b", False): 1.0, ("b", True): 3.0}
+    fastest = FastestWay(trials=2, clock=lambda: now[0])
+    cost = {("a", "x"): 2.0, ("a", "y"): 1.0, ("a", "z"): 3.0, ("b", "x"): 1.0, ("b", "y"): 3.0}
+    ways = {"a": ["x", "y", "z"], "b": ["x", "y"]}
     calls = []
 
     def call(key):
-        def run(rows_shared: bool) -> str:
-            calls.append((key, rows_shared))
-            now[0] += cost[(key, rows_shared)]
-            return f"{key}:{rows_shared}"
+        def run(way: str) -> str:
+            calls.append((key, way))
+            now[0] += cost[(key, way)]
+            return f"{key}:{way}"
 
         return run
 
-    for _ in range(4):
-        assert split.run("a", call("a")) in ("a:False", "a:True")
-        split.run("b", call("b"))
-    assert sorted(calls) == sorted([(k, s) for k in "ab" for s in (False, True) for _ in range(2)])
-    assert split.chosen == {"a": True, "b": False}
+    for _ in range(6):
+        assert fastest.run("a", ways["a"], call("a")) in ("a:x", "a:y", "a:z")
+        fastest.run("b", ways["b"], call("b"))
+    a_ways, b_ways = [w for _, w in calls[0::2]], [w for _, w in calls[1::2]]
+    assert a_ways == ["x", "y", "z", "x", "y", "z"]  # each way in turn until each has its trials
+    assert b_ways == ["x", "y", "x", "y", "x", "x"]  # decided after four calls: the faster serves alone
+    assert fastest.chosen == {"a": "y", "b": "x"}
     calls.clear()
-    assert split.run("a", call("a")) == "a:True" and split.run("b", call("b")) == "b:False"
-    assert calls == [("a", True), ("b", False)]
+    assert fastest.run("a", ways["a"], call("a")) == "a:y" and fastest.run("b", ways["b"], call("b")) == "b:x"
+    assert calls == [("a", "y"), ("b", "x")]
 
 
 def test_packing_can_be_turned_off(monkeypatch):
