@@ -164,8 +164,10 @@ class StepRates:
     ``step_s = base + slope * running`` fitted by exponentially weighted least squares over pure-decode
     steps. It stays unmeasured (``None``) until steps of different batch sizes were seen; a serving replica
     runs ``LLMEngine.warm_up`` first, so it reports a measured slope from its first request on.
-    ``prefill_busy`` is the share of recent time spent prefilling (each step's prefill tokens at the measured
-    rate, at most the step), a moving average over ``BUSY_WINDOW_S``: how loaded routers price churn.
+    ``prefill_busy`` is the share of recent time spent prefilling (a step that is nearly all prefill counts
+    whole; in a mixed step its prefill tokens at the measured rate, at most the step), a moving average over
+    ``BUSY_WINDOW_S``: how loaded routers price churn. Counting prefill steps whole keeps the share right
+    when another process slows them: the rate's moving average lags such steps and would undercount them.
     """
 
     def __init__(self, alpha: float = 0.2, decode_alpha: float = 0.05) -> None:
@@ -188,11 +190,12 @@ class StepRates:
     def observe(self, prefill: int, decodes: int, seconds: float, now: float | None = None) -> None:
         """One step, ending at ``now`` (``time.perf_counter``; None: not timed): ``prefill`` tokens of chunks
         longer than one token, ``decodes`` one-token sequences."""
-        if now is not None:
-            self._prefill.add(now, min(prefill / self.prefill_tok_s, seconds) if prefill else 0.0)
+        mostly_prefill = prefill >= 64 and prefill >= 8 * decodes
+        if now is not None:  # a step that is nearly all prefill spent its whole time on it, however long it took
+            self._prefill.add(now, seconds if mostly_prefill else min(prefill / self.prefill_tok_s, seconds))
         a = self.alpha
         self.step_s += a * (seconds - self.step_s)
-        if prefill >= 64 and prefill >= 8 * decodes:
+        if mostly_prefill:
             rate = prefill / seconds
             self.prefill_tok_s = (
                 rate if not self.prefill_measured else self.prefill_tok_s + a * (rate - self.prefill_tok_s)

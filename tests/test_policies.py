@@ -234,6 +234,12 @@ def test_prefill_utilisation_is_the_share_of_recent_time_spent_prefilling():
         rates.observe(50, 8, 0.05, now)  # mixed steps: half the step is the chunk, at the measured rate
     assert rates.prefill_tok_s == 2000.0  # mixed steps do not move the measured rate
     assert rates.prefill_busy(now) == pytest.approx(0.95 * 0.25, abs=0.01)
+    rates, now = StepRates(), 0.0
+    for i in range(int(3 * BUSY_WINDOW_S / 0.125)):  # prefilling all the time, every other step slowed 4x
+        step = 0.2 if i % 2 else 0.05  # (another process took the core): the rate's average lags them
+        now += step
+        rates.observe(100, 0, step, now)
+    assert rates.prefill_busy(now) == pytest.approx(0.95, abs=0.01)
 
 
 def test_churn_is_cheap_on_an_idle_fleet_and_dear_on_a_busy_one():
