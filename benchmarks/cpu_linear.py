@@ -77,7 +77,7 @@ def decode_step(dtype: torch.dtype, repeats: int) -> list[dict]:
         for _ in range(repeats):  # alternated, so drift hits every way alike
             for run in runs:
                 times[run].append(step(*run))
-        for way in dict.fromkeys(w for w, _ in runs):
+        for way in ways:
             own_s, reused_s = median(times[(way, False)]), median(times[(way, True)])
             out.append(
                 {
@@ -149,8 +149,7 @@ def main() -> None:
                 "packed_ms": timeit(packed, x, args.repeats),
                 **{
                     f"{way}_ms": timeit(functools.partial(packed.run, way=way), x, args.repeats)
-                    for way in ("onednn", "rows", "panels")
-                    if way in packed.ways(n, torch.get_num_threads(), panel_cap=n)
+                    for way in packed.ways(n, torch.get_num_threads(), panel_cap=n)
                 },
             }
             ms = {k: 1e3 * v for k, v in times.items()}

@@ -19,7 +19,7 @@ first calls for each weight shape and size of batch (rows, by powers of two) and
   threads, SmolLM2's 1,536 -> 576 projection at 512 rows ran no faster than with one).
 - ``panels`` (float32): a decode step reads every weight once, more than stays in the caches between steps,
   and oneDNN's GEMM does not hide that stream behind its arithmetic; the panel kernel prefetches the next
-  panel while one computes (SmolLM2's float32 decode-step linears 1.3-1.4x faster on 4-64 rows:
+  panel while one computes (SmolLM2's float32 decode-step linears 1.05-1.24x faster on 4-128 rows:
   ``python -m benchmarks.cpu_linear --decode-step``). oneDNN stays faster on prefill-sized batches.
 
 The ways can differ in the last bits of a result, like any change of GEMM blocking.
@@ -79,7 +79,7 @@ MIN_ROWS = 16
 """Rows each thread takes at least in the rows-shared way (an AMX tile's height)."""
 PANEL_MAX_ROWS = 128
 """The most rows the panel kernel is offered for: from 256 rows oneDNN is faster even on weights streamed from
-memory (SmolLM2's float32 decode-step linears: panels 1.19-1.29x at 16-64 rows, 1.09x at 128, 0.93x at 256),
+memory (SmolLM2's float32 decode-step linears: panels 1.10-1.24x at 16-64 rows, 1.06x at 128, 0.92x at 256),
 so timing it there could only mislead the choice."""
 
 

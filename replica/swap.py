@@ -31,6 +31,7 @@ from kernels.quant import as_bytes
 from replica.context import LayerCache
 from replica.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 from router.hashing import BlockHash
+from router.prefix_lru import leading
 
 
 @dataclass
@@ -139,12 +140,7 @@ class SwapSpace:
         0 when copying a block in costs more than recomputing its ``block_size`` tokens."""
         if not self._cached or self.block_bytes / self.copy_bytes_s >= block_size / self._prefill_tok_s():
             return 0
-        n = 0
-        for h in block_hashes:
-            if h not in self._cached:
-                break
-            n += 1
-        return n
+        return leading(block_hashes, self._cached)
 
     def claim(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take cached ``block_hashes`` out of the tier to load them (``swap_in`` queues the copy): the device

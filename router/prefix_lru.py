@@ -11,7 +11,17 @@ tree baseline all model a prefix cache with this one class.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
+
+
+def leading(chain: Iterable[Hashable], held: Container[Hashable]) -> int:
+    """How many leading blocks of ``chain`` are in ``held``: a prefix hit stops at the first missing block."""
+    n = 0
+    for key in chain:
+        if key not in held:
+            break
+        n += 1
+    return n
 
 
 class PrefixLRU:
@@ -24,17 +34,9 @@ class PrefixLRU:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._keys
-
     def leading(self, chain: Sequence[Hashable]) -> int:
-        """How many leading blocks of ``chain`` are cached (a prefix hit stops at the first missing block)."""
-        n = 0
-        for key in chain:
-            if key not in self._keys:
-                break
-            n += 1
-        return n
+        """How many leading blocks of ``chain`` are cached."""
+        return leading(chain, self._keys)
 
     def touch(self, chain: Sequence[Hashable]) -> list[Hashable]:
         """Cache ``chain`` as just used, its head the most recent, and return what that evicted (oldest
