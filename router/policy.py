@@ -54,6 +54,8 @@ class ReplicaLoad(LoadReport):
     inflight_requests: int = 0
     """Routed by this router since the replica's last report."""
     inflight_prefill_tokens: int = 0
+    report_age_s: float = 0.0
+    """Seconds since the report was taken: the sequences it counted running have decoded since."""
 
     @classmethod
     def from_report(cls, report: LoadReport) -> ReplicaLoad:
@@ -77,7 +79,9 @@ class ReplicaLoad(LoadReport):
         Queued prefill (``queue_s``) does not show it: a replica whose one running request is decoding has
         an empty queue but may have no room for a long prompt, which then waits for that request to finish
         while another replica's pool sits empty. Running sequences finish spread over one decode lifetime
-        (``mean_output_tokens`` steps), so freeing a fraction f of the pinned blocks takes ~f of it.
+        (``mean_output_tokens`` steps), so freeing a fraction f of the pinned blocks takes ~f of it, counted
+        from when the report was taken: a report from while a short request ran must not keep its replica
+        looking full after it finished.
         """
         if self.kv_free_blocks is None or not self.kv_total_blocks:
             return 0.0
@@ -86,7 +90,7 @@ class ReplicaLoad(LoadReport):
         if shortfall <= 0:
             return 0.0
         pinned = max(self.kv_total_blocks - self.kv_free_blocks, 1)
-        return min(shortfall / pinned, 1.0) * self.mean_output_tokens * self.step_s
+        return max(min(shortfall / pinned, 1.0) * self.mean_output_tokens * self.step_s - self.report_age_s, 0.0)
 
     @property
     def load(self) -> int:

@@ -142,6 +142,8 @@ class KVAwareRequestRouter(RequestRouter):
             load.pending_prefill_tokens,
             load.prefill_tok_s or DEFAULT_PREFILL_TOK_S,
         )
+        if report is not None:
+            load.report_age_s = max(0.0, time.time() - report.reported_at)
         return load
 
     # ------------------------------------------------------------------ routing

@@ -376,6 +376,20 @@ def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     assert unreported.kv_wait_s(640, 16) == 0.0
 
 
+def test_a_full_pool_in_an_old_report_has_been_freeing_since():
+    """The report was taken while a request pinned 42 of 48 blocks. Its running sequences have decoded since:
+    the wait counts from the report, and a report older than that wait shows no wait at all."""
+    wait = 34 / 42 * 16 * 0.07
+    stats = dict(prefill_tok_s=500, num_running=1, kv_free_blocks=6, kv_total_blocks=48, mean_output_tokens=16)
+    aged = ReplicaLoad("r0", step_s=0.07, report_age_s=0.2, **stats)
+    assert aged.kv_wait_s(640, 16) == pytest.approx(wait - 0.2)
+    stale = ReplicaLoad("r0", step_s=0.07, report_age_s=wait + 0.01, **stats)
+    assert stale.kv_wait_s(640, 16) == 0.0
+    twin = ReplicaLoad("r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16)
+    req = request(list(range(640)))
+    assert KVAwarePolicy().rank(req, [stale, twin], {"r0": 0, "r1": 0}).ranked[0] == "r0"  # faster, room now
+
+
 def test_prompts_sharing_nothing_go_by_cost_not_by_the_conversation_bound():
     """A replica just added has started no conversations. A prompt nobody holds any of must still go where
     it waits least, not to the newcomer because of its count; one on a shared system prompt is bounded."""

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from cluster.embedded_redis import free_port
@@ -165,6 +166,19 @@ def test_a_reported_queue_drains_at_the_reported_rate():
         assert (load.pending_prefill_tokens + load.inflight_prefill_tokens) / 12000 > 0.19
 
     asyncio.run(main())
+
+
+def test_a_load_report_knows_its_age():
+    """The router dates each replica's report, so a full KV pool it showed is priced as freeing since."""
+    now = time.time()
+    stats = {"index_id": "u0", "kv_free_blocks": 6, "kv_total_blocks": 48, "num_running": 1, "step_s": 0.07}
+    old = Replica(ReplicaID("u0", DEP), {**stats, "reported_at": now - 0.5, "mean_output_tokens": 16})
+    router = make_router(None, policy="kv_aware")
+    load = router._load(old)
+    assert 0.5 <= load.report_age_s < 5.0
+    assert load.kv_wait_s(640, 16) == pytest.approx(max(34 / 42 * 16 * 0.07 - load.report_age_s, 0.0))
+    unreported = Replica(ReplicaID("u1", DEP), {})
+    assert router._load(unreported).report_age_s == 0.0
 
 
 def test_routed_work_drains_on_a_replica_that_has_not_reported_yet():
