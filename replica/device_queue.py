@@ -51,6 +51,11 @@ class StepHandle:
         self._logprobs: StepLogprobs | None = None
         self._error: BaseException | None = None
 
+    @property
+    def ran_inline(self) -> bool:
+        """Whether the work ran to its end inside ``submit`` (the CPU without a worker thread)."""
+        return self._future is None and self._event is None
+
     def result(self) -> tuple[list[int], dict[int, Exception], HostLogprobs]:
         """Token ids by row, the rows whose sampling failed and the log-probabilities of the rows that asked
         (by row); raises what the device work raised."""

@@ -73,6 +73,8 @@ class _Launched:
     failures: dict[int, Exception]
     """Rows already known to fail (their settings), by row."""
     prompt: _PromptRows | None = None
+    ran_s: float | None = None
+    """Its time, when the device ran it inside its launch (the CPU's inline queue); None: timed on collection."""
 
 
 @dataclass(slots=True)
@@ -170,7 +172,7 @@ class LLMEngine:
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
         self._inflight: _Launched | None = None
         self._last_tokens: torch.Tensor | None = None
-        self._last_collect = 0.0
+        self._last_collect = self._last_launched = 0.0
         """The tokens of the last step run on the device (device work only touches it)."""
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
@@ -324,6 +326,7 @@ class LLMEngine:
     def _launch(self, batch: list[ScheduledRequest] | None = None) -> _Launched | None:
         """Schedule (unless ``batch`` is given), advance every scheduled sequence as if the step had run,
         fork what completes its prompt, and hand the step's device work to the device queue."""
+        began = time.perf_counter()
         batch = self.scheduler.schedule() if batch is None else batch
         if not batch:
             return None
@@ -396,7 +399,15 @@ class LLMEngine:
             expand,
             scored,
         )
-        return _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures, prompt)
+        launched = _Launched(batch, seqs, forks, self.device.submit(work), t0, prefill, decodes, failures, prompt)
+        if launched.handle.ran_inline:
+            # Its compute ran just now, not while the host collects the step before: it is timed from the
+            # end of the previous launch while that step is in flight (the pipeline's period, host work
+            # included), else from the start of this one.
+            done = time.perf_counter()
+            launched.ran_s = done - (self._last_launched if self._inflight is not None else began)
+            self._last_launched = done
+        return launched
 
     @staticmethod
     def _prompt_rows(batch: list[ScheduledRequest]) -> _PromptRows | None:
@@ -562,9 +573,10 @@ class LLMEngine:
             except Exception as exc:
                 outputs.append(self._fail(req.request_id, exc))
         # A step's time is from its launch, or from the previous collection if it ran behind it: the period
-        # of the pipeline, what one more step costs.
+        # of the pipeline, what one more step costs. A step that ran inline was timed at its launch.
         now = time.perf_counter()
-        self.rates.observe(launched.prefill, launched.decodes, now - max(launched.t0, self._last_collect), now)
+        seconds = launched.ran_s if launched.ran_s is not None else now - max(launched.t0, self._last_collect)
+        self.rates.observe(launched.prefill, launched.decodes, seconds, now)
         self._last_collect = now
         return outputs
 
@@ -681,21 +693,37 @@ class LLMEngine:
                 sink(events)
 
     def warm_up(self, batch: int = 8, steps: int = 4) -> None:
-        """Decode a few dummy steps at two batch sizes before serving.
+        """Prefill and decode a few dummy requests before serving.
 
-        Routers weigh a replica's decode batch by its marginal cost per sequence, which a replica can only
-        measure from steps of different sizes; without this, a fresh replica would report nothing until
-        traffic happened to vary its batch, and routers would guess. It also warms the kernels, so the
-        first user does not pay for it. Leaves no trace: blocks, cache and counters are reset.
+        Routers turn queues into seconds with the replica's measured prefill rate and weigh a decode batch by
+        its marginal cost per sequence, which a replica can only measure from steps of different sizes;
+        without this, a fresh replica would report nothing until traffic happened to vary its batch, and
+        routers would guess. The first prefill builds kernels and runs slower than serving will (the tiny test
+        model: 56k against 100k tokens/s), so the rate reported comes from a second one. It
+        also warms the kernels, so the first user does not pay for it. Leaves no trace: blocks, cache and
+        counters are reset.
         """
         n = max(2, min(batch, self.scheduler.max_num_seqs))
         params = SamplingParams(max_tokens=2 * steps + 2, temperature=0, ignore_eos=True)
         vocab = self.loaded.config.vocab_size
-        rids = [
-            self.add_request([(1000 + 97 * i + k) % vocab for k in range(self.block_size)], params, f"warm-up-{i}")
-            for i in range(n)
-        ]
-        self.step()  # prefill all
+        per_seq = max(1, min(4, self.num_blocks // n - 1, self.config.max_num_batched_tokens // (n * self.block_size)))
+
+        def prompts(first: int) -> list[str]:
+            """``n`` prompts of ``per_seq`` blocks no earlier prompt shares, added; their ids."""
+            tokens = per_seq * self.block_size
+            return [
+                self.add_request([(first + 97 * i + k) % vocab for k in range(tokens)], params, f"warm-up-{first}-{i}")
+                for i in range(n)
+            ]
+
+        cold = prompts(1000)
+        self.step()  # prefill all, cold
+        for rid in cold:
+            self.abort_request(rid)
+        self.drain()
+        self.rates.forget_prefill()
+        rids = prompts(5000)
+        self.step()  # prefill all again: the rate routers are told
         for running in (n, 1):
             for rid in rids[running:]:
                 self.abort_request(rid)

@@ -180,6 +180,12 @@ class StepRates:
         self._fit = [0.0] * 5  # weighted sums: 1, x, y, xx, xy (x = running, y = step seconds)
         self._prefill = BusyShare()
 
+    def forget_prefill(self) -> None:
+        """Drop the prefill rate and busy time measured so far (cold warm-up steps): the next prefill-dominated
+        step sets the rate afresh."""
+        self.prefill_measured = False
+        self._prefill = BusyShare()
+
     def observe_finished(self, output_tokens: int) -> None:
         self.mean_output_tokens += self.alpha * (output_tokens - self.mean_output_tokens)
 

@@ -170,3 +170,55 @@ def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
     elapsed = time.perf_counter() - t0
     busy = engine.snapshot().load_report("r", 0.0).prefill_busy
     assert 0.3 * elapsed / BUSY_WINDOW_S < busy <= min(1.0, elapsed / BUSY_WINDOW_S)  # most of the time it ran
+
+
+def test_each_step_is_timed_with_its_own_compute(tiny_llama_dir, monkeypatch):
+    """On the CPU a step computes inside its launch while the step before is still to be collected: the
+    prefill rate routers are told must divide a prefill by its own time, not by the step launched after it.
+    Decode-only steps are made 80 ms slower here; a prompt arrives alone, then one beside a decoding one."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=64, max_num_seqs=4))
+    assert engine.async_scheduling
+    forward = engine.runner.forward
+
+    def slow_decode(step, *args, **kwargs):
+        if step.total == step.n:  # one token per sequence: a decode step
+            time.sleep(0.08)
+        return forward(step, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", slow_decode)
+    timed = []
+    observe = engine.rates.observe
+    monkeypatch.setattr(
+        engine.rates, "observe", lambda p, d, s, now=None: (timed.append((p, s)), observe(p, d, s, now))
+    )
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(3000, 3256)), params, "first")
+    for _ in range(3):
+        engine.step()
+    engine.add_request(list(range(5000, 5256)), params, "second")
+    while engine.has_unfinished:
+        engine.step()
+    prefill = [s for p, s in timed if p]
+    decode = [s for p, s in timed if not p]
+    assert len(prefill) == 2 and len(decode) >= 4
+    assert max(prefill) < 0.08 <= min(decode), timed
+
+
+def test_warm_up_reports_a_prefill_rate_measured_after_the_first_cold_step(tiny_llama_dir, monkeypatch):
+    """The first prefill of a fresh engine builds kernels; a replica that told routers that step's rate would
+    look several times slower than it is until its moving average caught up. Here the first step is made
+    to take 0.3 s: the rate after warm-up must not count it."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=64, max_num_seqs=4))
+    forward, calls = engine.runner.forward, []
+
+    def cold_first(step, *args, **kwargs):
+        calls.append(step.total)
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return forward(step, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", cold_first)
+    engine.warm_up()
+    assert calls[0] > 64 and calls[1] == calls[0], "two prefills of the same shape"
+    assert engine.rates.prefill_measured and engine.rates.prefill_tok_s > calls[0] / 0.3
+    assert engine.stats().num_free_blocks == 64 and not engine.has_unfinished
