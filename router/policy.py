@@ -166,9 +166,12 @@ class KVAwarePolicy:
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
     recent starts, ``router/sessions.py``); replicas caching as much as the cheapest and costing at most
     ``tie_margin`` x the request's own prefill more are reported as tied, for the caller to let a fresher
-    signal choose. Without the index's answer the policy falls back to the prefix ownership it remembers
-    from its own recent decisions. ``docs/routing.md`` explains each term and the measurements behind the
-    defaults.
+    signal choose. A one-off request on a prefix many requests branch off (a document, a few-shot or tenant
+    prompt; not a conversation's history) goes nowhere its own expected wait (queue, KV wait, its own
+    prefill) exceeds ``wait_cap`` x the best on offer: a burst on a hot prefix copies it to a second replica
+    rather than queueing behind its holder. Without the index's answer the policy falls back to the prefix
+    ownership it remembers from its own recent decisions. ``docs/routing.md`` explains each term and the
+    measurements behind the defaults.
     """
 
     name = "kv_aware"
@@ -186,6 +189,7 @@ class KVAwarePolicy:
         tie_margin: float = 1.0,
         busy_weight: float = 2.0,
         host_tier: bool = True,
+        wait_cap: float = 2.0,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -193,8 +197,11 @@ class KVAwarePolicy:
             raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
         self.busy_weight = busy_weight
         self.host_tier = host_tier
+        self.wait_cap = wait_cap
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
+        if wait_cap and wait_cap < 1:
+            raise ValueError("wait_cap must be 0 (off) or >= 1")
         self.session_balance = session_balance
         self.sessions = SessionCounts(session_decay_s)
         self.miss_weight = miss_weight
@@ -241,7 +248,7 @@ class KVAwarePolicy:
                 else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
                 for rid in ids
             }
-        costs, own_prefill_s = {}, {}
+        costs, own_prefill_s, own_s = {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         median_rate = sorted(rates.values())[len(rates) // 2]
         # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
@@ -269,6 +276,7 @@ class KVAwarePolicy:
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
             costs[r.index_id] = queues[r.index_id] + kv_wait + prefill_s + decode_s
+            own_s[r.index_id] = queues[r.index_id] + kv_wait + own_prefill_s[r.index_id]
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
@@ -276,11 +284,20 @@ class KVAwarePolicy:
         # A new conversation on a shared prefix: some replica holds part, none its history; or it branches off
         # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
         # may have routed its earlier turns).
-        opens = 0 < holder_share < 0.5 or (
-            depth[holder] <= known and self.sessions.branches.opens(req.block_hashes, known)
-        )
+        branches = self.sessions.branches
+        opens = 0 < holder_share < 0.5 or (depth[holder] <= known and branches.opens(req.block_hashes, known))
         if not opens and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
             ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
+        if (
+            self.wait_cap
+            and not opens
+            and 0 < depth[holder] <= known
+            and branches.shared(req.block_hashes[depth[holder] - 1])
+        ):
+            # A one-off request on a shared prefix waits for its own sake at most wait_cap x the best own wait
+            # on offer: under a burst the prefix is copied to a second replica instead of queueing behind it.
+            limit = self.wait_cap * min(own_s.values()) + 1e-9
+            ranked = [rid for rid in ranked if own_s[rid] <= limit] + [rid for rid in ranked if own_s[rid] > limit]
         capped: set[str] = set()
         if opens and self.session_balance:
             ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))

@@ -64,6 +64,14 @@ class Branches:
         """The last full block of each routed prompt."""
         self._grown: OrderedDict[Hashable, None] = OrderedDict()
         """Blocks of prompts a later turn continued."""
+        self._branched: OrderedDict[Hashable, int] = OrderedDict()
+        """Blocks where requests left a known prefix short of any prompt's end, and how many did."""
+
+    def shared(self, block: Hashable) -> bool:
+        """Whether requests left a known prefix at ``block`` at least twice, where no prompt ended: a prefix
+        one-off requests share (a document, a few-shot or tenant prompt), not a conversation's history (one
+        retry branching off it is not enough)."""
+        return self._branched.get(block, 0) >= 2
 
     def opens(self, block_hashes: list, known: int) -> bool:
         """Whether the request branches off a prefix conversations grow from after ``known`` blocks."""
@@ -76,7 +84,10 @@ class Branches:
         """Learn from a routed request whose first ``known`` blocks this router had routed before."""
         if not block_hashes or known >= len(block_hashes):
             return  # no full block, or a prompt seen whole before (a retry, a repeated question)
-        if known and block_hashes[known - 1] in self._ends:  # continues the conversation whose prompt ended there
+        if known and block_hashes[known - 1] not in self._ends:
+            fork = block_hashes[known - 1]
+            _remember(self._branched, fork, self._branched.get(fork, 0) + 1, self._size)
+        elif known:  # continues the conversation whose prompt ended there
             for i in range(known - 1, -1, -1):  # back to the first block already marked: each block once
                 if block_hashes[i] in self._grown:
                     break

@@ -506,3 +506,36 @@ def test_a_router_that_did_not_see_a_conversations_history_does_not_count_its_ne
     held["r3"].update(request(history).block_hashes)
     d = _route_with_index(policy, held, history + list(range(60_000_000, 60_000_016)))
     assert not d.opens_session and d.ranked[0] == "r3"
+
+
+def test_a_burst_on_a_shared_document_is_copied_to_a_second_replica_but_a_conversation_stays_home():
+    """Questions on one document branch off it where no prompt ended. Once its holder's queue makes a new
+    question's own wait more than wait_cap x what an idle replica offers (recomputing the document), the
+    question goes there; the churn term alone would keep it queued. A conversation's next turn continues
+    its history where the last prompt ended and waits for its holder whatever the queue."""
+
+    def route(policy, tokens, held_blocks, holder_queue_tokens=0):
+        req = request(tokens)
+        reps = replicas(3)
+        reps[0].pending_prefill_tokens = holder_queue_tokens  # 1,000 tokens: 0.5 s
+        d = policy.rank(req, reps, {"r0": held_blocks, "r1": 0, "r2": 0})
+        policy.on_routed(req, d.ranked[0], d)
+        return d.ranked[0]
+
+    document = list(range(20_000_000, 20_000_192))  # 12 blocks; a question adds a 13th
+    for cap in (2.0, 0.0):
+        policy = KVAwarePolicy(wait_cap=cap, seed=0)
+        for q in range(3):  # idle: every question goes to the document's holder, which learns it is shared
+            assert route(policy, document + [30_000_000 + q] * 16, 12) == "r0"
+        busy = route(policy, document + [40_000_000] * 16, 12, holder_queue_tokens=1000)
+        assert busy in ({"r1", "r2"} if cap else {"r0"}), (cap, busy)
+
+    policy = KVAwarePolicy(wait_cap=2.0, seed=0)
+    turn = list(range(50_000_000, 50_000_192))
+    route(policy, turn, 0)
+    for t in range(3):
+        held = len(turn) // 16  # the previous turn's prompt
+        turn = turn + list(range(60_000_000 + 16 * t, 60_000_000 + 16 * t + 16))
+        assert route(policy, turn, held, holder_queue_tokens=1000 if t else 0) == "r0", f"turn {t + 2} moved"
+    with pytest.raises(ValueError, match="wait_cap"):
+        KVAwarePolicy(wait_cap=0.5)
