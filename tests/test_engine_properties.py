@@ -175,14 +175,16 @@ def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
 def test_each_step_is_timed_with_its_own_compute(tiny_llama_dir, monkeypatch):
     """On the CPU a step computes inside its launch while the step before is still to be collected: the
     prefill rate routers are told must divide a prefill by its own time, not by the step launched after it.
-    Decode-only steps are made 80 ms slower here; a prompt arrives alone, then one beside a decoding one."""
+    Decode-only steps are made 0.3 s slower here (far above a warm 256-token prefill, even on a shared
+    core); a prompt arrives alone, then one beside a decoding one."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=64, max_num_seqs=4))
     assert engine.async_scheduling
+    engine.warm_up()  # kernels built: a cold first step is not what this test is about
     forward = engine.runner.forward
 
     def slow_decode(step, *args, **kwargs):
         if step.total == step.n:  # one token per sequence: a decode step
-            time.sleep(0.08)
+            time.sleep(0.3)
         return forward(step, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "forward", slow_decode)
@@ -191,17 +193,17 @@ def test_each_step_is_timed_with_its_own_compute(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(
         engine.rates, "observe", lambda p, d, s, now=None: (timed.append((p, s)), observe(p, d, s, now))
     )
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     engine.add_request(list(range(3000, 3256)), params, "first")
-    for _ in range(3):
-        engine.step()
+    engine.step()
+    engine.step()
     engine.add_request(list(range(5000, 5256)), params, "second")
     while engine.has_unfinished:
         engine.step()
     prefill = [s for p, s in timed if p]
     decode = [s for p, s in timed if not p]
-    assert len(prefill) == 2 and len(decode) >= 4
-    assert max(prefill) < 0.08 <= min(decode), timed
+    assert len(prefill) == 2 and len(decode) >= 2
+    assert max(prefill) < 0.3 <= min(decode), timed
 
 
 def test_warm_up_reports_a_prefill_rate_measured_after_the_first_cold_step(tiny_llama_dir, monkeypatch):
