@@ -172,8 +172,9 @@ class LLMEngine:
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
         self._inflight: _Launched | None = None
         self._last_tokens: torch.Tensor | None = None
-        self._last_collect = self._last_launched = 0.0
         """The tokens of the last step run on the device (device work only touches it)."""
+        self._last_collect = self._last_launched = 0.0
+        """When the last step was collected, and when the last inline step finished its launch (step timing)."""
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
             config.model,
@@ -699,9 +700,8 @@ class LLMEngine:
         its marginal cost per sequence, which a replica can only measure from steps of different sizes;
         without this, a fresh replica would report nothing until traffic happened to vary its batch, and
         routers would guess. The first prefill builds kernels and runs slower than serving will (the tiny test
-        model: 56k against 100k tokens/s), so the rate reported comes from a second one. It
-        also warms the kernels, so the first user does not pay for it. Leaves no trace: blocks, cache and
-        counters are reset.
+        model: 56k against 100k tokens/s), so the rate reported comes from a second one. It also warms the
+        kernels, so the first user does not pay for it. Leaves no trace: blocks, cache and counters are reset.
         """
         n = max(2, min(batch, self.scheduler.max_num_seqs))
         params = SamplingParams(max_tokens=2 * steps + 2, temperature=0, ignore_eos=True)
