@@ -9,7 +9,13 @@ used once and never need a place):
 - ``tier_blind``: the same engines (they still load what they find), routed as if host tiers did not exist;
 - ``no_host_tier``: evicted blocks are dropped.
 
-Workloads: the Mooncake conversation trace (``--trace``) and the agentic generator of
+Two references bound what any tier could give, at the same offered load:
+
+- ``unbounded``: kv_aware on device caches that never evict (no tier of any size can do better for it);
+- ``floor``: each request computing only the blocks no earlier request brought, with no queue at all: a
+  mean TTFT no router and no cache can go below.
+
+Workloads: the Mooncake conversation trace (``--trace``) and the agentic and chat generators of
 ``benchmarks/trace_workloads.py``. Offered load is set as in ``benchmarks/simulate.py`` (``--target-load``
 of the fleet's prefill capacity on the pooled-LRU bound of the device caches alone).
 
@@ -24,7 +30,16 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.report import print_table, write_json
-from benchmarks.simulate import Costs, compare_routers, load_trace, trace_rows
+from benchmarks.simulate import (
+    PREDICT_TTL_S,
+    Costs,
+    compare_routers,
+    load_trace,
+    lru_hit_rate,
+    offered_scale,
+    simulate,
+    trace_rows,
+)
 from benchmarks.trace_workloads import WORKLOADS
 
 MODES = {
@@ -42,7 +57,8 @@ def working_set(rows) -> int:
 
 
 def run_workload(rows, replicas: int, device_factor: float, host_factor: float, load: float, processes: int) -> dict:
-    """The three modes on one workload; kv_aware throughout."""
+    """The three modes and the two references on one workload; kv_aware throughout."""
+    costs = Costs()
     distinct = working_set(rows)
     capacity = max(1, math.ceil(device_factor * distinct / replicas))
     host_capacity = max(1, math.ceil(host_factor * capacity))
@@ -55,11 +71,15 @@ def run_workload(rows, replicas: int, device_factor: float, host_factor: float, 
             load,
             processes,
             [(mode, "kv_aware", kwargs)],
-            Costs(),
+            costs,
             host_capacity=host_capacity if tiered else 0,
         )
         results.update(res)
-    aware, blind = results["tier_aware"]["ttft_mean_s"], results["tier_blind"]["ttft_mean_s"]
+    scale, _, _ = offered_scale(rows, replicas, capacity, load, costs)
+    every_block = sum(len(chain) for _, chain, _ in rows)
+    results["unbounded"] = simulate(rows, replicas, every_block, "kv_aware", {}, processes, scale, PREDICT_TTL_S, costs)
+    infinite, floor_work = lru_hit_rate(rows, None, costs.prefill_tok_s)
+    blind = results["tier_blind"]["ttft_mean_s"]
     return {
         "requests": len(rows),
         "working_set_blocks": distinct,
@@ -67,8 +87,12 @@ def run_workload(rows, replicas: int, device_factor: float, host_factor: float, 
         "host_capacity_blocks": host_capacity,
         "bounds": bounds,
         "modes": results,
-        "aware_vs_blind_mean": aware / blind if blind > 0 else None,
-        "aware_vs_none_mean": aware / results["no_host_tier"]["ttft_mean_s"],
+        "floor_ttft_mean_s": floor_work / len(rows),
+        "floor_hit_rate": infinite,
+        "aware_vs_blind_mean": results["tier_aware"]["ttft_mean_s"] / blind,
+        "aware_vs_none_mean": results["tier_aware"]["ttft_mean_s"] / results["no_host_tier"]["ttft_mean_s"],
+        "unbounded_vs_blind_mean": results["unbounded"]["ttft_mean_s"] / blind,
+        "floor_vs_blind_mean": floor_work / len(rows) / blind,
     }
 
 
@@ -79,17 +103,19 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--trace", type=Path, default=Path("../shared/workloads/mooncake/conversation_trace.jsonl"))
-    ap.add_argument("--replicas", type=int, default=16, help="for the Mooncake trace (agentic: half)")
+    ap.add_argument("--replicas", type=int, default=16, help="for the Mooncake trace (agentic, chat: half)")
     ap.add_argument("--device-factor", type=float, default=0.5, help="fleet device cache / working set")
     ap.add_argument("--host-factor", type=float, default=4.0, help="host tier / device cache, per replica")
     ap.add_argument("--target-load", type=float, default=0.8)
     ap.add_argument("--router-processes", type=int, default=4)
-    ap.add_argument("--agentic-size", type=float, default=1.0)
+    ap.add_argument("--size", type=float, default=1.0, help="size of the generated agentic and chat traces")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.device_factor <= 0 or args.host_factor < 0:
         ap.error("--device-factor must be > 0 and --host-factor >= 0")
-    workloads = {"agentic": (trace_rows(WORKLOADS["agentic"](seed=0, size=args.agentic_size)), args.replicas // 2)}
+    workloads = {
+        name: (trace_rows(WORKLOADS[name](seed=0, size=args.size)), args.replicas // 2) for name in ("agentic", "chat")
+    }
     if args.trace.exists():
         workloads = {"mooncake": (load_trace(args.trace, None), args.replicas), **workloads}
     else:
@@ -100,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         res = out[name] = run_workload(
             rows, replicas, args.device_factor, args.host_factor, args.target_load, args.router_processes
         )
+        blind = res["modes"]["tier_blind"]["ttft_mean_s"]
         for mode, r in res["modes"].items():
             table.append(
                 [
@@ -109,9 +136,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['host_hit_rate']:.1%}",
                     r["ttft_mean_s"],
                     r["ttft_p99_s"],
-                    f"{r['ttft_mean_s'] / res['modes']['tier_blind']['ttft_mean_s']:.2f}x",
+                    f"{r['ttft_mean_s'] / blind:.2f}x",
                 ]
             )
+        floor = res["floor_ttft_mean_s"]
+        table.append([name, "floor", f"{res['floor_hit_rate']:.1%}", "", floor, "", f"{floor / blind:.2f}x"])
     print(
         f"\ndevice caches {args.device_factor:g}x the working set, host tiers {args.host_factor:g}x the device, "
         f"load {args.target_load}"

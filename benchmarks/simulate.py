@@ -7,9 +7,10 @@ one block (its ids are prefix-chained, so prefix structure is kept). Arrival tim
 offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the fleet's prefill capacity.
 Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
 router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does,
-and the counts of conversation starts are shared by all of them, as the index shares them. Each replica
-reports what the engine would: its queued prefill (each request's uncached tokens, from routing until its
-prefill ran), running and waiting counts, its current step time and the trace's mean output length.
+extended by each routing decision until its blocks land and for ``--predict-ttl`` trace seconds; the counts
+of conversation starts are shared by all of them, as the index shares them. Each replica reports what the
+engine would: its queued prefill (each request's uncached tokens, from routing until its prefill ran),
+running and waiting counts, its current step time and the trace's mean output length.
 Random tie-breaks are seeded per router process, so a run is reproducible.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
@@ -47,6 +48,8 @@ from router.prefix_lru import PrefixLRU
 from router.sessions import SESSION_DECAY_S, DecayingCounts
 
 BLOCK_TOKENS = 16
+PREDICT_TTL_S = 2.0
+"""How long a routing decision stands as a prediction, in trace seconds: the serve router's default."""
 WINDOW_SHARE = 0.1
 """A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces
 last about a second of simulated time at GPU-class rates, so the engine's 10 s window would never fill."""
@@ -175,15 +178,19 @@ def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[floa
     return hit / total, work
 
 
-def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float) -> dict[str, int]:
+def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float, landed: list[bool]) -> dict[str, int]:
     """Per replica, the deepest block of the chain a router recently sent it (as the lookup script reads
-    the Redis predictions: each depth on its own, since shared shallow blocks name the latest choice)."""
+    the Redis predictions: each depth on its own, since shared shallow blocks name the latest choice).
+
+    A prediction ``(replica, routed at, request)`` stands until that request's blocks land in the replica's
+    cache (its KV events reach the index) and for ``ttl`` simulated seconds after routing, whichever is later.
+    """
     out: dict[str, int] = {}
     for i, h in enumerate(chain):
         entry = predicted.get(h)
         if entry is None:
             break
-        if now - entry[1] <= ttl:
+        if now - entry[1] <= ttl or not landed[entry[2]]:
             out[entry[0]] = i + 1
     return out
 
@@ -200,7 +207,12 @@ def simulate(
     costs: Costs = Costs(),
     host_capacity: int = 0,
 ):
+    """One run of ``policy_name`` over ``rows``, arrivals at ``scale`` x their trace times. ``ttl``: how long a
+    routing decision is remembered as a prediction, in trace seconds (the router's own ``predict_ttl_s`` too,
+    unless ``policy_kwargs`` set it): compressing arrivals compresses conversations' think times, and a TTL
+    left in simulated seconds would outlast them, telling the router where every history went."""
     mean_output = statistics.fmean(out for _, _, out in rows)
+    ttl_s = ttl * scale
     window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
     replicas = [
         Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output, busy=BusyShare(window))
@@ -209,13 +221,16 @@ def simulate(
     clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
     accepts = inspect.signature(POLICIES[policy_name]).parameters
     simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
+    if "predict_ttl_s" in accepts and "predict_ttl_s" not in policy_kwargs:
+        simulated["predict_ttl_s"] = ttl_s
     routers = [
         make_policy(policy_name, **({"seed": k} if "seed" in accepts else {}), **simulated, **policy_kwargs)
         for k in range(processes)
     ]  # seeded random tie-breaks: reproducible runs
     uses_index = routers[0].uses_index
     events: list = []
-    predicted: dict[bytes, tuple[str, float]] = {}  # Redis predict-on-route entries, shared by all routers
+    predicted: dict[bytes, tuple[str, float, int]] = {}  # Redis predict-on-route entries, shared by all routers
+    landed = [False] * len(rows)  # per request: its blocks are in its replica's cache, so the index knows them
     starts = DecayingCounts(getattr(routers[0], "session_decay_s", SESSION_DECAY_S), clock=lambda: clock[0])
     seq = itertools.count()
     reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
@@ -251,7 +266,7 @@ def simulate(
                 if host_capacity:
                     host = {rep.rid: rep.host_hits(r.chain, hits[rep.rid]) for rep in replicas}
                 known = max(hits.values())  # as the lookup script: predictions only extend the index
-                for owner, k in predicted_hits(predicted, r.chain, now, ttl).items():
+                for owner, k in predicted_hits(predicted, r.chain, now, ttl_s, landed).items():
                     if k > known:
                         hits[owner] = max(hits[owner], k)
             loads = [rep.load(now) for rep in replicas]
@@ -262,7 +277,7 @@ def simulate(
             policy.on_routed(req, rid, decision)
             if uses_index:
                 for h in r.chain:
-                    predicted[h] = (rid, now)
+                    predicted[h] = (rid, now, i)
                 if decision.opens_session:
                     starts.add(rid)
             rep = replicas[int(rid[1:])]
@@ -284,6 +299,7 @@ def simulate(
             rep.queued_tokens -= r.queued
             r.ttft = now - r.arrival
             rep.insert(r.chain)
+            landed[i] = True
             rep.served += 1
             heapq.heappush(events, (now + r.output * step_s(rep), next(seq), "done", i))
             start_prefill(rep, now)
@@ -307,6 +323,15 @@ def simulate(
     }
 
 
+def offered_scale(rows, replicas: int, capacity: int, target_load: float, costs: Costs) -> tuple[float, float, float]:
+    """The factor on trace times that keeps a fleet's prefill ``target_load`` busy on the pooled-LRU bound
+    (``replicas x capacity`` blocks), with that bound's hit rate and the infinite cache's."""
+    span = max(rows[-1][0] - rows[0][0], 1e-9)
+    pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
+    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
+    return pooled_work / (target_load * replicas * span), pooled, infinite
+
+
 def compare_routers(
     rows,
     replicas: int,
@@ -315,7 +340,7 @@ def compare_routers(
     processes: int,
     runs: list[tuple[str, str, dict]],
     costs: Costs = Costs(),
-    ttl: float = 10.0,
+    ttl: float = PREDICT_TTL_S,
     on_result: Callable[[str, dict], None] | None = None,
     host_capacity: int = 0,
 ) -> tuple[dict[str, float], dict[str, dict]]:
@@ -323,10 +348,7 @@ def compare_routers(
     ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
     contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
     ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it."""
-    span = max(rows[-1][0] - rows[0][0], 1e-9)
-    pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
-    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
-    scale = pooled_work / (target_load * replicas * span)
+    scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
     results = {}
     for label, name, kw in runs:
         t0 = time.perf_counter()
@@ -349,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--miss-weights", default="", help="comma list: run kv_aware once per miss_weight")
     ap.add_argument("--target-load", type=float, default=0.8)
     ap.add_argument("--router-processes", type=int, default=4)
-    ap.add_argument("--predict-ttl", type=float, default=10.0, help="predict-on-route TTL, simulated seconds")
+    ap.add_argument("--predict-ttl", type=float, default=PREDICT_TTL_S, help="predict-on-route TTL, trace seconds")
     ap.add_argument("--limit", type=int, default=None, help="first N trace rows only")
     ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
     ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")

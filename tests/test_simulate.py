@@ -3,7 +3,7 @@ round robin and stay within the pooled-LRU bound."""
 
 import json
 
-from benchmarks.simulate import Costs, load_trace, lru_hit_rate, simulate
+from benchmarks.simulate import PREDICT_TTL_S, Costs, load_trace, lru_hit_rate, predicted_hits, simulate
 
 
 def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
@@ -18,8 +18,8 @@ def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
     trace = load_trace(path, None)
     pooled, work = lru_hit_rate(trace, 4 * 200, Costs().prefill_tok_s)
     scale = work / (0.7 * 4 * (trace[-1][0] - trace[0][0]))
-    ours = simulate(trace, 4, 200, "kv_aware", {}, 2, scale, 10.0)
-    rr = simulate(trace, 4, 200, "round_robin", {}, 2, scale, 10.0)
+    ours = simulate(trace, 4, 200, "kv_aware", {}, 2, scale, PREDICT_TTL_S)
+    rr = simulate(trace, 4, 200, "round_robin", {}, 2, scale, PREDICT_TTL_S)
     assert ours["hit_rate"] > 1.5 * rr["hit_rate"]
     assert ours["hit_rate"] <= pooled + 1e-9
     assert ours["ttft_mean_s"] < rr["ttft_mean_s"]
@@ -58,3 +58,33 @@ def test_a_replicas_queued_prefill_never_reads_below_zero(monkeypatch):
         rows, 8, capacity, 0.8, 4, [("kv_aware", "kv_aware", {})], Costs(), host_capacity=4 * capacity
     )
     assert min(seen) >= 0 and res["kv_aware"]["imbalance"] < 1.5
+
+
+def test_a_prediction_stands_until_its_blocks_land_and_then_for_its_ttl():
+    """As the Redis index: a routing decision stands in for the KV events until they arrive, and then no
+    longer than its time-to-live; an evicted prefix is not found through a stale prediction."""
+    predicted = {b"a": ("r1", 0.0, 0), b"b": ("r1", 0.0, 0), b"c": ("r2", 0.9, 1)}
+    landed = [False, False]
+    assert predicted_hits(predicted, [b"a", b"b", b"x"], 50.0, 1.0, landed) == {"r1": 2}  # not landed yet
+    landed[0] = True
+    assert predicted_hits(predicted, [b"a", b"b"], 0.5, 1.0, landed) == {"r1": 2}  # landed, within its TTL
+    assert predicted_hits(predicted, [b"a", b"b"], 1.5, 1.0, landed) == {}
+    assert predicted_hits(predicted, [b"a", b"b", b"c"], 1.5, 1.0, landed) == {"r2": 3}
+
+
+def test_routing_that_knows_the_host_tier_finds_histories_a_blind_router_loses():
+    """Chat whose histories leave the small device caches between turns: the tier-aware router sends each
+    turn to the replica whose host tier holds its history; routed blind to the tier, turns land where
+    nothing is held more often. The simulator's predictions run on trace time, so think times compressed
+    to reach the offered load do not let a blind router remember where every history went."""
+    from benchmarks.host_tier_sim import run_workload
+    from benchmarks.simulate import trace_rows
+    from benchmarks.trace_workloads import chat
+
+    res = run_workload(trace_rows(chat(seed=0, size=0.5)), 4, 0.25, 4.0, 0.8, 2)
+    modes = res["modes"]
+    assert modes["tier_aware"]["host_hit_rate"] > modes["tier_blind"]["host_hit_rate"] + 0.05
+    assert res["aware_vs_blind_mean"] < 0.7
+    assert modes["tier_blind"]["ttft_mean_s"] < modes["no_host_tier"]["ttft_mean_s"]  # the engines still reload
+    floor = res["floor_ttft_mean_s"]
+    assert floor <= min(m["ttft_mean_s"] for m in modes.values())  # nothing beats the floor
