@@ -18,7 +18,15 @@ REPLICAS = 3
 
 @pytest.fixture(scope="module")
 def engine_handle(ray_serve, redis_server, tiny_llama_dir):
-    engine = {"model": str(tiny_llama_dir), "num_kv_blocks": 512, "torch_threads": 1, "max_num_seqs": 8}
+    # A context beyond the tiny model's 1,024 positions: the stickiness test needs histories that cost clearly
+    # more to recompute than queueing noise (see there).
+    engine = {
+        "model": str(tiny_llama_dir),
+        "num_kv_blocks": 1024,
+        "max_model_len": 4096,
+        "torch_threads": 1,
+        "max_num_seqs": 8,
+    }
     app = engine_deployment(
         engine, num_replicas=REPLICAS, redis_url=redis_server.url, deployment="it", stats_period_s=0.5
     )
@@ -41,9 +49,10 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
     handle, model = engine_handle
 
     async def conversation(c: int):
-        # A 600-token context: re-reading it elsewhere must clearly cost more than the queueing noise of
-        # replicas sharing two busy cores, or the router is right to move a conversation.
-        history = [1000 + c] * 5 + list(range(2000 + 1000 * c, 2000 + 1000 * c + 600))  # system + context
+        # A 2,400-token context: re-reading it elsewhere must clearly cost more than the queueing noise of
+        # replicas sharing two busy cores, or the router is right to move a conversation. The tiny model
+        # prefills 20-100k tokens/s, so 600 tokens (12 ms at the fastest rate a replica reported) did not.
+        history = [1000 + c] * 5 + list(range(2000 + 3000 * c, 2000 + 3000 * c + 2400))  # system + context
         homes, cached = [], []
         for turn in range(4):
             reply, hit, replica = await call(handle, model, history, max_tokens=12)
