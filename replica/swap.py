@@ -219,7 +219,7 @@ class SwapSpace:
         """Host copy bandwidth (bytes/s) of a swap-sized copy: one block out of every tensor, the fastest of
         ``repeats`` timings, so a moment the process spent descheduled (a busy core) is not taken for the
         copy's speed: routers and the swap decision price every host-tier load by it."""
-        n = min(self.num_blocks, 8)
+        n = min(self.num_blocks, self._device[0][0].shape[0], 8)  # the host may hold more blocks than the device
         ids = list(range(n))
         self._copy(self._device, ids, self._host, ids)  # first touch of the host pages is not a copy's cost
         fastest = float("inf")

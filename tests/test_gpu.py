@@ -179,8 +179,9 @@ def test_engine_on_cuda_bf16_prefix_hits_and_the_serving_default(smollm_dir, smo
     cold = [o.token_ids for o in llm.generate(smol_ids, params)]
     warm = llm.generate(smol_ids, params)
     assert all(o.num_cached_tokens > 0 for o, p in zip(warm, smol_ids, strict=True) if len(p) > 16)
-    hf = hf_greedy(smollm_dir, smol_ids, 16, "cuda", torch.bfloat16)
-    assert all(c[:4] == h[:4] for c, h in zip(cold, hf, strict=True))
+    if real_smollm_weights(smollm_dir):  # random weights' near-ties flip with bf16 rounding at any token
+        hf = hf_greedy(smollm_dir, smol_ids, 16, "cuda", torch.bfloat16)
+        assert all(c[:4] == h[:4] for c, h in zip(cold, hf, strict=True))
     agree = sum(w.token_ids == c for w, c in zip(warm, cold, strict=True))
     assert agree >= len(cold) - 1, f"only {agree}/{len(cold)} prompts gave the same tokens from the prefix cache"
 
