@@ -232,12 +232,12 @@ def ceilings(suite: Suite) -> dict:
 
 
 def attention(suite: Suite) -> dict:
-    """Decode attention bandwidth: KV bytes read over kernel time, against the measured copy bandwidth."""
+    """Decode attention bandwidth: KV bytes read over kernel time, against the measured copy bandwidth, with
+    the engine's context split and with others (``split_sweep``), to see what the split policy leaves."""
     import torch
 
     from benchmarks.attention_kernels import problem
     from kernels.metadata import decode_splits
-    from kernels.triton_attention import paged_attention_triton
 
     heads, kvh, d = LLAMA3_8B_HEADS
     cuda = suite.device == "cuda"
@@ -249,32 +249,45 @@ def attention(suite: Suite) -> dict:
             kv_bytes = 2 * batch * ctx * kvh * d * dtype.itemsize
             sets = max(1, min(16, -(-(1 << 30) // kv_bytes))) if cuda else 1  # >= 1 GiB in flight: not L2
             problems = [problem(batch, ctx, 1, heads, kvh, d, 16, dtype, suite.device) for _ in range(sets)]
-            scale = d**-0.5
-
-            def launches(problems=problems, scale=scale):
-                for meta, q, kc, vc in problems:
-                    paged_attention_triton(q, kc, vc, meta, scale)
-
-            if cuda:
-                launches()  # compile outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    launches()
-                ms = event_ms(graph.replay, 10) / sets
-            else:
-                t0 = time.perf_counter()
-                launches()
-                ms = 1e3 * (time.perf_counter() - t0)
             splits = decode_splits(batch, kvh, ctx, torch.device(suite.device))
-            row = {"batch": batch, "context": ctx, "splits": splits, "ms": ms, "GBps": kv_bytes / ms / 1e6}
+            sweep = {}
+            for s in sorted({splits, *((8, 16, 32, 64) if cuda else ())}):
+                ms = _attention_ms(problems, s, d**-0.5, cuda) / sets
+                sweep[s] = {"ms": ms, "GBps": kv_bytes / ms / 1e6}
+            row = {"batch": batch, "context": ctx, "splits": splits, **sweep[splits], "split_sweep": sweep}
             if copy:
                 row["share_of_copy"] = row["GBps"] / copy
+                row["best_share_of_copy"] = max(v["GBps"] for v in sweep.values()) / copy
             log.info("attention %s", row)
             rows.append(row)
             del problems
             free_device_memory()
     return {"heads": LLAMA3_8B_HEADS, "dtype": str(dtype), "rows": rows}
+
+
+def _attention_ms(problems, splits: int, scale: float, cuda: bool) -> float:
+    """Milliseconds for one decode-attention launch over each problem, ``splits`` parts per context."""
+    import torch
+
+    from kernels.triton_attention import paged_attention_triton
+
+    for meta, *_ in problems:
+        meta.decode_splits = splits
+
+    def launches():
+        for meta, q, kc, vc in problems:
+            paged_attention_triton(q, kc, vc, meta, scale)
+
+    if not cuda:
+        t0 = time.perf_counter()
+        launches()
+        return 1e3 * (time.perf_counter() - t0)
+    launches()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    return event_ms(graph.replay, 10)
 
 
 def nano_vllm_workload(n: int, seed: int = 0, low: int = 100, high: int = 1024):
