@@ -78,6 +78,7 @@ class Suite:
         self.out, self.scale, self.device = out, scale, device
         self.deadline = time.monotonic() + budget_s
         self.results: dict = {}
+        self.pytest_k: str | None = None
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -445,6 +446,8 @@ def pytest_gpu(suite: Suite, tokenizer: Path) -> dict:
     env = {**os.environ, "KVMESH_TEST_SMOLLM_DIR": str(model)}
     cmd = [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-rfEs", "-p", "no:cacheprovider"]
     cmd += ["--timeout", "150", f"--junitxml={suite.out / 'test_gpu.xml'}"]
+    if suite.pytest_k:
+        cmd += ["-k", suite.pytest_k]
     limit = max(30.0, suite.left() - 10)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
@@ -520,6 +523,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the default without CUDA)")
     ap.add_argument("--sections", default="ceilings,attention,smollm2,qwen3,pytest")
+    ap.add_argument("--pytest-k", help="run only the tests of tests/test_gpu.py that match (pytest -k)")
     args = ap.parse_args()
 
     import torch
@@ -534,6 +538,7 @@ def main() -> None:
         handlers=[logging.StreamHandler(), logging.FileHandler(args.out / "suite.log")],
     )
     suite = Suite(args.out, args.budget_s, SMOKE if smoke else Scale(), "cpu" if smoke else "cuda")
+    suite.pytest_k = args.pytest_k
     suite.results["machine"] = machine(args.commit)
     log.info("machine %s", suite.results["machine"])
     sections = {

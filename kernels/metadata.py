@@ -84,10 +84,13 @@ def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, bl
     return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 """Most parts a decode sequence's context is split into (flash-decoding, the Triton decode kernel)."""
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 128
 """Shortest context part worth a program of its own."""
+PROGRAMS_PER_MULTIPROCESSOR = 4
+"""Decode programs in flight per multiprocessor that a split aims for: on an H200, 4 reached 74-90% of copy
+bandwidth at batch 1-8 and context 32k where 2 reached 52-69% (``benchmarks/results/README.md``, GPU)."""
 
 
 @functools.cache
@@ -96,7 +99,9 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def decode_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """How many parts each decode sequence's context is split into on a GPU: enough programs for two per
-    multiprocessor when the batch alone has fewer, each part at least ``MIN_SPLIT_TOKENS`` long."""
-    wanted = -(-2 * _multiprocessors(device) // (batch * kv_heads))
-    return max(1, min(wanted, MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS))
+    """How many parts each decode sequence's context is split into on a GPU: the largest power of two that
+    keeps the programs at most ``PROGRAMS_PER_MULTIPROCESSOR`` per multiprocessor when the batch alone has
+    fewer, each part at least ``MIN_SPLIT_TOKENS`` long."""
+    wanted = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(device) // (batch * kv_heads)
+    splits = 1 << max(0, wanted.bit_length() - 1)
+    return max(1, min(splits, MAX_SPLITS, max_seq_len // MIN_SPLIT_TOKENS))

@@ -81,7 +81,7 @@ def test_compiled_block_size_eight_and_odd_head_dim():
     assert relative_error(paged_attention_triton(*dev, to_device(meta, "cuda"), 80**-0.5), expected) <= 1e-5
 
 
-@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("splits", [2, 4, 16, 64])
 @pytest.mark.parametrize("case", range(4))
 def test_compiled_split_kv_decode_matches_reference(case, splits):
     """Flash-decoding on the GPU: contexts up to 2k split into parts, partial softmaxes combined."""
