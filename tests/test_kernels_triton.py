@@ -87,3 +87,16 @@ def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, 
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.kernels.backend == "triton"
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_decode_splits_fill_four_programs_per_multiprocessor_in_powers_of_two(monkeypatch):
+    """The split the H200 sweep found best: batch x parts x KV heads near 4 programs per SM (132 SMs, 8 KV
+    heads: 64 / 32 / 16 / 8 parts at batch 1 / 2 / 4 / 8), never parts under 128 tokens, none past 64."""
+    from kernels import metadata
+
+    monkeypatch.setattr(metadata, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert [metadata.decode_splits(b, 8, 32768, cuda) for b in (1, 2, 4, 8, 16, 64, 256)] == [64, 32, 16, 8, 4, 1, 1]
+    assert metadata.decode_splits(1, 8, 1024, cuda) == 8  # 128 tokens a part at least
+    assert metadata.decode_splits(1, 1, 1 << 20, cuda) == 64
+    assert metadata.decode_splits(1, 8, 100, cuda) == 1
