@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_throughput import workload
-from benchmarks.report import median, print_table, write_json
-from replica import LLM, SamplingParams
-from replica.structured import GrammarCompiler
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.replica.structured import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

@@ -2,7 +2,7 @@
 
 CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode attention over SDPA on
 contiguous KV of the same size, for both CPU decode routes side by side: the compiled kernel that reads the
-paged cache in place (``kernels/cpu_extension.py``, the default) and the gather fallback (gather through
+paged cache in place (``kvmesh/kernels/cpu_extension.py``, the default) and the gather fallback (gather through
 block tables + SDPA). Batch 32, context 1,024, SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
 block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x. Then the decode kernel alone in
 float32 and bfloat16 on batches of mixed context lengths (ms and KV bytes read per second). Then causal
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels.torch_attention
-from benchmarks.report import median, print_table, write_json
-from kernels import AttentionMetadata
-from kernels.cpu_extension import cpu_op
-from kernels.torch_attention import paged_attention_torch
+import kvmesh.kernels.torch_attention
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.kernels import AttentionMetadata
+from kvmesh.kernels.cpu_extension import cpu_op
+from kvmesh.kernels.torch_attention import paged_attention_torch
 
 
 def problem(batch, ctx, new, heads, kv_heads, head_dim, block_size, dtype, device):
@@ -80,11 +80,11 @@ def cpu_overhead(repeats: int) -> dict:
         raise SystemExit("the CPU decode kernel did not build (see the warning above)")
 
     def gather_route():
-        kernels.torch_attention.cpu_op = lambda name: None  # what runs where no compiler is
+        kvmesh.kernels.torch_attention.cpu_op = lambda name: None  # what runs where no compiler is
         try:
             return paged_attention_torch(q, kc, vc, meta, scale)
         finally:
-            kernels.torch_attention.cpu_op = cpu_op
+            kvmesh.kernels.torch_attention.cpu_op = cpu_op
 
     paged, gather, sdpa = [], [], []
     for _ in range(5):  # interleaved rounds: machine noise hits all three alike
@@ -170,11 +170,11 @@ workload's sizes (64-512), an extend of 512 tokens on 1.5k cached, and long prom
 def _prefill(problem_args: tuple, head_dim: int, use_kernel: bool) -> None:
     meta, q, kc, vc = problem_args
     if not use_kernel:
-        kernels.torch_attention.cpu_op = lambda name: None if name == "paged_prefill" else cpu_op(name)
+        kvmesh.kernels.torch_attention.cpu_op = lambda name: None if name == "paged_prefill" else cpu_op(name)
     try:
         paged_attention_torch(q, kc, vc, meta, head_dim**-0.5)
     finally:
-        kernels.torch_attention.cpu_op = cpu_op
+        kvmesh.kernels.torch_attention.cpu_op = cpu_op
 
 
 def cpu_prefill(repeats: int) -> list[dict]:
@@ -216,7 +216,7 @@ def copy_bandwidth(device) -> float:
 
 def time_kernels(meta, q, kc, vc, repeats: int, with_sdpa: bool) -> dict:
     """Median times (ms) of the Triton kernels, the torch path and (decode) SDPA on contiguous KV."""
-    from kernels.triton_attention import paged_attention_triton
+    from kvmesh.kernels.triton_attention import paged_attention_triton
 
     sync = torch.cuda.synchronize
     scale = q.shape[-1] ** -0.5

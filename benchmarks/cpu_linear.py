@@ -3,7 +3,7 @@
 run:
 
 - ``F.linear`` (repacks its weight on every call) vs ``PackedLinear`` (weight packed once for oneDNN,
-  ``kernels/cpu_linear.py``) as it serves;
+  ``kvmesh/kernels/cpu_linear.py``) as it serves;
 - the packed layer's ways of computing (``PackedLinear.run``; it measures which is fastest per shape and batch
   size and keeps it): oneDNN's own threads, the rows shared out (one oneDNN call per thread, from 32 rows),
   and in float32 the panel kernel, as speed-ups over oneDNN's.
@@ -25,8 +25,8 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.report import median, print_table, write_json
-from kernels.cpu_linear import PackedLinear
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.kernels.cpu_linear import PackedLinear
 
 SHAPES = {
     "qkv 576->960": (576, 960),

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from benchmarks.engine_throughput import workload as smollm_workload
-from benchmarks.report import median, print_table, write_json
-from replica import LLM, EngineConfig, LLMEngine, SamplingParams
-from replica.model_files import resolve_model_dir
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.replica import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvmesh.shared.model_files import resolve_model_dir
 
 PROMPT_TOKENS = 32
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.report import median, print_table, write_json
-from replica import LLM, SamplingParams
-from replica.model_files import resolve_model_dir
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.shared.model_files import resolve_model_dir
 
 
 def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:

@@ -238,7 +238,7 @@ def attention(suite: Suite) -> dict:
     import torch
 
     from benchmarks.attention_kernels import problem
-    from kernels.metadata import decode_splits
+    from kvmesh.kernels.metadata import decode_splits
 
     heads, kvh, d = LLAMA3_8B_HEADS
     cuda = suite.device == "cuda"
@@ -270,7 +270,7 @@ def _attention_ms(problems, splits: int, scale: float, cuda: bool) -> float:
     """Milliseconds for one decode-attention launch over each problem, ``splits`` parts per context."""
     import torch
 
-    from kernels.triton_attention import paged_attention_triton
+    from kvmesh.kernels.triton_attention import paged_attention_triton
 
     for meta, *_ in problems:
         meta.decode_splits = splits
@@ -314,7 +314,7 @@ def engine_kwargs(suite: Suite, kv_gib: float, max_len: int) -> dict:
 
 def timed_generate(llm, prompts, olens) -> dict:
     """Output tok/s of one cold-cache ``generate`` and the engine steps it took."""
-    from replica import SamplingParams
+    from kvmesh.replica import SamplingParams
 
     llm.engine.reset_prefix_cache()
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in olens]
@@ -341,7 +341,7 @@ def decode_step(suite: Suite, llm) -> dict:
     """Wall time of a decode step at ``step_batch`` running sequences against the graph replay alone."""
     import torch
 
-    from replica import SamplingParams
+    from kvmesh.replica import SamplingParams
 
     engine, batch = llm.engine, suite.scale.step_batch
     engine.reset_prefix_cache()
@@ -371,7 +371,7 @@ def decode_step(suite: Suite, llm) -> dict:
 
 def smollm2(suite: Suite, tokenizer: Path) -> dict:
     from benchmarks.engine_throughput import workload
-    from replica import LLM
+    from kvmesh.replica import LLM
 
     model = save_random_model(
         suite.out / "models" / "smollm2-shape", smollm2_config(suite.scale), tokenizer, "bfloat16"
@@ -401,7 +401,7 @@ def smollm2(suite: Suite, tokenizer: Path) -> dict:
 
 
 def qwen3(suite: Suite, tokenizer: Path) -> dict:
-    from replica import LLM
+    from kvmesh.replica import LLM
 
     model = save_random_model(
         suite.out / "models" / "qwen3-0.6b-shape", qwen3_config(suite.scale), tokenizer, "bfloat16"
@@ -552,7 +552,7 @@ def main() -> None:
         fn, *rest = sections[name]
         suite.run(name, fn, *rest)
     shutil.rmtree(args.out / "models", ignore_errors=True)  # GBs of random weights: not worth carrying back
-    from benchmarks.report import print_table
+    from kvmesh.bench.report import print_table
 
     print()
     print_table(["figure", "measured", "goal"], summary_rows(suite.results))

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from benchmarks.report import median, print_table, write_json
-from replica.model_files import load_tokenizer, resolve_model_dir
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.shared.model_files import load_tokenizer, resolve_model_dir
 
 SCHEMAS = {
     "tool call (object, enum, integer)": (

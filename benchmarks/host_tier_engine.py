@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.report import print_table, write_json
-from replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(engine: LLMEngine, conversations: int, turns: int, user: int, output: int, seed: int = 0) -> dict:

@@ -16,7 +16,7 @@ Two references bound what any tier could give, at the same offered load:
   mean TTFT no router and no cache can go below.
 
 Workloads: the Mooncake conversation trace (``--trace``) and the agentic and chat generators of
-``benchmarks/trace_workloads.py``. Offered load is set as in ``benchmarks/simulate.py`` (``--target-load``
+``kvmesh/bench/trace_workloads.py``. Offered load is set as in ``kvmesh/bench/simulate.py`` (``--target-load``
 of the fleet's prefill capacity on the pooled-LRU bound of the device caches alone).
 
     python -m benchmarks.host_tier_sim --trace ../shared/workloads/mooncake/conversation_trace.jsonl
@@ -29,8 +29,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.report import print_table, write_json
-from benchmarks.simulate import (
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.simulate import (
     PREDICT_TTL_S,
     Costs,
     compare_routers,
@@ -40,7 +40,7 @@ from benchmarks.simulate import (
     simulate,
     trace_rows,
 )
-from benchmarks.trace_workloads import WORKLOADS
+from kvmesh.bench.trace_workloads import WORKLOADS
 
 MODES = {
     "tier_aware": (True, {}),

@@ -19,11 +19,11 @@ import time
 
 import redis
 
-from benchmarks.report import print_table, write_json
-from cluster.embedded_redis import EmbeddedRedis
-from router.index_publisher import KVIndexPublisher
-from router.index_schema import index_prefix, script_source
-from router.prefix_index import PrefixIndex
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.index_schema import index_prefix, script_source
+from kvmesh.router.prefix_index import PrefixIndex
 
 MODEL = "bench-model"
 BATCH = 1000

@@ -21,12 +21,12 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.report import print_table, write_json
-from kernels import AttentionMetadata
-from replica import LLM, SamplingParams
-from replica.context import ForwardContext, forward_context
-from replica.kv_dtype import KV_CACHE_DTYPES
-from replica.model_runner import kv_bytes_per_block
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.kernels import AttentionMetadata
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.replica.context import ForwardContext, forward_context
+from kvmesh.replica.model_runner import kv_bytes_per_block
+from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES
 
 PROMPTS = [
     "Explain how photosynthesis works in three sentences.",

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.report import print_table, write_json
-from replica.block_pool import BlockPool
-from replica.kv_cache_manager import KVCacheManager
-from replica.request import Request
-from replica.sampling_params import SamplingParams
-from router.hashing import model_seed
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.replica.block_pool import BlockPool
+from kvmesh.replica.kv_cache_manager import KVCacheManager
+from kvmesh.replica.request import Request
+from kvmesh.shared.hashing import model_seed
+from kvmesh.shared.sampling_params import SamplingParams
 
 BLOCK = 16
 MAX_SEQ = 2048

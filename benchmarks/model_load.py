@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import median, print_table, write_json
+from kvmesh.bench.report import median, print_table, write_json
 
 CHILD = (
     "import time; t0 = time.perf_counter(); from replica import LLM; t1 = time.perf_counter(); "

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from benchmarks.report import print_table, write_json
-from replica import LLM, SamplingParams
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.replica import LLM, SamplingParams
 
 SEED = 1234
 GOAL = 1 / 6

@@ -4,7 +4,7 @@ Decision latency: ``KVAwareRequestRouter.choose_replicas`` itself (our code, not
 8k-token prompts (512 blocks of 16) over 16 candidate replicas, index lookup included (a real loopback
 redis-server, 16 publishers, each prompt's chain held by one replica in full and half by another),
 hashing excluded (the ingress hashes once). Replicas are stand-ins carrying only what the router reads
-(replica id, load report). Hashing: ``router.hashing.hash_blocks`` on 8k-token prompts, one process.
+(replica id, load report). Hashing: ``kvmesh.shared.hashing.hash_blocks`` on 8k-token prompts, one process.
 
     python -m benchmarks.routing_decision [--decisions 2000]
 """
@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from benchmarks.report import print_table, write_json
-from cluster.embedded_redis import EmbeddedRedis
-from router.hashing import hash_blocks, model_seed
-from router.index_publisher import KVIndexPublisher
-from router.messages import GenerateCall
-from router.serve_router import KVAwareRequestRouter
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.serve_router import KVAwareRequestRouter
+from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import GenerateCall
 
 MODEL, DEPLOYMENT, REPLICAS, TOKENS = "bench-model", "bench", 16, 8192
 

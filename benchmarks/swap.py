@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from benchmarks.report import median, print_table, write_json
-from replica import LLM, SamplingParams
+from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.replica import LLM, SamplingParams
 
 MODES = ("recompute", "swap", "auto")
 

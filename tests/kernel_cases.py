@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import AttentionMetadata
+from kvmesh.kernels import AttentionMetadata
 
 
 def random_batch(
@@ -80,7 +80,7 @@ def check_against_reference(
     split into (the Triton kernels' flash-decoding; None lets them choose). ``group``, ``head_dim``: fixed
     instead of drawn.
     """
-    from kernels.reference import paged_attention_reference, store_kv_reference
+    from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference
 
     rng = random.Random(seed)
     block_size = rng.choice([16, 32])
@@ -105,7 +105,7 @@ def check_against_reference(
 
 
 def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 values of a quantized cache, written out independently of ``kernels.quant``."""
+    """float64 values of a quantized cache, written out independently of ``kvmesh.kernels.quant``."""
     return stored.double() * scale.double()[..., None]
 
 
@@ -118,8 +118,8 @@ def check_quantized(
     format, relative, above its subnormals), and attention must match the float64 reference over the
     dequantized cache: quantization error is the format's, never the kernel's.
     """
-    from kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize
-    from kernels.reference import paged_attention_reference
+    from kvmesh.kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize
+    from kvmesh.kernels.reference import paged_attention_reference
 
     rng = random.Random(seed)
     block_size = rng.choice([16, 32])

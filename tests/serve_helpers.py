@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from router.hashing import hash_blocks, model_seed
-from router.messages import GenerateCall
+from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import GenerateCall
 
 
 def greedy_call(model: str, tokens: list[int], max_tokens: int, session: str | None = None) -> GenerateCall:

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.admission import API_KEYS_ENV, TENANT_STATE, Admission, AdmissionMiddleware, ApiKeys, key_digests
+from kvmesh.cluster.admission import API_KEYS_ENV, TENANT_STATE, Admission, AdmissionMiddleware, ApiKeys, key_digests
 
 
 class EchoApp:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 
 MODES = {
     "sync": {"async_scheduling": False},

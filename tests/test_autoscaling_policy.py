@@ -11,7 +11,7 @@ import pytest
 import ray.serve.autoscaling_policy as ray_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from cluster.autoscaling import KVPressurePolicy, autoscaling_config
+from kvmesh.cluster.autoscaling import KVPressurePolicy, autoscaling_config
 
 POOL = 100  # blocks per replica
 

@@ -14,9 +14,9 @@ from collections import Counter
 import pytest
 import redis
 
-from cluster.autoscaling import autoscaling_config
-from cluster.engine_deployment import engine_deployment
-from router.index_schema import index_prefix
+from kvmesh.cluster.autoscaling import autoscaling_config
+from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.router.index_schema import index_prefix
 from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -16,7 +16,7 @@ def test_bench_run_reports_routers_side_by_side(tiny_llama_dir, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "cluster.cli",
+        "kvmesh.cluster.cli",
         "bench",
         "run",
         "--model",

@@ -1,4 +1,4 @@
-"""The workload family (benchmarks/trace_workloads.py) and the router suite over it (benchmarks/suite.py)."""
+"""The workload family (kvmesh/bench/trace_workloads.py) and the router suite over it (kvmesh/bench/suite.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.simulate import Costs
-from benchmarks.suite import ROUTERS, cell, main, workload_rows
-from benchmarks.trace_workloads import WORKLOADS, agentic, arrival_times, long_single, rag, tenants
+from kvmesh.bench.simulate import Costs
+from kvmesh.bench.suite import ROUTERS, cell, main, workload_rows
+from kvmesh.bench.trace_workloads import WORKLOADS, agentic, arrival_times, long_single, rag, tenants
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

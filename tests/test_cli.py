@@ -3,7 +3,9 @@ import sys
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.cluster.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_generate_streams_text_and_reports_tokens(tiny_llama_dir):

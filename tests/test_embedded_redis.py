@@ -1,6 +1,6 @@
 import redis
 
-from cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
 
 
 def test_starts_answers_and_stops_cleanly():

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica import EngineConfig, LLMEngine, SamplingParams
-from replica.kv_events import AllBlocksCleared, BlockStored
-from router.messages import BUSY_WINDOW_S
+from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.replica.kv_events import AllBlocksCleared, BlockStored
+from kvmesh.shared.messages import BUSY_WINDOW_S
 
 BLOCK = 4
 POOL = 24

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import redis
 
-from benchmarks.serve_process import ServeProcess
-from cluster.embedded_redis import EmbeddedRedis
-from router.index_schema import index_prefix
+from kvmesh.bench.serve_process import ServeProcess
+from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.router.index_schema import index_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

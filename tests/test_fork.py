@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from replica import AsyncLLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from replica.kv_events import BlockStored
+from kvmesh.replica import AsyncLLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from kvmesh.replica.kv_events import BlockStored
 from tests.test_sampling_and_api import hang_up_after_three_tokens
 
 BLOCK = 16
@@ -203,7 +203,7 @@ def test_a_fork_reserves_its_seats_at_admission(tiny_llama_dir):
 
 
 def test_batch_api_returns_n_outputs_per_prompt_in_index_order(tiny_llama_dir):
-    from replica import LLM
+    from kvmesh.replica import LLM
 
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
     outs = llm.generate([PARTIAL, FULL], [greedy(max_tokens=5, n=3), greedy(max_tokens=5)])

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, build_config
-from cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from cluster.status import render_status
-from router.messages import GenerateCall
+from kvmesh.cluster.config import ClusterConfig, build_config
+from kvmesh.cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.status import render_status
+from kvmesh.shared.messages import GenerateCall
 
 
 def test_chat_request_translates_to_sampling_params():
@@ -110,9 +110,9 @@ def test_defaults_clients_send_are_accepted_and_vllm_extensions_honoured():
 def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     import asyncio
 
-    from cluster.generation import gather
-    from cluster.openai_protocol import ResponseShape, usage_dict
-    from router.messages import GenerateChunk, Usage
+    from kvmesh.cluster.generation import gather
+    from kvmesh.cluster.openai_protocol import ResponseShape, usage_dict
+    from kvmesh.shared.messages import GenerateChunk, Usage
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
     chat = ResponseShape(chat=True, model="m", n=3)
@@ -144,7 +144,7 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
 def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     import asyncio
 
-    from cluster.engine_deployment import EngineReplica
+    from kvmesh.cluster.engine_deployment import EngineReplica
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
     call = GenerateCall("r", list(range(100, 137)), [], 16, {"max_tokens": 4, "temperature": 0, "n": 3})
@@ -191,7 +191,7 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
     assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 120)
     assert scaling["policy"]["policy_kwargs"] == {"target_kv_util": 0.5}
     # Threads are shared among the most replicas there can be, so a scaled-out machine is not oversubscribed.
-    monkeypatch.setattr("cluster.config.available_cpus", lambda: 12)
+    monkeypatch.setattr("kvmesh.cluster.config.available_cpus", lambda: 12)
     assert config.engine_settings()["torch_threads"] == 2
     assert build_config().autoscaling_config() is None  # no max_replicas: a fixed size
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
@@ -199,7 +199,7 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
 
 
 def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Path):
-    from cluster.config import available_cpus
+    from kvmesh.cluster.config import available_cpus
 
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("250000 100000\n")  # a pod limited to 2.5 CPUs
@@ -210,8 +210,8 @@ def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Pat
 
 
 def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
-    from cluster.app import app_builder
-    from router.index_schema import REDIS_URL_ENV
+    from kvmesh.cluster.app import app_builder
+    from kvmesh.router.index_schema import REDIS_URL_ENV
 
     monkeypatch.delenv(REDIS_URL_ENV, raising=False)
     with pytest.raises(ValueError, match=REDIS_URL_ENV):
@@ -283,19 +283,21 @@ def test_status_table_lists_replicas_and_decisions():
 
 
 def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
-    from cluster.proto.build import build
+    from kvmesh.cluster.proto.build import build
 
     build(tmp_path)
     generated = tmp_path / "cluster" / "proto"
-    committed = Path(__file__).resolve().parents[1] / "cluster" / "proto"
+    committed = Path(__file__).resolve().parents[1] / "kvmesh" / "cluster" / "proto"
     for name in ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py"):
-        assert (generated / name).read_text() == (committed / name).read_text(), "rerun python -m cluster.proto.build"
+        assert (generated / name).read_text() == (committed / name).read_text(), (
+            "rerun python -m kvmesh.cluster.proto.build"
+        )
 
 
 def test_ingress_never_imports_torch(smollm_dir):
     code = (
-        "import sys, cluster.ingress\n"
-        "from replica.model_files import apply_chat_template, load_tokenizer\n"
+        "import sys, kvmesh.cluster.ingress\n"
+        "from kvmesh.shared.model_files import apply_chat_template, load_tokenizer\n"
         f"tok = load_tokenizer(__import__('pathlib').Path({str(smollm_dir)!r}))\n"
         "assert apply_chat_template(tok, [{'role': 'user', 'content': 'hi'}])\n"
         "print('torch' in sys.modules)\n"
@@ -305,8 +307,8 @@ def test_ingress_never_imports_torch(smollm_dir):
 
 
 def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
-    from cluster.engine_deployment import EngineReplica
-    from router.hashing import first_block_extra, hash_blocks, model_seed
+    from kvmesh.cluster.engine_deployment import EngineReplica
+    from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
     ids = list(range(100, 180))  # 5 full blocks
@@ -328,7 +330,7 @@ def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
 def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path):
     import huggingface_hub
 
-    from replica.model_files import resolve_model_dir
+    from kvmesh.shared.model_files import resolve_model_dir
 
     asked = []
     monkeypatch.setattr(
@@ -346,8 +348,8 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     import asyncio
     import time
 
-    from cluster.generation import Generation
-    from replica.model_files import load_tokenizer
+    from kvmesh.cluster.generation import Generation
+    from kvmesh.shared.model_files import load_tokenizer
 
     generation = object.__new__(Generation)
     generation.tokenizer = load_tokenizer(smollm_dir)
@@ -385,11 +387,11 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
 
     from ray.exceptions import ActorUnavailableError
 
-    import cluster.generation as generation_module
-    from cluster.generation import Generation, ModelLimits, Prepared
-    from cluster.openai_protocol import ResponseShape
-    from replica.sampling_params import SamplingParams
-    from router.messages import GenerateCall, GenerateChunk, Usage
+    import kvmesh.cluster.generation as generation_module
+    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared
+    from kvmesh.cluster.openai_protocol import ResponseShape
+    from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
+    from kvmesh.shared.sampling_params import SamplingParams
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -440,9 +442,9 @@ def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
     replica, sends a request past the replica holding its prefix. The ingress gets 0.5 s unless told."""
     from ray.serve._private.build_app import build_app
 
-    from cluster.app import app_builder
-    from cluster.config import PROBE_DEADLINE_ENV
-    from router.index_schema import REDIS_URL_ENV
+    from kvmesh.cluster.app import app_builder
+    from kvmesh.cluster.config import PROBE_DEADLINE_ENV
+    from kvmesh.router.index_schema import REDIS_URL_ENV
 
     monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:1/0")
 

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 from transformers import AutoTokenizer
 
 from benchmarks.kv_quant import teacher_forced_logprobs
-from kernels.reference import paged_attention_reference, store_kv_reference
-from kernels.triton_attention import paged_attention_triton, store_kv_triton
-from replica import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference
+from kvmesh.kernels.triton_attention import paged_attention_triton, store_kv_triton
+from kvmesh.replica import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import real_smollm_weights
 from tests.kernel_cases import (
     check_against_reference,

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cluster.engine_deployment import engine_deployment
-from replica import EngineConfig, LLMEngine
-from router.prefix_index import PrefixIndex
+from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.replica import EngineConfig, LLMEngine
+from kvmesh.router.prefix_index import PrefixIndex
 from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

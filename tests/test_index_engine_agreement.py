@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replica import EngineConfig, LLMEngine, SamplingParams
-from router.index_publisher import KVIndexPublisher
-from router.index_schema import block_key, index_prefix
+from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.index_schema import block_key, index_prefix
 from tests.index_helpers import entries_of_slot, host_tag, query
 
 BLOCK, POOL = 4, 20

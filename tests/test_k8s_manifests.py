@@ -322,16 +322,16 @@ def test_vendored_crds_are_the_documented_upstream_files():
 def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.autoscaling import POLICY_PATH
-    from cluster.config import APP_NAME, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, GRPC_SERVICER
-    from cluster.engine_deployment import ROUTER_CLASS
+    from kvmesh.cluster.autoscaling import POLICY_PATH
+    from kvmesh.cluster.config import APP_NAME, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, GRPC_SERVICER
+    from kvmesh.cluster.engine_deployment import ROUTER_CLASS
 
     config = serve_config(overlay)
     ServeDeploySchema.model_validate(config)
     assert config["http_options"] == {"host": "0.0.0.0", "port": DEFAULT_HTTP_PORT}
     assert config["grpc_options"] == {"port": DEFAULT_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]}
     app = app_config(overlay)
-    assert (app["name"], app["route_prefix"], app["import_path"]) == (APP_NAME, "/", "cluster.app:app_builder")
+    assert (app["name"], app["route_prefix"], app["import_path"]) == (APP_NAME, "/", "kvmesh.cluster.app:app_builder")
     for path in (app["import_path"], GRPC_SERVICER, ROUTER_CLASS, POLICY_PATH):
         assert callable(import_object(path)), path
 
@@ -340,10 +340,10 @@ def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
 def test_app_args_are_cluster_config_fields_that_build_the_app(overlay, monkeypatch):
     from ray.serve._private.build_app import build_app
 
-    from cluster.app import app_builder
-    from cluster.autoscaling import POLICY_PATH
-    from cluster.config import ClusterConfig, build_config
-    from router.index_schema import REDIS_URL_ENV
+    from kvmesh.cluster.app import app_builder
+    from kvmesh.cluster.autoscaling import POLICY_PATH
+    from kvmesh.cluster.config import ClusterConfig, build_config
+    from kvmesh.router.index_schema import REDIS_URL_ENV
 
     args = app_config(overlay)["args"]
     fields = {f.name for f in dataclasses.fields(ClusterConfig)}
@@ -401,7 +401,7 @@ def test_gpu_overlay_puts_one_gpu_per_engine_replica_on_the_gpu_pool():
 
 
 def test_cpu_dev_overlay_runs_the_default_model_on_cpu_and_asks_for_no_gpu():
-    from replica.model_files import DEFAULT_MODEL
+    from kvmesh.shared.model_files import DEFAULT_MODEL
 
     assert "nvidia.com/gpu" not in json.dumps(render("cpu-dev"))
     assert not engine_actor_options("cpu-dev").get("num_gpus")
@@ -414,7 +414,7 @@ def test_cpu_dev_overlay_runs_the_default_model_on_cpu_and_asks_for_no_gpu():
 # ---------------------------------------------------------------------------------------------- wiring
 @overlays
 def test_ports_agree_across_services_proxies_image_and_code(overlay):
-    from cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+    from kvmesh.cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
     assert RAY_PORT_NAMES == {"serve": DEFAULT_HTTP_PORT, "serve-grpc": DEFAULT_GRPC_PORT}
     service_ports = {p["name"]: p for p in ray_service(overlay)["spec"]["serveService"]["spec"]["ports"]}
@@ -430,7 +430,7 @@ def test_ports_agree_across_services_proxies_image_and_code(overlay):
 
 @overlays
 def test_ray_pods_get_the_redis_url_from_the_secret_and_it_names_the_redis_service(overlay):
-    from router.index_schema import REDIS_URL_ENV
+    from kvmesh.router.index_schema import REDIS_URL_ENV
 
     redis_service = one(overlay, "Service", "kvmesh-redis")
     (redis_port,) = redis_service["spec"]["ports"]
@@ -464,7 +464,7 @@ def test_grpc_messages_are_bounded_before_authentication(overlay):
 
 @overlays
 def test_every_ray_container_gets_the_api_keys_from_their_secret_required_on_gpu(overlay):
-    from cluster.admission import API_KEYS_ENV
+    from kvmesh.cluster.admission import API_KEYS_ENV
 
     for container in ray_containers(overlay):
         (entry,) = [e for e in container["env"] if e["name"] == API_KEYS_ENV]  # a second one would override it
@@ -496,7 +496,7 @@ def test_no_secret_is_rendered_and_the_readme_creates_every_one_the_pods_read(ov
 
 @overlays
 def test_ray_pods_admit_clients_on_serve_ports_the_operator_on_the_dashboard_prometheus_on_metrics(overlay):
-    from cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+    from kvmesh.cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
     policies = objects(overlay, "NetworkPolicy")
     namespace = ray_service(overlay)["metadata"]["namespace"]
@@ -553,7 +553,7 @@ def test_no_service_of_ours_exposes_the_dashboard(overlay):
 
 @overlays
 def test_model_cache_env_is_the_one_the_code_reads_and_sits_on_a_volume(overlay, monkeypatch):
-    from replica.model_files import cache_root
+    from kvmesh.shared.model_files import cache_root
 
     for container in ray_containers(overlay):
         path = {e["name"]: e.get("value") for e in container["env"]}["KVMESH_CACHE_DIR"]
@@ -625,8 +625,8 @@ def test_images_are_the_ones_the_dockerfile_and_the_docs_build(overlay):
 def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(overlay):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster import metrics
-    from cluster.http_api import app
+    from kvmesh.cluster import metrics
+    from kvmesh.cluster.http_api import app
 
     app_monitor = one(overlay, "PodMonitor", "kvmesh")
     (endpoint,) = app_monitor["spec"]["podMetricsEndpoints"]

@@ -1,5 +1,6 @@
-"""The compiled CPU layers (``kernels/layers.py``) and prepacked linears (``kernels/cpu_linear.py``) against
-their torch definitions: same values, on the strided views the model hands them, in every float dtype."""
+"""The compiled CPU layers (``kvmesh/kernels/layers.py``) and prepacked linears
+(``kvmesh/kernels/cpu_linear.py``) against their torch definitions: same values, on the strided views the
+model hands them, in every float dtype."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import layers
-from kernels.cpu_extension import cpu_op
-from kernels.cpu_linear import PANEL_MAX_ROWS, FastestWay, PackedLinear, pack_linears
+from kvmesh.kernels import layers
+from kvmesh.kernels.cpu_extension import cpu_op
+from kvmesh.kernels.cpu_linear import PANEL_MAX_ROWS, FastestWay, PackedLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(cpu_op("rms_norm") is None, reason="the CPU kernels could not be built here")
 

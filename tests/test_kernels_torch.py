@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.torch_attention
-from kernels.cpu_extension import cpu_op
-from kernels.torch_attention import paged_attention_torch, store_kv_torch
+import kvmesh.kernels.torch_attention
+from kvmesh.kernels.cpu_extension import cpu_op
+from kvmesh.kernels.torch_attention import paged_attention_torch, store_kv_torch
 from tests.kernel_cases import check_against_reference, check_quantized
 
 
@@ -23,7 +23,7 @@ def test_torch_path_matches_reference(case, dtype, tol, route, monkeypatch):
     """Both CPU routes (the compiled decode and prefill kernels, and the gather + SDPA fallback) against
     float64, on batches mixing decode rows with prefill and extend rows of every length."""
     if route == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
+        monkeypatch.setattr(kvmesh.kernels.torch_attention, "cpu_op", lambda name: None)
     seed = case * 7919 + (dtype == torch.float16)
     check_against_reference(store_kv_torch, paged_attention_torch, seed, case, dtype, tol)
 
@@ -52,7 +52,7 @@ def test_long_prompts_match_reference(case):
 def test_sliding_window_matches_reference(case, route, monkeypatch):
     """Windows shorter and longer than a block, and longer than some contexts, on mixed batches."""
     if route == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
+        monkeypatch.setattr(kvmesh.kernels.torch_attention, "cpu_op", lambda name: None)
     window = [1, 7, 16, 37, 100, 1000][case]
     check_against_reference(store_kv_torch, paged_attention_torch, 77 + case, case, torch.float32, 1e-5, window)
 
@@ -63,7 +63,7 @@ def test_sliding_window_matches_reference(case, route, monkeypatch):
 @pytest.mark.parametrize("route", ["kernel", "gather"])
 def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, route, monkeypatch):
     if route == "gather":
-        monkeypatch.setattr(kernels.torch_attention, "cpu_op", lambda name: None)
+        monkeypatch.setattr(kvmesh.kernels.torch_attention, "cpu_op", lambda name: None)
     seed = 31 * case + len(kv_dtype) + (dtype == torch.float16)
     check_quantized(store_kv_torch, paged_attention_torch, seed, case, kv_dtype, dtype, tol)
 
@@ -78,8 +78,8 @@ def test_store_kv_skips_negative_slots():
 
 
 def test_backend_dispatch(monkeypatch):
-    from kernels import attention_backend, model_kernels
-    from kernels.torch_attention import paged_attention_torch
+    from kvmesh.kernels import attention_backend, model_kernels
+    from kvmesh.kernels.torch_attention import paged_attention_torch
 
     monkeypatch.delenv("KVMESH_ATTENTION_BACKEND", raising=False)
     assert attention_backend(torch.device("cpu")) == "torch"
@@ -95,7 +95,7 @@ def test_backend_dispatch(monkeypatch):
 def test_block_size_the_device_kernels_cannot_run_is_refused_at_start(monkeypatch):
     """The Triton kernels (CUDA) need 8-slot blocks: an engine configured smaller must fail at start-up
     with the reason, not at its first step with every request."""
-    from kernels import check_block_size
+    from kvmesh.kernels import check_block_size
 
     check_block_size(4, torch.device("cpu"))  # the torch path takes any power of two
     monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")

@@ -16,9 +16,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
-from kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
-from replica import LLM, SamplingParams  # noqa: E402
+from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
+from kvmesh.kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
+from kvmesh.replica import LLM, SamplingParams  # noqa: E402
 from tests.kernel_cases import check_against_reference, check_quantized, random_batch, relative_error  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, 
 def test_decode_splits_fill_four_programs_per_multiprocessor_in_powers_of_two(monkeypatch):
     """The split the H200 sweep found best: batch x parts x KV heads near 4 programs per SM (132 SMs, 8 KV
     heads: 64 / 32 / 16 / 8 parts at batch 1 / 2 / 4 / 8), never parts under 128 tokens, none past 64."""
-    from kernels import metadata
+    from kvmesh.kernels import metadata
 
     monkeypatch.setattr(metadata, "_multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")

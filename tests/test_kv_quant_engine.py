@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from cluster.plan import model_shape
-from replica import LLM, SamplingParams
-from replica.config import EngineConfig
-from replica.kv_dtype import MODEL_DTYPE_BYTES, kv_bytes_per_token
+from kvmesh.cluster.plan import model_shape
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.kv_dtype import MODEL_DTYPE_BYTES, kv_bytes_per_token
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
 BUDGET = 1 << 20
@@ -79,9 +79,9 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
 
 
 def test_kernels_and_sizing_know_the_same_dtypes():
-    """``kernels/quant.py`` (storage) and ``replica/kv_dtype.py`` (bytes) describe one set of formats."""
-    from kernels.quant import KV_CACHE_STORAGE
-    from replica.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
+    """``kvmesh/kernels/quant.py`` (storage) and ``kvmesh/shared/kv_dtype.py`` (bytes) describe one set of formats."""
+    from kvmesh.kernels.quant import KV_CACHE_STORAGE
+    from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
 
     assert tuple(KV_CACHE_STORAGE) == KV_CACHE_DTYPES
     for name, storage in KV_CACHE_STORAGE.items():

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
-from router.hashing import hash_blocks, model_seed
-from router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
-from router.sessions import DecayingCounts
+from kvmesh.router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
+from kvmesh.router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
+from kvmesh.router.sessions import DecayingCounts
+from kvmesh.shared.hashing import hash_blocks, model_seed
 
 SEED = model_seed("t")
 
@@ -190,7 +190,7 @@ def test_kv_aware_keeps_a_conversation_with_its_history_despite_a_busier_replica
 
 
 def test_decode_cost_is_the_fitted_slope_not_the_average():
-    from replica.telemetry import StepRates
+    from kvmesh.replica.telemetry import StepRates
 
     rates = StepRates()
     for _ in range(50):
@@ -205,7 +205,7 @@ def test_decode_cost_is_the_fitted_slope_not_the_average():
 def test_decode_cost_never_exceeds_a_recent_step():
     """A warm-up on contended cores (slow steps of varied batch sizes) must not price every running
     sequence at a third of a second once steps take 16 ms: routers would move conversations for it."""
-    from replica.telemetry import StepRates
+    from kvmesh.replica.telemetry import StepRates
 
     rates = StepRates()
     for running in (1, 4, 8, 1, 4, 8):
@@ -217,8 +217,8 @@ def test_decode_cost_never_exceeds_a_recent_step():
 
 
 def test_prefill_utilisation_is_the_share_of_recent_time_spent_prefilling():
-    from replica.telemetry import StepRates
-    from router.messages import BUSY_WINDOW_S
+    from kvmesh.replica.telemetry import StepRates
+    from kvmesh.shared.messages import BUSY_WINDOW_S
 
     rates, now = StepRates(), 0.0
     for _ in range(int(3 * BUSY_WINDOW_S / 0.05)):  # prefilling without a pause for three windows

@@ -8,11 +8,11 @@ import time
 import pytest
 import redis
 
-from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from router.hashing import hash_blocks, model_seed
-from router.index_publisher import KVIndexPublisher
-from router.index_schema import block_key, index_prefix
-from router.prefix_index import PrefixIndex
+from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.index_schema import block_key, index_prefix
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.shared.hashing import hash_blocks, model_seed
 from tests.index_helpers import entries_of_slot, host_tag, lookup, query
 
 MODEL = "m"
@@ -222,7 +222,7 @@ def test_lookup_of_empty_or_unknown(redis_server, n):
 
 
 def test_password_protected_redis_works_and_a_wrong_password_fails_closed():
-    from cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.cluster.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(password="index-s3cret") as server:
         cache = FakeCache()

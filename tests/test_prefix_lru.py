@@ -1,7 +1,7 @@
 import random
 
-from replica.block_pool import BlockPool
-from router.prefix_lru import PrefixLRU
+from kvmesh.replica.block_pool import BlockPool
+from kvmesh.router.prefix_lru import PrefixLRU
 
 
 def serve_on_pool(pool: BlockPool, chain: list[int]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica import LLM, SamplingParams
+from kvmesh.replica import LLM, SamplingParams
 
 PROMPT = list(range(300, 300 + 70))  # 70 tokens: several blocks, and several chunks below
 

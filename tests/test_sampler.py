@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from replica.sampler import MAX_TOP_K, SamplingTensors, sample, uniforms
+from kvmesh.replica.sampler import MAX_TOP_K, SamplingTensors, sample, uniforms
 
 DRAWS = 20_000
 
@@ -18,11 +18,11 @@ DRAWS = 20_000
 def rejection_path(request, monkeypatch):
     """Every test runs with the compiled CPU rejection kernel and with the torch path that serves without
     a compiler (and on GPUs)."""
-    import replica.sampler
+    import kvmesh.replica.sampler
 
     if request.param == "torch":
-        monkeypatch.setattr(replica.sampler, "cpu_op", lambda name: None)
-    elif replica.sampler.cpu_op("sample_rows") is None:
+        monkeypatch.setattr(kvmesh.replica.sampler, "cpu_op", lambda name: None)
+    elif kvmesh.replica.sampler.cpu_op("sample_rows") is None:
         pytest.skip("the CPU kernels could not be built here")
     return request.param
 
@@ -140,7 +140,7 @@ def test_uniforms_are_uniform_and_depend_on_seed_and_position():
 
 
 def test_argmax_takes_the_first_of_tied_maxima_like_torch():
-    from replica.sampler import argmax
+    from kvmesh.replica.sampler import argmax
 
     x = torch.randn(7, 3000, generator=torch.Generator().manual_seed(3))
     x[2, 10] = x[2, 2500] = x[5, 0] = x[5, 2999] = 99.0

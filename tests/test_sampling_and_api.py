@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from replica import LLM, AsyncLLM, SamplingParams
-from replica.errors import InvalidRequest, RequestFailed
+from kvmesh.replica import LLM, AsyncLLM, SamplingParams
+from kvmesh.shared.errors import InvalidRequest, RequestFailed
 
 PROMPT = "The history of the printing press begins"
 

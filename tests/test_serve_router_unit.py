@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from cluster.embedded_redis import free_port
-from router.hashing import hash_blocks, model_seed
-from router.index_publisher import KVIndexPublisher
-from router.messages import GenerateCall
-from router.serve_router import KVAwareRequestRouter
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.serve_router import KVAwareRequestRouter
+from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import GenerateCall
 
 DEP = DeploymentID(name="engine", app_name="unit")
 
@@ -224,7 +224,7 @@ def test_prediction_is_shared_across_router_processes(redis_server):
 def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
     """Requests cancelled while they queued are never routed nor completed: their planned decisions and
     in-flight entries are dropped by age and count, not kept forever."""
-    import router.serve_router as serve_router
+    import kvmesh.router.serve_router as serve_router
 
     reps = replicas(2, prefill_tok_s=1000.0)
 

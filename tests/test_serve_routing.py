@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from cluster.engine_deployment import engine_deployment
+from kvmesh.cluster.engine_deployment import engine_deployment
 from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

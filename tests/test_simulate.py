@@ -3,7 +3,7 @@ round robin and stay within the pooled-LRU bound."""
 
 import json
 
-from benchmarks.simulate import PREDICT_TTL_S, Costs, load_trace, lru_hit_rate, predicted_hits, simulate
+from kvmesh.bench.simulate import PREDICT_TTL_S, Costs, load_trace, lru_hit_rate, predicted_hits, simulate
 
 
 def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
@@ -41,8 +41,8 @@ def test_a_replicas_queued_prefill_never_reads_below_zero(monkeypatch):
     import math
 
     from benchmarks.host_tier_sim import working_set
-    from benchmarks.simulate import Replica, compare_routers, trace_rows
-    from benchmarks.trace_workloads import agentic
+    from kvmesh.bench.simulate import Replica, compare_routers, trace_rows
+    from kvmesh.bench.trace_workloads import agentic
 
     seen = []
     load = Replica.load
@@ -78,8 +78,8 @@ def test_routing_that_knows_the_host_tier_finds_histories_a_blind_router_loses()
     nothing is held more often. The simulator's predictions run on trace time, so think times compressed
     to reach the offered load do not let a blind router remember where every history went."""
     from benchmarks.host_tier_sim import run_workload
-    from benchmarks.simulate import trace_rows
-    from benchmarks.trace_workloads import chat
+    from kvmesh.bench.simulate import trace_rows
+    from kvmesh.bench.trace_workloads import chat
 
     res = run_workload(trace_rows(chat(seed=0, size=0.5)), 4, 0.25, 4.0, 0.8, 2)
     modes = res["modes"]

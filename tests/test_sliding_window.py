@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, Qwen3Config
 
-from replica import LLM, SamplingParams
-from replica.llama import layer_windows
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.replica.llama import layer_windows
 
 WINDOW = 24
 COMMON = dict(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replica import LLM, SamplingParams
-from replica.config import EngineConfig
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.shared.engine_config import EngineConfig
 
 PROMPTS = [list(range(300 + 50 * i, 345 + 50 * i)) for i in range(4)]  # 45 tokens each: 3 blocks
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -96,7 +96,7 @@ def test_a_stall_while_measuring_the_copy_bandwidth_does_not_set_it(tiny_llama_d
     the process was descheduled (a busy core) must not make the tier look slower than recomputing."""
     import time
 
-    from replica.swap import SwapSpace
+    from kvmesh.replica.swap import SwapSpace
 
     engine = LLM(str(tiny_llama_dir), num_kv_blocks=32, dtype="float32").engine
     steady = engine.swap._measure_bandwidth()

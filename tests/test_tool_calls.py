@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from cluster.openai_protocol import APIError
-from cluster.tool_calls import (
+from kvmesh.cluster.openai_protocol import APIError
+from kvmesh.cluster.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCallStream,

@@ -1,0 +1,434 @@
+"""Trace-driven fleet simulation of routing policies (the same policy objects the Ray router runs).
+
+A discrete-event model of N replicas, each with an LRU prefix cache of C blocks, ``max_num_seqs`` batch
+slots, a FIFO prefill stage whose time is the uncached tokens over the prefill rate, and a decode stage
+whose step time grows with the running batch. Requests come from a Mooncake-format trace: each 512-token hash id becomes
+one block (its ids are prefix-chained, so prefix structure is kept). Arrival times are rescaled so the
+offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the fleet's prefill capacity.
+Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
+router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does,
+extended by each routing decision until its blocks land and for ``--predict-ttl`` trace seconds; the counts
+of conversation starts are shared by all of them, as the index shares them. Each replica reports what the
+engine would: its queued prefill (each request's uncached tokens, from routing until its prefill ran),
+running and waiting counts, its current step time and the trace's mean output length.
+Random tie-breaks are seeded per router process, so a run is reproducible.
+
+Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
+tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
+block. ``--calibration benchmarks/results/calibration.json`` (written by ``kvmesh bench calibrate``, which
+measures our real engine) uses the measured constants instead, sped up by ``--speedup`` (default: the
+factor that brings the measured prefill rate to the GPU-class 20,000 tokens/s; step costs scale by the
+same factor, so the measured balance between prefill and decode is kept).
+
+    python -m kvmesh.bench.simulate --trace ../shared/workloads/mooncake/conversation_trace.jsonl \
+        --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
+    python -m kvmesh.bench.simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import inspect
+import itertools
+import json
+import statistics
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.replica.telemetry import BusyShare
+from kvmesh.router.baselines import POLICIES, make_policy
+from kvmesh.router.policy import ReplicaLoad, RouteRequest
+from kvmesh.router.prefix_lru import PrefixLRU
+from kvmesh.router.sessions import SESSION_DECAY_S, DecayingCounts
+
+BLOCK_TOKENS = 16
+PREDICT_TTL_S = 2.0
+"""How long a routing decision stands as a prediction, in trace seconds: the serve router's default."""
+WINDOW_SHARE = 0.1
+"""A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces
+last about a second of simulated time at GPU-class rates, so the engine's 10 s window would never fill."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """How fast a simulated replica works."""
+
+    prefill_tok_s: float = 20_000.0
+    decode_s_per_seq: float = 0.00025
+    """Seconds one running sequence adds to a decode step."""
+    min_step_s: float = 0.015
+    """A decode step's base cost: ``step = min_step_s + running * decode_s_per_seq``, as our engine measures."""
+    slots: int = 64
+    host_load_tok_s: float = 200_000.0
+    """Tokens per second a host-tier prefix loads back at (PCIe-class: ~25 GB/s over ~128 KiB of KV per
+    token of an 8B Llama): 10x the prefill rate. Used only by replicas with a host tier."""
+
+    @classmethod
+    def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
+        """The measured engine, ``speedup`` times faster (default: to the GPU-class prefill rate)."""
+        cal = json.loads(path.read_text())
+        f = speedup or cls.prefill_tok_s / cal["prefill_tok_s"]
+        costs = cls(cal["prefill_tok_s"] * f, cal["decode_s_per_seq"] / f, cal["step_base_s"] / f)
+        return costs, f
+
+
+@dataclass
+class Req:
+    arrival: float
+    chain: list[bytes]
+    output: int
+    hits: int = 0
+    """Leading blocks it did not compute: device hits plus those loaded from the host tier."""
+    host_hits: int = 0
+    queued: int = 0
+    """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
+    ttft: float = 0.0
+    replica: int = -1
+
+    @property
+    def tokens(self) -> int:
+        return len(self.chain) * BLOCK_TOKENS
+
+
+@dataclass
+class Replica:
+    rid: str
+    capacity: int
+    costs: Costs
+    host_capacity: int = 0
+    """Blocks of the host prefix tier: what the device evicts goes there (LRU), exclusive with the device."""
+    cache: PrefixLRU = field(init=False)
+    host: PrefixLRU = field(init=False)
+    prefill_queue: deque = field(default_factory=deque)
+    slot_waiters: deque = field(default_factory=deque)
+    running: int = 0
+    prefill_busy: bool = False
+    queued_tokens: int = 0
+    served: int = 0
+    busy: BusyShare = field(default_factory=BusyShare)
+    """How busy its prefill has been, as the engine measures it (``kvmesh/replica/telemetry.py``)."""
+    mean_output_steps: float = 1.0
+    """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
+
+    def __post_init__(self) -> None:
+        self.cache = PrefixLRU(self.capacity)
+        self.host = PrefixLRU(self.host_capacity)
+
+    def leading_hits(self, chain: list[bytes]) -> int:
+        return self.cache.leading(chain)
+
+    def host_hits(self, chain: list[bytes], start: int) -> int:
+        """Blocks of ``chain`` after its first ``start`` that the host tier holds, in a row."""
+        return self.host.leading(chain[start:])
+
+    def insert(self, chain: list[bytes]) -> None:
+        for h in chain:
+            self.host.discard(h)  # loaded back or recomputed: the device holds it now
+        for evicted in self.cache.touch(chain):
+            if self.host_capacity:
+                self.host.touch((evicted,))
+
+    def load(self, now: float = 0.0) -> ReplicaLoad:
+        return ReplicaLoad(
+            self.rid,
+            pending_prefill_tokens=self.queued_tokens,
+            num_running=self.running,
+            num_waiting=len(self.slot_waiters),
+            prefill_tok_s=self.costs.prefill_tok_s,
+            decode_s_per_seq=self.costs.decode_s_per_seq,
+            max_num_seqs=self.costs.slots,
+            step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
+            mean_output_tokens=self.mean_output_steps,
+            cache_fill=len(self.cache) / self.capacity,
+            prefill_busy=self.busy.at(now),
+            host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
+        )
+
+
+def trace_rows(records) -> list[tuple[float, list[bytes], int]]:
+    """Simulator rows (arrival s, block chain, decode steps) from Mooncake-format records (dicts)."""
+    return [
+        (r["timestamp"] / 1000.0, [struct.pack("<q", h) for h in r["hash_ids"]], max(1, r["output_length"] // 32))
+        for r in records
+    ]
+
+
+def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], int]]:
+    with path.open() as f:
+        return trace_rows(json.loads(line) for line in itertools.islice(f, limit))
+
+
+def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[float, float]:
+    """Block hit rate and prefill seconds of the trace on one LRU of ``capacity`` blocks (None: infinite)."""
+    cache = PrefixLRU(capacity)
+    hit = total = 0
+    work = 0.0
+    for _, chain, _ in rows:
+        n = cache.leading(chain)
+        hit += n
+        total += len(chain)
+        work += (len(chain) - n) * BLOCK_TOKENS / prefill_tok_s
+        cache.touch(chain)
+    return hit / total, work
+
+
+def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float, landed: list[bool]) -> dict[str, int]:
+    """Per replica, the deepest block of the chain a router recently sent it (as the lookup script reads
+    the Redis predictions: each depth on its own, since shared shallow blocks name the latest choice).
+
+    A prediction ``(replica, routed at, request)`` stands until that request's blocks land in the replica's
+    cache (its KV events reach the index) and for ``ttl`` simulated seconds after routing, whichever is later.
+    """
+    out: dict[str, int] = {}
+    for i, h in enumerate(chain):
+        entry = predicted.get(h)
+        if entry is None:
+            break
+        if now - entry[1] <= ttl or not landed[entry[2]]:
+            out[entry[0]] = i + 1
+    return out
+
+
+def simulate(
+    rows,
+    n: int,
+    capacity: int,
+    policy_name: str,
+    policy_kwargs: dict,
+    processes: int,
+    scale: float,
+    ttl: float,
+    costs: Costs = Costs(),
+    host_capacity: int = 0,
+):
+    """One run of ``policy_name`` over ``rows``, arrivals at ``scale`` x their trace times. ``ttl``: how long a
+    routing decision is remembered as a prediction, in trace seconds (the router's own ``predict_ttl_s`` too,
+    unless ``policy_kwargs`` set it): compressing arrivals compresses conversations' think times, and a TTL
+    left in simulated seconds would outlast them, telling the router where every history went."""
+    mean_output = statistics.fmean(out for _, _, out in rows)
+    ttl_s = ttl * scale
+    window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
+    replicas = [
+        Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output, busy=BusyShare(window))
+        for i in range(n)
+    ]
+    clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
+    accepts = inspect.signature(POLICIES[policy_name]).parameters
+    simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
+    if "predict_ttl_s" in accepts and "predict_ttl_s" not in policy_kwargs:
+        simulated["predict_ttl_s"] = ttl_s
+    routers = [
+        make_policy(policy_name, **({"seed": k} if "seed" in accepts else {}), **simulated, **policy_kwargs)
+        for k in range(processes)
+    ]  # seeded random tie-breaks: reproducible runs
+    uses_index = routers[0].uses_index
+    events: list = []
+    predicted: dict[bytes, tuple[str, float, int]] = {}  # Redis predict-on-route entries, shared by all routers
+    landed = [False] * len(rows)  # per request: its blocks are in its replica's cache, so the index knows them
+    starts = DecayingCounts(getattr(routers[0], "session_decay_s", SESSION_DECAY_S), clock=lambda: clock[0])
+    seq = itertools.count()
+    reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
+    for i, r in enumerate(reqs):
+        heapq.heappush(events, (r.arrival, next(seq), "arrive", i))
+
+    def step_s(rep: Replica) -> float:
+        return costs.min_step_s + rep.running * costs.decode_s_per_seq
+
+    def start_prefill(rep: Replica, now: float) -> None:
+        if rep.prefill_busy or not rep.prefill_queue:
+            return
+        i = rep.prefill_queue.popleft()
+        r = reqs[i]
+        device = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
+        r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
+        r.hits = device + r.host_hits
+        uncached = r.tokens - r.hits * BLOCK_TOKENS
+        rep.prefill_busy = True
+        done = now + uncached / costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / costs.host_load_tok_s
+        rep.busy.add(now, done - now)
+        heapq.heappush(events, (done, next(seq), "prefilled", i))
+
+    while events:
+        now, _, kind, i = heapq.heappop(events)
+        r = reqs[i]
+        if kind == "arrive":
+            policy = routers[i % processes]
+            req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
+            hits, host = None, {}
+            if uses_index:
+                hits = {rep.rid: rep.leading_hits(r.chain) for rep in replicas}
+                if host_capacity:
+                    host = {rep.rid: rep.host_hits(r.chain, hits[rep.rid]) for rep in replicas}
+                known = max(hits.values())  # as the lookup script: predictions only extend the index
+                for owner, k in predicted_hits(predicted, r.chain, now, ttl_s, landed).items():
+                    if k > known:
+                        hits[owner] = max(hits[owner], k)
+            loads = [rep.load(now) for rep in replicas]
+            clock[0] = now
+            shared = {load.index_id: starts.get(load.index_id) for load in loads} if uses_index else None
+            decision = policy.rank(req, loads, hits, shared, host)
+            rid = decision.ranked[0]
+            policy.on_routed(req, rid, decision)
+            if uses_index:
+                for h in r.chain:
+                    predicted[h] = (rid, now, i)
+                if decision.opens_session:
+                    starts.add(rid)
+            rep = replicas[int(rid[1:])]
+            r.replica = int(rid[1:])
+            # What the router believes the replica must prefill, never below the last token: a prediction can
+            # deepen the device hits past where the host tier's blocks were counted from.
+            believed = ((hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+            r.queued = r.tokens - min(believed, r.tokens - 1)
+            rep.queued_tokens += r.queued
+            if rep.running < costs.slots:
+                rep.running += 1
+                rep.prefill_queue.append(i)
+                start_prefill(rep, now)
+            else:
+                rep.slot_waiters.append(i)
+        elif kind == "prefilled":
+            rep = replicas[r.replica]
+            rep.prefill_busy = False
+            rep.queued_tokens -= r.queued
+            r.ttft = now - r.arrival
+            rep.insert(r.chain)
+            landed[i] = True
+            rep.served += 1
+            heapq.heappush(events, (now + r.output * step_s(rep), next(seq), "done", i))
+            start_prefill(rep, now)
+        else:  # done: free the slot
+            rep = replicas[r.replica]
+            rep.running -= 1
+            if rep.slot_waiters:
+                rep.running += 1
+                rep.prefill_queue.append(rep.slot_waiters.popleft())
+                start_prefill(rep, now)
+    ttfts = sorted(r.ttft for r in reqs)
+    served = [rep.served for rep in replicas]
+    blocks = sum(len(r.chain) for r in reqs)
+    return {
+        "hit_rate": sum(r.hits for r in reqs) / blocks,
+        "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
+        "imbalance": max(served) / statistics.fmean(served),
+    }
+
+
+def offered_scale(rows, replicas: int, capacity: int, target_load: float, costs: Costs) -> tuple[float, float, float]:
+    """The factor on trace times that keeps a fleet's prefill ``target_load`` busy on the pooled-LRU bound
+    (``replicas x capacity`` blocks), with that bound's hit rate and the infinite cache's."""
+    span = max(rows[-1][0] - rows[0][0], 1e-9)
+    pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
+    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
+    return pooled_work / (target_load * replicas * span), pooled, infinite
+
+
+def compare_routers(
+    rows,
+    replicas: int,
+    capacity: int,
+    target_load: float,
+    processes: int,
+    runs: list[tuple[str, str, dict]],
+    costs: Costs = Costs(),
+    ttl: float = PREDICT_TTL_S,
+    on_result: Callable[[str, dict], None] | None = None,
+    host_capacity: int = 0,
+) -> tuple[dict[str, float], dict[str, dict]]:
+    """The cache bounds of ``rows`` (infinite, pooled LRU of ``replicas x capacity`` blocks) and, per run
+    ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
+    contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
+    ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it."""
+    scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
+    results = {}
+    for label, name, kw in runs:
+        t0 = time.perf_counter()
+        res = simulate(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity)
+        res["sim_seconds"] = time.perf_counter() - t0
+        results[label] = res
+        if on_result is not None:
+            on_result(label, res)
+    return {"infinite": infinite, "pooled_lru": pooled}, results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--trace", type=Path, required=True)
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--capacity-blocks", type=int, default=3000)
+    ap.add_argument("--routers", default="kv_aware,pow2,round_robin,session_hash,approx_tree")
+    ap.add_argument("--miss-weights", default="", help="comma list: run kv_aware once per miss_weight")
+    ap.add_argument("--target-load", type=float, default=0.8)
+    ap.add_argument("--router-processes", type=int, default=4)
+    ap.add_argument("--predict-ttl", type=float, default=PREDICT_TTL_S, help="predict-on-route TTL, trace seconds")
+    ap.add_argument("--limit", type=int, default=None, help="first N trace rows only")
+    ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
+    ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    costs, speedup = Costs.from_calibration(args.calibration, args.speedup) if args.calibration else (Costs(), None)
+    if speedup:
+        print(f"calibrated costs x{speedup:.1f}: {costs}")
+    if not 0 < args.target_load < 2:
+        ap.error("--target-load must be in (0, 2)")
+    rows = load_trace(args.trace, args.limit)
+    runs = [(name, name, {}) for name in args.routers.split(",") if name]
+    runs += [
+        (f"kv_aware(miss_weight={float(w):g})", "kv_aware", {"miss_weight": float(w)})
+        for w in args.miss_weights.split(",")
+        if w
+    ]
+    bounds, results = compare_routers(
+        rows,
+        args.replicas,
+        args.capacity_blocks,
+        args.target_load,
+        args.router_processes,
+        runs,
+        costs,
+        args.predict_ttl,
+        on_result=lambda label, res: print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True),
+    )
+    infinite, pooled = bounds["infinite"], bounds["pooled_lru"]
+    table = [
+        [
+            label,
+            f"{res['hit_rate']:.1%}",
+            f"{res['hit_rate'] / pooled:.1%}",
+            res["ttft_mean_s"],
+            res["ttft_p99_s"],
+            res["imbalance"],
+        ]
+        for label, res in results.items()
+    ]
+    print(f"\n{len(rows)} requests, {args.replicas} replicas x {args.capacity_blocks} blocks, load {args.target_load}")
+    print(f"bounds: infinite cache {infinite:.1%}, pooled LRU {pooled:.1%}")
+    print_table(["router", "hit rate", "of pooled", "TTFT mean s", "TTFT p99 s", "imbalance"], table)
+    payload = {
+        "requests": len(rows),
+        "replicas": args.replicas,
+        "capacity_blocks": args.capacity_blocks,
+        "target_load": args.target_load,
+        "router_processes": args.router_processes,
+        "costs": costs.__dict__,
+        "calibration": str(args.calibration) if args.calibration else None,
+        "speedup": speedup,
+        "bounds": {"infinite": infinite, "pooled_lru": pooled},
+        "routers": results,
+    }
+    write_json("simulate_calibrated" if args.calibration else "simulate", payload, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Every router on every workload shape, in the simulator: does a policy hold beyond the trace it was tuned on?
+
+For each workload of ``kvmesh/bench/trace_workloads.py`` (plus bursty and diurnal variants), each load, each
+fleet cache size (a multiple of the workload's working set: its distinct blocks) and each number of router
+processes, the simulator (``kvmesh/bench/simulate.py``) runs every router on the same trace. A cell reports
+kv_aware's hit rate as a share of the pooled-LRU bound and its mean / p99 TTFT against the best baseline,
+and is flagged when a baseline beats kv_aware by more than 5% on mean or p99 TTFT. Writes JSON and a PNG
+heatmap (needs matplotlib).
+
+    kvmesh bench suite                                   # the full grid
+    kvmesh bench suite --workloads agentic,rag --loads 0.8 --caches 1 --processes 4 --size 0.3
+    kvmesh bench suite --loads 0.8 --caches 1,4 --processes 4 --kv-aware '{"busy_weight": 0}'   # a variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from kvmesh.bench.report import print_table, pyplot, save_figure, write_json
+from kvmesh.bench.simulate import Costs, compare_routers, trace_rows
+from kvmesh.bench.trace_workloads import WORKLOADS
+
+ROUTERS = ("kv_aware", "pow2", "round_robin", "session_hash", "approx_tree")
+VARIANTS = {"agentic_bursty": ("agentic", "bursty"), "chat_diurnal": ("chat", "diurnal")}
+"""Extra suite workloads: a generator with a non-Poisson arrival shape."""
+SLACK = 1.05
+"""A baseline beating kv_aware by more than this factor on mean or p99 TTFT flags the cell."""
+
+
+def workload_rows(name: str, seed: int, size: float):
+    gen, arrival = VARIANTS.get(name, (name, "poisson"))
+    return trace_rows(WORKLOADS[gen](seed=seed, size=size, arrival=arrival))
+
+
+def cell(
+    rows, replicas: int, cache_factor: float, load: float, processes: int, routers, costs: Costs, kv_kwargs=None
+) -> dict:
+    """One cell of the grid: every router on ``rows``, and how kv_aware (with ``kv_kwargs``) fares against the
+    best baseline."""
+    distinct = len({h for _, chain, _ in rows for h in chain})
+    capacity = max(1, math.ceil(cache_factor * distinct / replicas))
+    runs = [(r, r, (kv_kwargs or {}) if r == "kv_aware" else {}) for r in routers]
+    bounds, results = compare_routers(rows, replicas, capacity, load, processes, runs, costs)
+    out = {"capacity_blocks": capacity, "working_set_blocks": distinct, "bounds": bounds, "routers": results}
+    ours, others = results.get("kv_aware"), {k: v for k, v in results.items() if k != "kv_aware"}
+    if ours is not None and others:
+        best_mean = min(v["ttft_mean_s"] for v in others.values())
+        best_p99 = min(v["ttft_p99_s"] for v in others.values())
+        out["of_pooled"] = ours["hit_rate"] / bounds["pooled_lru"] if bounds["pooled_lru"] > 0 else None
+        out["mean_vs_best"] = ours["ttft_mean_s"] / best_mean if best_mean > 0 else None
+        out["p99_vs_best"] = ours["ttft_p99_s"] / best_p99 if best_p99 > 0 else None
+        out["beaten"] = bool(ours["ttft_mean_s"] > SLACK * best_mean or ours["ttft_p99_s"] > SLACK * best_p99)
+    return out
+
+
+def heatmap(cells: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    workloads = list(dict.fromkeys(c["workload"] for c in cells))
+    columns = list(dict.fromkeys((c["load"], c["cache_factor"], c["processes"]) for c in cells))
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.6 * len(columns) + 3), 1.2 * len(workloads) + 3))
+    for ax, key, title, cmap, lims in (
+        (axes[0], "of_pooled", "kv_aware hit rate / pooled-LRU bound", "RdYlGn", (0.8, 1.0)),
+        (axes[1], "mean_vs_best", "kv_aware mean TTFT / best baseline", "RdYlGn_r", (0.0, 1.5)),
+    ):
+        grid = [[math.nan] * len(columns) for _ in workloads]
+        for c in cells:
+            value = c.get(key)
+            if value is not None:
+                grid[workloads.index(c["workload"])][columns.index((c["load"], c["cache_factor"], c["processes"]))] = (
+                    value
+                )
+        im = ax.imshow(grid, cmap=cmap, vmin=lims[0], vmax=lims[1], aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(workloads)), workloads)
+        ax.set_xticks(range(len(columns)), [f"L{lo:g} C{c:g} P{p}" for lo, c, p in columns], rotation=90, fontsize=7)
+        ax.set_title(title)
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench suite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workloads", default=",".join([*WORKLOADS, *VARIANTS]))
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--loads", default="0.5,0.8,0.95")
+    ap.add_argument("--caches", default="0.5,1,2,4", help="fleet cache as multiples of the working set")
+    ap.add_argument("--processes", default="1,4", help="router processes")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--size", type=float, default=1.0, help="scales each workload's sessions / requests")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-aware", type=json.loads, default={}, help="kv_aware settings, e.g. '{\"busy_weight\": 0}'")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS and w not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown workloads {unknown}; choose from {[*WORKLOADS, *VARIANTS]}")
+    routers = [r for r in args.routers.split(",") if r]
+    grid = [
+        (load, cache, procs)
+        for load in map(float, args.loads.split(","))
+        for cache in map(float, args.caches.split(","))
+        for procs in map(int, args.processes.split(","))
+    ]
+    cells, table, t0 = [], [], time.perf_counter()
+    for name in names:
+        rows = workload_rows(name, args.seed, args.size)
+        for load, cache, procs in grid:
+            c = cell(rows, args.replicas, cache, load, procs, routers, Costs(), args.kv_aware)
+            c.update(workload=name, requests=len(rows), load=load, cache_factor=cache, processes=procs)
+            cells.append(c)
+            print(
+                f"[{len(cells)}/{len(names) * len(grid)} {time.perf_counter() - t0:.0f} s] {name} load {load:g} "
+                f"cache {cache:g}x procs {procs}: of pooled {c.get('of_pooled') or 0:.1%}, "
+                f"mean vs best {c.get('mean_vs_best') or 0:.2f}x",
+                flush=True,
+            )
+            table.append(
+                [
+                    name,
+                    load,
+                    cache,
+                    procs,
+                    f"{c['bounds']['pooled_lru']:.1%}",
+                    f"{c.get('of_pooled') or 0:.1%}",
+                    c.get("mean_vs_best"),
+                    c.get("p99_vs_best"),
+                    "BEATEN" if c.get("beaten") else "",
+                ]
+            )
+    print()
+    print_table(
+        ["workload", "load", "cache x", "procs", "pooled bound", "kv_aware of pooled", "mean/best", "p99/best", ""],
+        table,
+    )
+    path = write_json(
+        "suite",
+        {
+            "replicas": args.replicas,
+            "size": args.size,
+            "seed": args.seed,
+            "routers": routers,
+            "kv_aware": args.kv_aware,
+            "cells": cells,
+        },
+        args.json,
+    )
+    heatmap(cells, path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

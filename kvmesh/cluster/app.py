@@ -1,0 +1,76 @@
+"""The kvmesh application: the ingress in front of the engine deployment and its KV-aware router.
+
+``build_app`` is what ``kvmesh serve`` runs; ``app_builder`` is the same for Ray Serve config files
+(``import_path: kvmesh.cluster.app:app_builder`` with ``args:`` holding ``ClusterConfig`` fields), as a KubeRay
+``serveConfigV2`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ray import serve
+
+from kvmesh.cluster.admission import key_digests
+from kvmesh.cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
+from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.cluster.ingress import Ingress, IngressSettings
+from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url
+from kvmesh.shared.sampling_params import MAX_N
+
+
+def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Application:
+    """The application. ``config.redis_url`` None: every process reads ``$KVMESH_REDIS_URL``. ``serve_grpc``:
+    the ingress listens for gRPC on ``config.host:config.grpc_port`` itself (``kvmesh serve``; under a Serve
+    config file Ray's gRPC proxy serves it instead)."""
+    engine_cfg = config.engine_config()
+    engine = engine_deployment(
+        config.engine_settings(),
+        num_replicas=config.replicas,
+        redis_url=config.redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+        policy_kwargs=config.policy_kwargs,
+        stats_period_s=config.stats_period_s,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        ray_actor_options=config.engine_actor_options,
+        autoscaling=config.autoscaling_config(),
+        drain_timeout_s=config.drain_timeout_s,
+    )
+    settings = IngressSettings(
+        model=config.model,
+        served_model_name=config.name,
+        block_size=engine_cfg.block_size,
+        max_model_len=engine_cfg.max_model_len,
+        max_n=min(MAX_N, engine_cfg.max_num_seqs),
+        redis_url=config.redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+        api_key_digests=key_digests(config.api_keys),
+        max_inflight_requests=config.max_inflight_requests,
+        max_request_bytes=config.max_request_bytes,
+        grpc_host=config.host if serve_grpc and config.grpc_port else None,
+        grpc_port=config.grpc_port if serve_grpc and config.grpc_port else None,
+        share_prefix_cache=config.share_prefix_cache,
+        enable_docs=config.enable_docs,
+    )
+    # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
+    ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
+    deadline = {PROBE_DEADLINE_ENV: os.environ.get(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)}
+    actor = {"num_cpus": 0, "runtime_env": {"env_vars": deadline}}
+    return Ingress.options(
+        num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing, ray_actor_options=actor
+    ).bind(engine, dataclasses.asdict(settings))
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Ray Serve's application-builder entry point: ``args`` are ``ClusterConfig`` fields. The index Redis is
+    ``$KVMESH_REDIS_URL`` in every pod (on Kubernetes, from a Secret), so its password is not in the
+    RayService spec; ``args["redis_url"]`` overrides it. No embedded Redis here."""
+    config = build_config(overrides=dict(args))
+    if not index_redis_url(config.redis_url):
+        raise ValueError(f"the index Redis is required when deploying from a Serve config file (${REDIS_URL_ENV})")
+    return build_app(config)

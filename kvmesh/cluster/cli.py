@@ -1,0 +1,319 @@
+"""The ``kvmesh`` command: ``serve`` a cluster, show its ``status``, ``generate`` from one local engine, or
+``plan`` a GPU pool by KV memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from kvmesh.shared.engine_config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
+from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
+from kvmesh.shared.model_files import DEFAULT_MODEL
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
+
+    params = SamplingParams(  # validated before the (slow) model load
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
+    )
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    config = EngineConfig(
+        model=args.model, device=args.device, torch_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype
+    )
+    engine = LLMEngine(config)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    prompt = args.prompt
+    ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if not args.raw else engine.tokenize(prompt)
+    try:
+        engine.add_request(ids, params)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    first = None
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            first = first or time.perf_counter()
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            final = out
+    end = time.perf_counter()
+    n = len(final.token_ids)
+    decode = n / (end - first) if n > 1 and end > first else 0.0
+    print(
+        f"\n[{n} tokens, finish={final.finish_reason}, TTFT {1000 * (first - start):.0f} ms, {decode:.1f} tok/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.config import build_config
+    from kvmesh.cluster.launcher import run_until_signalled
+
+    engine = {
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "swap_space_bytes": int(args.swap_space_gib * (1 << 30)) if args.swap_space_gib is not None else None,
+        "host_cache_bytes": int(args.host_cache_gib * (1 << 30)) if args.host_cache_gib is not None else None,
+        "preemption_mode": args.preemption_mode,
+        "device": args.device,
+        "torch_threads": args.threads,
+        "enforce_eager": args.enforce_eager,
+    }
+    autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
+    overrides = {
+        "model": args.model,
+        "served_model_name": args.served_model_name,
+        "replicas": args.replicas,
+        "ingress_replicas": args.ingress_replicas,
+        "policy": args.policy,
+        "address": args.address,
+        "redis_url": args.redis_url,
+        "host": args.host,
+        "http_port": args.port,
+        "grpc_port": args.grpc_port,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "max_inflight_requests": args.max_inflight_requests,
+        "max_request_bytes": args.max_request_bytes,
+        "api_keys": args.api_key or None,
+        "share_prefix_cache": args.share_prefix_cache,
+        "enable_docs": args.enable_docs,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "scaling_policy": args.scaling_policy,
+        "target_kv_util": args.target_kv_util,
+        "drain_timeout_s": args.drain_timeout_s,
+        "engine": {k: v for k, v in engine.items() if v is not None},
+        "autoscaling": {k: v for k, v in autoscaling.items() if v is not None},
+    }
+    return run_until_signalled(build_config(args.config, overrides))
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.status import fetch_status, render_status
+
+    try:
+        status = fetch_status(args.url, api_key=args.api_key or os.environ.get("KVMESH_API_KEY"))
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.plan import run
+
+    return run(args)
+
+
+BENCH_COMMANDS = {
+    "run": "kvmesh.bench.bench_run",
+    "simulate": "kvmesh.bench.simulate",
+    "suite": "kvmesh.bench.suite",
+    "calibrate": "kvmesh.bench.calibrate",
+    "startup": "kvmesh.bench.serve_startup",
+    "autoscale": "kvmesh.bench.autoscale",
+    "soak": "kvmesh.bench.soak",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(BENCH_COMMANDS[args.bench]).main(args.rest)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="Multi-replica LLM serving with KV-aware routing")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion from a local engine (no cluster)")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF model directory, .gguf file or hub id")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage (default auto)")
+    gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        help="start a cluster: Ray, Redis, OpenAI HTTP on :8000, gRPC on :9000, N engine replicas",
+        description="Flags override the --config YAML file, which overrides the defaults (kvmesh/cluster/config.py).",
+    )
+    srv.add_argument("--config", help="YAML file of ClusterConfig settings (engine settings under `engine:`)")
+    srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
+    srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    srv.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    srv.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas (default 1)")
+    srv.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas (default: no autoscaling)")
+    srv.add_argument("--target-kv-util", type=float, help="autoscaling: KV demand per replica to aim for (0.7)")
+    srv.add_argument("--scaling-policy", help="autoscaling signal: kv_pressure (default) or ongoing_requests (Ray's)")
+    srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
+    srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
+    srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
+    srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
+    srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
+    srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
+    srv.add_argument(
+        "--redis-url",
+        help="index Redis (default: $KVMESH_REDIS_URL, else an embedded one on loopback with a random password)",
+    )
+    srv.add_argument("--host", help="HTTP and gRPC bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    srv.add_argument("--grpc-port", type=int, help="gRPC port on --host (default 9000; 0: no gRPC)")
+    srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="requests a router holds for busy replicas; more get 503 (default 256, -1 unbounded)",
+    )
+    srv.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        help="generations one ingress replica runs at once; more get 429 (default 1024, 0 unbounded)",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="largest request body, HTTP and gRPC (default: what the longest prompt that fits takes)",
+    )
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        help="require this Bearer key (repeatable; also $KVMESH_API_KEYS, comma-separated)",
+    )
+    srv.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        default=None,
+        help="let requests of different API keys share cached prefixes (default: one cache per key)",
+    )
+    srv.add_argument(
+        "--enable-docs",
+        action="store_true",
+        default=None,
+        help="serve the API's /docs, /redoc and /openapi.json (default: off)",
+    )
+    srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
+    srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
+    srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    srv.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
+    srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
+    srv.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8",
+    )
+    srv.add_argument(
+        "--swap-space-gib",
+        type=float,
+        help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)",
+    )
+    srv.add_argument(
+        "--host-cache-gib",
+        type=float,
+        help="host memory per replica keeping prefix blocks evicted from the KV pool (default: 2x the pool, "
+        "<= 16, on CUDA; off on the CPU; 0: off)",
+    )
+    srv.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute",
+    )
+    srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    srv.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)",
+    )
+    srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
+    srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), suite, ...",
+        description="kvmesh bench NAME --help shows the options of benchmark NAME (run, simulate, suite, ...).",
+    )
+    bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
+    bench.set_defaults(func=_bench)
+
+    plan = sub.add_parser(
+        "plan",
+        help="size a GPU pool: KV bytes per token, blocks, sequences and replicas for each KV cache dtype",
+        description="Reads the model's config only (no weights). Sizes: 80GiB, 24GB (10^9), 512Mi, or bytes.",
+    )
+    plan.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF model directory, config.json, .gguf or hub id")
+    budget = plan.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--device-memory", help="memory of the GPU each replica runs on, e.g. 80GiB")
+    budget.add_argument("--kv-memory", help="the KV budget of one replica, e.g. 40GiB")
+    plan.add_argument(
+        "--memory-fraction",
+        type=float,
+        help=f"share of the memory the weights leave that goes to KV (default {GPU_KV_FRACTION}, the engine's on GPU)",
+    )
+    work = plan.add_mutually_exclusive_group(required=True)
+    work.add_argument("--context-len", type=int, help="tokens per sequence, prompt + output")
+    work.add_argument(
+        "--lengths",
+        help="file of sequence lengths: one per line, or JSONL with input_length and output_length (Mooncake traces)",
+    )
+    plan.add_argument("--percentile", type=float, help="size for this percentile of --lengths (default: the mean)")
+    plan.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"KV block size in tokens (default {EngineConfig.block_size})",
+    )
+    plan.add_argument(
+        "--dtype",
+        help=f"model dtype for the `auto` KV dtype: {', '.join(MODEL_DTYPE_BYTES)} "
+        "(default: the config's, else bfloat16)",
+    )
+    plan.add_argument("--target-concurrency", type=int, help="concurrent sequences the pool must hold")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_plan)
+
+    st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")
+    st.add_argument("--json", action="store_true", help="print the raw status document")
+    st.add_argument("--api-key", help="the cluster's API key, if it requires one (default: $KVMESH_API_KEY)")
+    st.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Cluster configuration: defaults that start on a laptop, a YAML file, command-line flags over both.
+
+One ``ClusterConfig`` describes a deployment. ``kvmesh serve`` builds it from (lowest to highest) these
+defaults, ``--config FILE`` and the flags a user typed. Engine settings live under ``engine:`` and are
+``EngineConfig`` fields, checked by it, so there is one definition of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.cluster.autoscaling import autoscaling_config
+from kvmesh.router.baselines import POLICIES
+from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.model_files import DEFAULT_MODEL
+
+PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
+PROBE_DEADLINE_S = "0.5"
+"""How long the routers (in the ingress processes) wait for a replica's queue-length probe before trying their
+next choice. Ray's 0.1 s is missed by a busy CPU replica, and the request then leaves the replica holding its
+prefix for a full recompute elsewhere; Ray doubles it on each retry, up to 1 s. An environment value wins.
+Ray Serve reads it when first imported, so it must be in a router process's environment from its start
+(here: torch-free and Ray-free, so test and benchmark launchers can set it before importing Ray)."""
+
+APP_NAME = "kvmesh"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 9000
+GRPC_SERVICER = "kvmesh.cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
+
+
+@dataclass
+class ClusterConfig:
+    model: str = DEFAULT_MODEL
+    """Alias, Hugging Face directory, .gguf file or hub id; every engine replica loads it."""
+    served_model_name: str | None = None
+    """The name clients send as ``model`` (default: ``model``)."""
+    replicas: int = 2
+    """Engine replicas (the starting count when autoscaling)."""
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    """Autoscale the engine replicas between ``min_replicas`` and this; ``None`` keeps ``replicas`` fixed."""
+    scaling_policy: str = "kv_pressure"
+    """``kv_pressure`` (KV demand near ``target_kv_util``) or ``ongoing_requests`` (Ray Serve's default)."""
+    target_kv_util: float = 0.7
+    """KV demand per replica the autoscaler aims for, as a share of its pool."""
+    autoscaling: dict[str, Any] = field(default_factory=dict)
+    """Further Ray ``AutoscalingConfig`` fields (upscale_delay_s, downscale_delay_s, metrics_interval_s, ...)."""
+    drain_timeout_s: float = 60.0
+    """How long a replica being removed may take to finish its in-flight streams."""
+    ingress_replicas: int = 1
+    """Ingress replicas; each runs its own router on the engine handle (they share the Redis index)."""
+    policy: str = "kv_aware"
+    """Routing policy: kv_aware, or a baseline (pow2 = Ray's default, round_robin, session_hash, approx_tree)."""
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """``EngineConfig`` fields (block_size, max_num_seqs, kv_cache_bytes, max_model_len, device, ...)."""
+    engine_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    """Ray actor options of each engine replica (``num_cpus``, ``num_gpus``, ``resources``, ...). No CPUs by
+    default, so several replicas share a laptop; on a cluster, claim a GPU (or CPUs) per replica so replicas
+    land on worker nodes and the Ray autoscaler adds nodes for those that do not fit."""
+    address: str | None = None
+    """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one."""
+    redis_url: str | None = None
+    """The index's Redis; ``None`` takes ``$KVMESH_REDIS_URL``, else starts an embedded one (loopback, random
+    password). Every process reads it from its environment: it is never a deployment argument."""
+    host: str = "127.0.0.1"
+    """Where HTTP and gRPC listen; a locally started Ray listens on loopback whatever this is."""
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    """gRPC on ``host``, served by the ingress itself, with HTTP's API keys and body limit; 0: no gRPC."""
+    max_ongoing_requests: int = 64
+    """Requests one engine replica accepts at once; more wait in the router's queue."""
+    max_queued_requests: int = 256
+    """Requests each router may hold waiting for a replica; beyond it, 503 with Retry-After (-1: no bound)."""
+    max_inflight_requests: int = 1024
+    """Generations one ingress replica handles at once; beyond it, 429 with Retry-After (0: no bound)."""
+    max_request_bytes: int | None = None
+    """Largest request body, HTTP and gRPC (413 / RESOURCE_EXHAUSTED beyond it); None: what the longest
+    prompt that fits the context can take."""
+    api_keys: list[str] = field(default_factory=list)
+    """Bearer keys required on /v1 and /status (HTTP) and on gRPC; also read from ``$KVMESH_API_KEYS``.
+    Empty: no authentication. The ingress is given their SHA-256 digests, never the keys."""
+    share_prefix_cache: bool = False
+    """With API keys, each key hashes its prompts into a prefix cache of its own (tenants neither share nor
+    can probe each other's cached prefixes); True shares one cache across keys."""
+    enable_docs: bool = False
+    """Serve the API's ``/docs``, ``/redoc`` and ``/openapi.json``."""
+    stats_period_s: float = 1.0
+    num_cpus: int | None = None
+    """CPUs of a locally started Ray (default: this machine's)."""
+    object_store_memory: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.ingress_replicas < 1:
+            raise ValueError(
+                f"replicas and ingress_replicas must be at least 1, got {self.replicas}, {self.ingress_replicas}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if not 0 < self.http_port < 65536:
+            raise ValueError(f"port {self.http_port} is out of range")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"port {self.grpc_port} is out of range (0 turns gRPC off)")
+        self.engine_config()  # raises ValueError on bad engine settings
+        self.autoscaling_config()  # and on bad autoscaling settings
+        if self.max_queued_requests < -1 or self.max_inflight_requests < 0:
+            raise ValueError("max_queued_requests must be >= -1 and max_inflight_requests >= 0")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        try:
+            return EngineConfig(model=self.model, **self.engine)
+        except TypeError as exc:
+            raise ValueError(f"engine: {exc}") from None
+
+    def autoscaling_config(self) -> dict[str, Any] | None:
+        """Ray's ``autoscaling_config`` for the engine deployment, or ``None`` for a fixed size."""
+        if self.max_replicas is None:
+            return None
+        return autoscaling_config(
+            self.min_replicas,
+            self.max_replicas,
+            self.replicas,
+            self.scaling_policy,
+            self.target_kv_util,
+            self.autoscaling,
+        )
+
+    def engine_settings(self) -> dict[str, Any]:
+        """Engine settings for each replica. Threads default to an equal share of the cores among the most
+        replicas there can be, so replicas sharing a machine do not oversubscribe it."""
+        settings = {"model": self.model, **self.engine}
+        if settings.get("torch_threads") is None and settings.get("device") in (None, "cpu"):
+            settings["torch_threads"] = max(1, available_cpus() // max(self.replicas, self.max_replicas or 0))
+        return settings
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cpus(cgroup_cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """Cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota. In a Kubernetes pod
+    ``os.cpu_count()`` is the node's core count while the pod's CPU limit is the quota; sizing threads from
+    the node would oversubscribe the pod."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = cgroup_cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top level")
+    return data
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Defaults <- YAML file <- overrides (flags; ``None`` values mean "not given"). Engine and autoscaling
+    keys merge."""
+    values = load_yaml(file) if file else {}
+    known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{file}: unknown settings {unknown}; known: {sorted(known)}")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key in ("engine", "autoscaling"):
+            values[key] = {**(values.get(key) or {}), **value}
+        else:
+            values[key] = value
+    return ClusterConfig(**values)

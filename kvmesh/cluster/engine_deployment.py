@@ -1,0 +1,182 @@
+"""The engine deployment: each Ray Serve replica (``EngineReplica``) runs one paged KV engine and its index
+publisher.
+
+The router (``kvmesh/router/serve_router.py``) sits on this deployment's handle; callers pass one
+``GenerateCall`` per request (``generate.remote(call)``) carrying the token ids and the block hashes the
+ingress computed once, so neither the router nor the replica re-tokenizes or re-hashes, and get a stream
+of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``
+and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
+
+from kvmesh.replica import AsyncLLM, EngineConfig, SamplingParams
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.index_schema import index_redis_url
+from kvmesh.shared.hashing import first_block_extra, hash_block
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
+
+log = logging.getLogger(__name__)
+
+ROUTER_CLASS = "kvmesh.router.serve_router:KVAwareRequestRouter"
+RAY_POW2_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+"""``policy="pow2"`` deploys Ray Serve's own default router, the baseline users would otherwise get."""
+
+
+class EngineReplica:
+    def __init__(self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh") -> None:
+        config = EngineConfig(**engine)
+        self.llm = AsyncLLM.from_config(config)
+        self.engine = self.llm.engine
+        self.engine.warm_up()  # measured decode costs for routers from the first request on
+        try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
+            name, unique = serve.get_replica_context().replica_id.unique_id, True
+        except RayServeException:  # outside Serve
+            name, unique = f"engine-{uuid.uuid4().hex[:8]}", True
+        self.publisher = None
+        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
+        if redis_url:
+            self.publisher = KVIndexPublisher(
+                redis_url,
+                deployment,
+                self.engine.model_id,
+                name,
+                self.engine.pool.cached_hashes,
+                unique_name=unique,
+                status=self.status,
+                host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
+            ).start()
+            self.engine.kv_event_sinks.append(self.publisher.publish)
+        self.index_id = self.publisher.replica_id if self.publisher else name
+        self._preemptions_seen = 0
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
+        sequences); the last one carries the request's ``Usage``."""
+        params = SamplingParams(**call.params)
+        unfinished, completion_tokens = params.n, 0
+        async for out in self.llm.generate(
+            call.prompt_token_ids,
+            params,
+            request_id=call.request_id,
+            cache_salt=call.cache_salt,
+            block_hashes=self._checked_hashes(call),
+        ):
+            completion_tokens += len(out.delta_token_ids)
+            unfinished -= out.finished
+            usage = None if unfinished else Usage(call.num_tokens, completion_tokens, out.num_cached_tokens)
+            yield GenerateChunk(
+                out.index,
+                out.delta_text,
+                out.delta_token_ids,
+                out.finish_reason,
+                out.num_cached_tokens,
+                self.index_id,
+                usage,
+                out.logprobs,
+                out.prompt_logprobs,
+            )
+
+    def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
+        """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
+
+        A wrong chain would make the prefix cache serve another prompt's KV, so the first and last blocks
+        are recomputed (two block hashes, microseconds): they pin the seed, the tenant salt, the block size
+        and, through the chain, every token."""
+        hashes, ids, size = call.block_hashes, call.prompt_token_ids, self.engine.block_size
+        if not hashes or call.block_size != size or len(hashes) != len(ids) // size:
+            return None
+        extra = first_block_extra(call.cache_salt)
+        first = hash_block(self.engine.hash_seed, ids[:size], extra)
+        last_parent = hashes[-2] if len(hashes) > 1 else None
+        last = hash_block(last_parent, ids[(len(hashes) - 1) * size : len(hashes) * size]) if last_parent else first
+        if hashes[0] != first or hashes[-1] != last:
+            log.warning("request %s: block hashes do not match this engine's; rehashing", call.request_id)
+            return None
+        return hashes
+
+    def status(self) -> dict:
+        """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
+        return {**dataclasses.asdict(self.engine.stats()), "pid": os.getpid()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """KV pressure for the autoscaler (``kvmesh/cluster/autoscaling.py``); preemptions since the last report."""
+        report = self.engine.snapshot().kv_pressure()
+        total = report.pop("num_preemptions")
+        report["preemptions"] = total - self._preemptions_seen
+        self._preemptions_seen = total
+        return report
+
+    def record_routing_stats(self) -> dict:
+        """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
+        return self.engine.snapshot().load_report(self.index_id, time.time()).as_dict()
+
+    def __del__(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
+
+
+def engine_deployment(
+    engine: dict,
+    num_replicas: int = 1,
+    redis_url: str | None = None,
+    deployment: str = "kvmesh",
+    policy: str = "kv_aware",
+    policy_kwargs: dict | None = None,
+    stats_period_s: float = 1.0,
+    max_ongoing_requests: int = 64,
+    max_queued_requests: int = -1,
+    ray_actor_options: dict | None = None,
+    autoscaling: dict | None = None,
+    drain_timeout_s: float = 60.0,
+) -> serve.Application:
+    """The engine deployment with the KV-aware router (or a baseline policy) on its handles.
+
+    ``redis_url`` None: replicas and routers read ``$KVMESH_REDIS_URL`` from their environment, so the
+    password is not part of the deployment's arguments (no index if that is unset too).
+
+    ``autoscaling`` (from ``kvmesh.cluster.autoscaling.autoscaling_config``) replaces the fixed ``num_replicas``.
+    A replica being removed (scale-down, redeploy, shutdown) gets ``drain_timeout_s`` to finish its streams:
+    Ray stops routing to it at once and waits for them before its destructor clears its index entries.
+    """
+    model_id = EngineConfig(**engine).model
+    ray_pow2 = policy == "pow2"
+    router = RequestRouterConfig(
+        request_router_class=RAY_POW2_CLASS if ray_pow2 else ROUTER_CLASS,
+        request_router_kwargs={}
+        if ray_pow2
+        else {
+            "redis_url": redis_url,
+            "deployment": deployment,
+            "model": model_id,
+            "policy": policy,
+            "policy_kwargs": policy_kwargs or {},
+            "report_period_s": stats_period_s,
+        },
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=max(stats_period_s, 1.0),
+    )
+    sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
+    return serve.deployment(
+        EngineReplica,
+        name="engine",
+        **sizing,
+        ray_actor_options=ray_actor_options or {"num_cpus": 0},
+        graceful_shutdown_timeout_s=drain_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_queued_requests,
+        request_router_config=router,
+        health_check_period_s=2.0,
+    ).bind(engine, redis_url, deployment)

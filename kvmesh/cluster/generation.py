@@ -1,0 +1,348 @@
+"""One generation, as the ingress runs it for HTTP and gRPC alike: prepare the call, stream its chunks.
+
+``prepare`` validates the request (cheap checks first: nothing is rendered or tokenized for a request
+whose size alone says it cannot fit), renders the chat template, tokenizes once (long texts in a worker
+thread) and hashes the prompt's blocks once, into a ``GenerateCall``. ``stream`` sends it to the engine
+deployment, whose router picks the replica, and yields its ``GenerateChunk``s with the request's metrics
+recorded. A replica that fails before the first token costs nothing: the call is cancelled and sent
+again under a fresh id (up to twice, after a short back-off). After the first token a failure ends the
+stream with an ``APIError`` naming the cause. Torch-free: the tokenizer alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from jinja2 import TemplateError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from kvmesh.cluster import metrics
+from kvmesh.cluster.admission import RETRY_AFTER_S
+from kvmesh.cluster.openai_protocol import APIError, ResponseShape
+from kvmesh.cluster.tool_calls import ToolRequest, template_messages, template_syntax
+from kvmesh.shared.errors import InvalidRequest, RequestFailed
+from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
+from kvmesh.shared.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, TokenLogprob
+from kvmesh.shared.model_files import render_chat
+from kvmesh.shared.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
+"""What a handle raises when the replica serving a call died or became unreachable."""
+RETRY_ATTEMPTS, RETRY_BACKOFF_S = 4, 0.25
+"""A request whose replica dies before its first token is sent up to three more times, after 0.25, 0.5 and
+1 s: until Serve's long poll tells the routers of the death (about a second), a retry may be offered the
+dead replica again (its index entries live until its heartbeat expires), so the waits span ~2 s."""
+TOKENIZE_INLINE_CHARS = 8192
+"""Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized and hashed, ready for the engine."""
+
+    call: GenerateCall
+    params: SamplingParams
+    shape: ResponseShape
+    api: str
+    """``chat``, ``completions`` or ``grpc``: the label of its metrics."""
+
+
+@dataclass
+class ModelLimits:
+    """What a request is checked against: the served model's names, vocabulary, context and tokens."""
+
+    names: set[str]
+    served_name: str
+    vocab_size: int
+    max_model_len: int
+    max_prompt_bytes: int
+    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``kvmesh/shared/limits.py``)."""
+    max_n: int
+
+
+class Generation:
+    """Prepares and streams generations against the engine deployment's handle, for one served model."""
+
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        tokenizer,
+        model: str,
+        block_size: int,
+        limits: ModelLimits,
+        share_prefix_cache: bool = False,
+    ) -> None:
+        self.engine = engine.options(method_name="generate", stream=True)
+        self.tokenizer = tokenizer
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self.block_size = block_size
+        self.seed = model_seed(model)
+        self.limits = limits
+        self.share_prefix_cache = share_prefix_cache
+        self.tool_syntax = template_syntax(getattr(tokenizer, "chat_template", None))
+        """The tool-call syntax the model's chat template teaches; None: it renders no tools (kvmesh does)."""
+
+    # ------------------------------------------------------------------ preparing
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The salt a request's blocks are hashed with: the client's own, keyed by its API key unless the
+        operator shares one cache across keys. Tenants then neither share nor can probe each other's cached
+        prefixes (``cached_tokens`` would otherwise tell one whether another's prompt is cached)."""
+        if not tenant or self.share_prefix_cache:
+            return client_salt
+        return f"key:{tenant}" + (f"|{client_salt}" if client_salt is not None else "")
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (a rendered chat carries its own special tokens: encode it without); long
+        texts in a worker thread (the tokenizer releases the GIL), so other streams on this loop keep flowing."""
+        if len(text) < TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def with_tools(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
+        """A chat's messages and the tool entries to hand its template: the template's own rendering of tools
+        where it has one, else the tools written into a system message (``kvmesh/cluster/tool_calls.py``)."""
+        offered = None
+        if tools is not None and self.tool_syntax is not None:
+            offered = [{"type": "function", "function": f} for f in tools.functions]
+        return template_messages(messages, tools, self.tool_syntax), offered
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` (empty: the served one) is a name this server serves."""
+        if model and model not in self.limits.names:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves `{self.limits.served_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+                kind="invalid_request_error",
+            )
+
+    async def token_ids(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        add_special_tokens: bool | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids as a generation would see them: a chat rendered by the model's template
+        (with ``tools``, OpenAI's entries, where the template renders them), text encoded, ids checked.
+        ``add_special_tokens`` None: the generation's choice (text: yes, chat: no, its template has them).
+        400 for what cannot fit the context or is not in the vocabulary."""
+        lim = self.limits
+        param = "messages" if messages is not None else "prompt"
+        texts = (
+            [m["content"] for m in messages] if messages is not None else [prompt] if isinstance(prompt, str) else []
+        )
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # JSON can escape a lone surrogate; no tokenizer takes one
+                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+        if messages is not None:
+            if len(messages) > MAX_MESSAGES:
+                raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
+            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            try:
+                text = render_chat(self.tokenizer, messages, tools)
+            except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
+                raise APIError(f"messages: {exc}", param=param) from exc
+            if len(text) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
+                raise self._too_long(param)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+            return await self.encode(text, bool(add_special_tokens))
+        if isinstance(prompt, str):
+            if len(prompt) > lim.max_prompt_bytes:
+                raise self._too_long(param)
+            return await self.encode(prompt, add_special_tokens is not False)
+        ids = list(prompt or [])
+        if len(ids) > lim.max_model_len:
+            raise self._too_long(param)
+        try:
+            check_prompt_ids(ids, lim.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=param) from exc
+        return ids
+
+    def _token_text(self, token_id: int) -> str:
+        """One token as text, for log-probabilities (``token_text`` caches it: the same tokens recur)."""
+        return self.tokenizer.decode([token_id])
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens included, as vLLM's ``/detokenize`` returns it)."""
+        if not ids:
+            return ""
+        if len(ids) > self.limits.max_model_len:
+            raise self._too_long("tokens")
+        try:
+            check_prompt_ids(ids, self.limits.vocab_size, "tokens")
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        return self.tokenizer.decode(ids)
+
+    def _too_long(self, param: str) -> APIError:
+        return APIError(
+            f"This model's maximum context length is {self.limits.max_model_len} tokens; the request's text is "
+            "longer than that many tokens could be",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    async def prepare(
+        self,
+        model: str,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        params: SamplingParams,
+        api: str,
+        tenant: str,
+        cache_salt: str | None = None,
+        session_id: str | None = None,
+        tools: list[dict] | None = None,
+    ) -> Prepared:
+        """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused.
+        ``tools``: OpenAI's tool entries, for a chat template that renders them."""
+        lim = self.limits
+        self.check_model(model)
+        try:
+            check_request_fields(cache_salt=cache_salt, session_id=session_id)
+            check_for_model(params, lim.vocab_size)
+        except InvalidRequest as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        if params.n > lim.max_n:
+            raise APIError(
+                f"n must be at most {lim.max_n} on this server (a replica's choices run at once), got {params.n}",
+                param="n",
+            )
+        param = "messages" if messages is not None else "prompt"
+        ids = await self.token_ids(prompt, messages, tools=tools)
+        if not ids:
+            raise APIError("prompt is empty", param=param)
+        wanted = len(ids) + (params.max_tokens or 1)
+        if wanted > lim.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {lim.max_model_len} tokens; the request needs "
+                f"{wanted} ({len(ids)} prompt + {params.max_tokens or 1} completion)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        salt = self.cache_salt(tenant, cache_salt)
+        hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
+        shape = ResponseShape(messages is not None, lim.served_name, params.n, self.token_text)
+        call = GenerateCall(shape.id, ids, hashes, self.block_size, params.__dict__, session_id, salt)
+        return Prepared(call, params, shape, api)
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks (of its ``n`` choices, interleaved), its metrics recorded; the last carries
+        ``usage``. Engine-side refusals surface as ``APIError`` before anything is yielded."""
+        model = self.limits.served_name
+        t0 = time.perf_counter()
+        last, n_out, outcome, usage = t0, 0, "error", None
+        last_of_choice: dict[int, float] = {}  # inter-token latency is measured within each choice
+        stream = None
+        try:
+            for attempt in range(1, RETRY_ATTEMPTS + 1):
+                # Each attempt is a new engine request: a replica still running the first must not see the
+                # same id again, and the first is cancelled before the retry goes out.
+                call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
+                stream = self.engine.remote(call)
+                try:
+                    async for chunk in stream:
+                        now, previous = time.perf_counter(), last_of_choice.get(chunk.index)
+                        if n_out == 0:
+                            metrics.TTFT.labels(model).observe(now - t0)
+                        elif chunk.token_ids and previous is not None:
+                            metrics.INTER_TOKEN.labels(model).observe((now - previous) / len(chunk.token_ids))
+                        last = last_of_choice[chunk.index] = now
+                        n_out += len(chunk.token_ids)
+                        if chunk.usage is not None:
+                            outcome, usage = "ok", chunk.usage
+                        yield chunk
+                    break
+                except REPLICA_FAILURES as exc:
+                    if n_out or attempt == RETRY_ATTEMPTS:
+                        raise
+                    stream.cancel()
+                    metrics.RETRIES.labels(model).inc()
+                    log.warning(
+                        "request %s: its replica failed before the first token (%r); retrying", call.request_id, exc
+                    )
+                    # Routers learn of a death through Serve's long poll; until then a retry may be offered
+                    # the same dead replica, so back off a little before each new attempt.
+                    await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+        except BackPressureError as exc:
+            outcome = "rejected"
+            raise APIError(
+                "Every replica is busy and the queue is full; retry shortly",
+                503,
+                code="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
+            outcome = "client_error"
+            cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
+            raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
+        except REPLICA_FAILURES as exc:
+            log.warning("request %s: its replica failed after %d tokens: %r", prep.call.request_id, n_out, exc)
+            raise APIError(
+                f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens; "
+                "retry the request",
+                503,
+                code="replica_failed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
+            if stream is not None:
+                stream.cancel()
+            cause = getattr(exc, "cause", None) or exc
+            log.warning("request %s failed in the engine: %r", prep.call.request_id, cause)
+            # A request the engine failed alone says why (its own data broke a step); anything else only
+            # names the exception's type.
+            detail = str(cause) if isinstance(cause, RequestFailed) else type(cause).__name__
+            raise APIError(f"generation failed: {detail}", 500, code="generation_failed") from exc
+        except BaseException:
+            outcome = "aborted" if outcome == "error" and n_out else outcome
+            if stream is not None:
+                stream.cancel()  # the client left or the caller failed: free the engine's blocks now
+            raise
+        finally:
+            metrics.REQUESTS.labels(model, prep.api, outcome).inc()
+            if usage is not None:
+                metrics.E2E.labels(model).observe(last - t0)
+                metrics.PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
+                metrics.CACHED_TOKENS.labels(model).inc(usage.cached_tokens)
+                metrics.GENERATED_TOKENS.labels(model).inc(usage.completion_tokens)
+
+
+async def gather(
+    n: int, chunks: AsyncIterator[GenerateChunk]
+) -> tuple[list[str], list[str | None], GenerateChunk, list[list[TokenLogprob] | None]]:
+    """A whole response from a request's chunks: each choice's text, finish reason and log-probabilities
+    (None unless asked for), and the last chunk (it carries ``usage``)."""
+    texts: list[str] = [""] * n
+    reasons: list[str | None] = [None] * n
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
+    last = None
+    async for chunk in chunks:
+        texts[chunk.index] += chunk.text
+        reasons[chunk.index] = chunk.finish_reason or reasons[chunk.index]
+        if chunk.logprobs is not None:
+            logprobs[chunk.index] = (logprobs[chunk.index] or []) + chunk.logprobs
+        last = chunk
+    if last is None or last.usage is None:
+        raise APIError("the engine ended the request without output", status=500)
+    return texts, reasons, last, logprobs

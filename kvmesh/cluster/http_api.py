@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP API: the FastAPI app, its error format, and the routes of the ingress.
+
+Errors found before the first token are answered with a status (400, 404, 429, 503) in OpenAI's error
+object, Starlette's own (unknown path, wrong method) and FastAPI's validation errors included; once a
+stream has started, a failure ends it with an error event. Admission (``kvmesh/cluster/admission.py``) refuses
+unauthenticated, oversized and over-capacity requests before any of this work. A client that hangs up
+cancels the engine request, which frees its blocks.
+
+This module has no ``from __future__ import annotations``: FastAPI must see the request models' real
+classes on the methods that Ray Serve rebinds, or it takes the bodies for query parameters.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvmesh.cluster import metrics
+from kvmesh.cluster.admission import TENANT_STATE, Admission, AdmissionMiddleware
+from kvmesh.cluster.generation import Generation, Prepared, gather
+from kvmesh.cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponseShape,
+    TokenizeRequest,
+    usage_dict,
+)
+from kvmesh.cluster.tool_calls import ToolReplies, check_tools
+from kvmesh.router.metrics import decision_counts
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.shared.messages import GenerateChunk, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="kvmesh", description="OpenAI-compatible API of a kvmesh cluster", version="1")
+"""``/docs``, ``/redoc`` and ``/openapi.json`` exist but answer 404 unless ``enable_docs`` (the middleware)."""
+
+_admission: Admission | None = None
+"""This process's ingress limits, set by the ingress when it starts (one ingress per replica process)."""
+
+
+def current_admission() -> Admission | None:
+    """The limits the middleware applies. A named module function, not a lambda: Ray ships ``app`` to the
+    replica by value, and a lambda would carry a copy of this module's globals, blind to ``set_admission``."""
+    return _admission
+
+
+def set_admission(admission: Admission) -> None:
+    global _admission
+    _admission = admission
+
+
+app.add_middleware(AdmissionMiddleware, admission=current_admission)
+
+
+def _tenant(raw: Request) -> str:
+    """The caller's tenant, as the admission middleware identified it from its API key."""
+    return getattr(raw.state, TENANT_STATE, "")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's error format too."""
+    error = APIError(str(exc.detail), exc.status_code, code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return JSONResponse(APIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+
+async def _prepend(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _echoed(chunks: AsyncIterator[GenerateChunk], text: str, ids: list[int]) -> AsyncIterator[GenerateChunk]:
+    """Completions' ``echo``: each choice's first chunk starts with the prompt's text and, when the request
+    asked for log-probabilities, the prompt's (its first token has none: nothing before it scores it)."""
+    started: set[int] = set()
+    try:
+        async for chunk in chunks:
+            if chunk.index not in started:
+                started.add(chunk.index)
+                chunk.text = text + chunk.text
+                if chunk.logprobs is not None:
+                    prompt = [TokenLogprob(ids[0], None), *(chunk.prompt_logprobs or [])]
+                    chunk.logprobs = prompt + chunk.logprobs
+            yield chunk
+    finally:
+        await chunks.aclose()  # a client that left cancels the engine request now
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _sse(
+    shape: ResponseShape,
+    first: GenerateChunk,
+    chunks: AsyncIterator[GenerateChunk],
+    include_usage: bool,
+    tools: ToolReplies | None = None,
+):
+    """Server-sent events of a streamed response, OpenAI's shape; the request's last chunk ends it. With
+    ``tools``, each choice's text is parsed as it streams: content deltas, then ``tool_calls`` deltas."""
+    try:
+        if shape.chat:  # each choice opens with the assistant role, as OpenAI streams it
+            for index in range(shape.n):
+                yield _event(shape.chunk("", first=True, index=index))
+        chunk = first
+        offsets = [0] * shape.n  # characters streamed per choice: completions' text_offset
+        while True:
+            if chunk.text or chunk.finish_reason or chunk.logprobs:
+                i = chunk.index
+                text, reason, calls = chunk.text, chunk.finish_reason, None
+                if tools is not None:
+                    text, calls, reason = tools.feed(i, text, reason)
+                yield _event(
+                    shape.chunk(text, reason, index=i, logprobs=chunk.logprobs, offset=offsets[i], tool_calls=calls)
+                )
+                offsets[i] += len(chunk.text)
+            if chunk.usage is not None:  # the request's last chunk: every choice has finished
+                if include_usage:
+                    yield _event(shape.usage_chunk(usage_dict(chunk.usage)))
+                break
+            chunk = await anext(chunks)
+    except APIError as exc:  # headers are sent: report the failure in the stream, as OpenAI does
+        yield _event(exc.body())
+    finally:
+        await chunks.aclose()  # a client that left cancels the engine request now, not at GC time
+    yield "data: [DONE]\n\n"
+
+
+class HttpApi:
+    """The ingress's HTTP routes (mixed into ``kvmesh.cluster.ingress.Ingress``, which Ray Serve serves
+    ``app`` with)."""
+
+    generation: Generation
+    index: PrefixIndex | None
+    settings: object
+
+    async def _respond(
+        self,
+        prep: Prepared,
+        stream: bool,
+        include_usage: bool,
+        tools: ToolReplies | None = None,
+        echo: str | None = None,
+    ) -> Response:
+        """The response to a prepared request; ``echo``: the prompt's text, to start each choice with."""
+        chunks = self.generation.stream(prep)
+        if echo is not None:
+            chunks = _echoed(chunks, echo, prep.call.prompt_token_ids)
+        try:
+            first = await anext(chunks)  # errors before the first token get a real status code
+        except StopAsyncIteration:
+            raise APIError("the engine ended the request without output", status=500) from None
+        headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
+        if not stream:
+            texts, reasons, last, logprobs = await gather(prep.shape.n, _prepend(first, chunks))
+            calls = None
+            if tools is not None:
+                texts, calls, reasons = tools.whole(texts, reasons)
+            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
+            return JSONResponse(body, headers=headers)
+        return StreamingResponse(
+            _sse(prep.shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        params = body.check(tools.forced_schema() if tools else None)
+        messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
+        prep = await self.generation.prepare(
+            body.model,
+            None,
+            messages,
+            params,
+            "chat",
+            _tenant(raw),
+            body.cache_salt,
+            body.session_id or body.user,
+            tools=offered,
+        )
+        replies = ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+        return await self._respond(prep, body.stream, body.include_usage, replies)
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        params = body.check()
+        prompt = body.single_prompt()
+        prep = await self.generation.prepare(
+            body.model, prompt, None, params, "completions", _tenant(raw), body.cache_salt, body.session_id or body.user
+        )
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else self.generation.tokenizer.decode(prompt)
+        return await self._respond(prep, body.stream, body.include_usage, echo=echo)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's shape: the ids a generation of this prompt would start from, their count, the context."""
+        self.generation.check_model(body.model)
+        messages, offered = None, None
+        if body.messages is not None:
+            tools = check_tools(body.tools, None)
+            messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
+        ids = await self.generation.token_ids(body.prompt, messages, body.add_special_tokens, offered)
+        strs = self.generation.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": self.generation.limits.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.generation.check_model(body.model)
+        return {"prompt": self.generation.detokenize(body.tokens)}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        limits = self.generation.limits
+        card = {
+            "id": limits.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvmesh",
+            "root": self.settings.model,
+            "max_model_len": limits.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    async def _replica_reports(self) -> dict[str, dict]:
+        if self.index is None:
+            return {}
+        try:
+            return await self.index.replica_reports()
+        except (RedisError, OSError) as exc:
+            log.warning("replica reports unavailable: %r", exc)
+            return {}
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(metrics.render(await self._replica_reports()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    async def status(self) -> dict:
+        """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health."""
+        reports = await self._replica_reports()
+        redis_health = await self.index.health() if self.index else {"ok": False, "error": "no Redis configured"}
+        return {
+            "model": self.generation.limits.served_name,
+            "policy": self.settings.policy,
+            "replicas": reports,
+            "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
+            "index": {"entries": sum(int(r.get("index_entries") or 0) for r in reports.values())},
+            "redis": redis_health,
+        }

@@ -1,0 +1,94 @@
+"""Prometheus metrics served at ``/metrics`` by the ingress.
+
+Latencies and token counts are measured where the user feels them, in the ingress process (one set per
+ingress replica; Prometheus sums them). Per-replica engine state (KV usage, prefix hit rate, queues,
+preemptions) comes from the status reports replicas store in Redis beside their heartbeats, so any ingress
+can export the whole cluster. Routing decisions and index lookup latency come from the routers in this
+process (``kvmesh.router.metrics``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import kvmesh.router.metrics  # noqa: F401  (registers the routers' metrics in this process's registry)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+TTFT = Histogram(
+    "kvmesh_time_to_first_token_seconds",
+    "Request arrival at the ingress to its first token.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN = Histogram(
+    "kvmesh_inter_token_latency_seconds",
+    "Time between consecutive output tokens of a request.",
+    ["model"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+E2E = Histogram(
+    "kvmesh_e2e_request_latency_seconds", "Request arrival to its last token.", ["model"], buckets=LATENCY_BUCKETS
+)
+PROMPT_TOKENS = Counter("kvmesh_prompt_tokens", "Prompt tokens of finished requests.", ["model"])
+CACHED_TOKENS = Counter("kvmesh_cached_prompt_tokens", "Prompt tokens served from a replica's prefix cache.", ["model"])
+GENERATED_TOKENS = Counter("kvmesh_generation_tokens", "Output tokens generated.", ["model"])
+REQUESTS = Counter("kvmesh_requests", "Requests answered, by API and outcome.", ["model", "api", "outcome"])
+RETRIES = Counter(
+    "kvmesh_request_retries", "Requests sent again because their replica failed before any token.", ["model"]
+)
+REFUSED = Counter("kvmesh_requests_refused", "Requests refused at the door (401, 413, 429).", ["reason"])
+
+_GAUGES = {
+    "kv_usage": ("kvmesh_replica_kv_usage_ratio", "Share of the replica's KV blocks held by running requests."),
+    "prefix_hit_rate": ("kvmesh_replica_prefix_hit_rate", "Prompt tokens served from the prefix cache / admitted."),
+    "num_running": ("kvmesh_replica_requests_running", "Requests in the replica's running batch."),
+    "num_waiting": ("kvmesh_replica_requests_waiting", "Requests queued at the replica."),
+    "num_cached_blocks": ("kvmesh_replica_cached_blocks", "Evictable blocks holding cached prefixes."),
+    "host_hit_rate": ("kvmesh_replica_host_hit_rate", "Prompt tokens loaded from the host prefix tier / admitted."),
+    "host_cached_blocks": ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes."),
+    "host_cache_blocks": ("kvmesh_replica_host_cache_blocks", "Host-tier capacity for evicted prefixes, in blocks."),
+    "index_entries": ("kvmesh_replica_index_entries", "Blocks the replica has published to the index."),
+    "prefill_busy": (
+        "kvmesh_replica_prefill_busy_ratio",
+        "Share of the last 10 s the replica spent prefilling (what routers price cache churn by).",
+    ),
+}
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, reports: dict[str, dict]) -> None:
+        self.reports = reports
+
+    def collect(self):
+        for key, (name, doc) in _GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for replica, report in sorted(self.reports.items()):
+                if isinstance(report.get(key), (int, float)):
+                    family.add_metric([replica], float(report[key]))
+            yield family
+        preemptions = CounterMetricFamily("kvmesh_replica_preemptions", "Requests preempted.", labels=["replica"])
+        for replica, report in sorted(self.reports.items()):
+            if isinstance(report.get("num_preemptions"), int):
+                preemptions.add_metric([replica], report["num_preemptions"])
+        yield preemptions
+        cached = CounterMetricFamily(
+            "kvmesh_replica_cached_prompt_tokens",
+            "Prompt tokens served from the replica's prefix cache, by the tier that held them.",
+            labels=["replica", "tier"],
+        )
+        for replica, report in sorted(self.reports.items()):
+            total, host = report.get("cached_prompt_tokens"), report.get("cached_prompt_tokens_host", 0)
+            if isinstance(total, int) and isinstance(host, int):
+                cached.add_metric([replica, "device"], total - host)
+                cached.add_metric([replica, "host"], host)
+        yield cached
+
+
+def render(replica_reports: dict[str, dict]) -> bytes:
+    """This process's metrics plus one gauge set per replica from their latest reports."""
+    replicas = CollectorRegistry(auto_describe=False)
+    replicas.register(_ReplicaCollector(replica_reports))
+    return generate_latest(REGISTRY) + generate_latest(replicas)

@@ -1,0 +1,129 @@
+"""``AsyncLLM``: the engine behind an asyncio API for the serving layer (add, stream, abort).
+
+One background task owns the engine. Calls from the event loop (new requests, aborts) are queued and
+applied between steps, and each step runs in a dedicated worker thread (torch releases the GIL), so the
+event loop stays responsive while the model computes and the engine is never touched by two threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from kvmesh.replica.engine import LLMEngine
+from kvmesh.replica.outputs import RequestOutput
+from kvmesh.replica.telemetry import EngineStats
+from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.errors import RequestFailed
+from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-engine")
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: list[tuple] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLM:
+        return cls(LLMEngine(config))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        block_hashes: list[BlockHash] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs, one per sequence per step; leaving the iteration early aborts the
+        request. With ``params.n > 1`` the sequences' outputs interleave (``RequestOutput.index``) and the
+        stream ends once all ``n`` have finished. Raises ``InvalidRequest`` for a request the engine refuses
+        and ``RequestFailed`` if its data made a step fail (other requests carry on)."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        unfinished = (params or SamplingParams()).n
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending.append(("add", request_id, prompt, params, cache_salt, block_hashes))
+        self._ensure_loop()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                unfinished -= item.finished
+                if not unfinished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._pending.append(("abort", request_id))
+        self._ensure_loop()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _ensure_loop(self) -> None:
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for op in pending:
+            if op[0] == "abort":
+                self.engine.abort_request(op[1])
+                continue
+            _, rid, prompt, params, salt, hashes = op
+            if rid not in self._queues:  # the client left before the request was queued
+                continue
+            try:
+                self.engine.add_request(prompt, params, rid, cache_salt=salt, block_hashes=hashes)
+            except ValueError as exc:
+                self._queues[rid].put_nowait(exc)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            self._apply_pending()
+            if not self.engine.has_unfinished:
+                if self._pending:
+                    continue
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as exc:  # a step failure no request could be blamed for: fail them all, keep serving
+                log.exception("engine step failed")
+                for rid in list(self._queues):
+                    self.engine.abort_request(rid)
+                    self._queues[rid].put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+                continue
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(RequestFailed(out.error) if out.error else out)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._executor.shutdown(wait=True)

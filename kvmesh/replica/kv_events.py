@@ -1,0 +1,45 @@
+"""KV cache events: what a replica tells the global index after each engine step.
+
+They are emitted at the granularity of block hashes, not physical blocks: ``BlockStored`` when a hash
+becomes present in this replica's cache (its first copy), ``BlockRemoved`` when its last copy is evicted,
+``AllBlocksCleared`` on a prefix-cache reset (both media). Replaying them in order mirrors the set of
+cached hashes exactly, which is all a publisher needs. Each carries the ``medium`` holding the block:
+``device`` (the block pool) or ``host`` (the host prefix tier, ``kvmesh/replica/swap.py``). A hash is in at most
+one of them: the host tier takes a block the device evicts and gives it back when a request loads it.
+The index publisher (``kvmesh/router/index_publisher.py``) reads them by their ``kind``, ``block_hash`` and
+``medium`` only, so the router never imports the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvmesh.shared.hashing import BlockHash
+
+DEVICE = "device"
+HOST = "host"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    kind: ClassVar[str] = "stored"
+    block_hash: BlockHash
+    parent_block_hash: BlockHash | None
+    """``None`` for block 0 of a chain, and in host-tier events (the tier keeps no chain links)."""
+    medium: str = DEVICE
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    kind: ClassVar[str] = "removed"
+    block_hash: BlockHash
+    medium: str = DEVICE
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    kind: ClassVar[str] = "cleared"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,60 @@
+"""``LLM``: the offline, batch API (``from replica import LLM, SamplingParams``)."""
+
+from __future__ import annotations
+
+from kvmesh.replica.engine import LLMEngine
+from kvmesh.replica.outputs import RequestOutput
+from kvmesh.replica.telemetry import EngineStats
+from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.model_files import DEFAULT_MODEL
+from kvmesh.shared.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for many prompts at once through the continuous-batching engine.
+
+    Keyword arguments are ``EngineConfig`` fields (``block_size``, ``num_kv_blocks``, ``max_num_seqs``,
+    ``device``, ``dtype``, ``torch_threads``, ...), with ``EngineConfig``'s defaults.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
+        params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``. With ``logprobs``,
+        each output carries one per generated token; with ``prompt_logprobs``, one per prompt token after the
+        first."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        wanted = [(rid, i) for rid, sp in zip(ids, param_list, strict=True) for i in range(sp.n)]
+        final: dict[tuple[str, int], RequestOutput] = {}
+        logprobs: dict[tuple[str, int], list] = {}
+        prompt_logprobs: dict[tuple[str, int], list] = {}
+        while len(final) < len(wanted):
+            for out in self.engine.step():
+                key = out.request_id, out.index
+                if out.logprobs is not None:
+                    logprobs.setdefault(key, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[key] = out.prompt_logprobs
+                if out.finished:
+                    final[key] = out
+                    out.logprobs = logprobs.pop(key, None)  # the whole output's, not its last step's
+                    out.prompt_logprobs = prompt_logprobs.pop(key, None)
+        return [final[key] for key in wanted]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

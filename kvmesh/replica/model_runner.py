@@ -1,0 +1,265 @@
+"""Owns the model and its paged KV cache; turns a scheduled batch into logits for the sampling rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from kvmesh.kernels import AttentionMetadata, model_kernels
+from kvmesh.kernels.metadata import slot_mapping, token_positions
+from kvmesh.kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
+from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
+from kvmesh.replica.cuda_graphs import DecodeGraphs
+from kvmesh.replica.model_loader import LoadedModel
+from kvmesh.replica.scheduler import ScheduledRequest
+from kvmesh.shared.kv_dtype import kv_bytes_per_token
+
+CALIBRATION_TOKENS = 256
+"""Length of the fixed pseudo-random sequence whose K/V set a fp8 cache's per-head scales."""
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one KV block takes in a runner's cache of ``kv_cache_dtype`` (scales included)."""
+    attn = loaded.model.layers[0].self_attn
+    per_token = kv_bytes_per_token(
+        len(loaded.model.layers), attn.num_kv_heads, attn.head_dim, kv_cache_dtype, dtype.itemsize
+    )
+    return per_token * block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        max_num_batched_tokens: int = 1024,
+        max_num_seqs: int = 64,
+        max_blocks_per_seq: int = 64,
+    ) -> None:
+        self.model = loaded.model
+        self.block_size = block_size
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kernels = model_kernels(self.device)
+        storage = storage_dtype(kv_cache_dtype, self.dtype)
+        attn = self.model.layers[0].self_attn
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        # Zero-filled: padded block-table entries point at real (masked) memory that must not hold NaN.
+        self.kv_caches = [self._layer_cache(shape, storage) for _ in self.model.layers]
+        if storage in FP8_DTYPES:
+            self._calibrate_fp8_scales(storage)
+        self._inputs = [
+            StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
+        ]
+        self._turn = 0
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode steps (CUDA); ``forward`` replays them for the decode batches they fit."""
+
+    def capture_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
+        """Capture a CUDA graph of a decode step per batch size in ``sizes`` (``capture=False``: the same
+        padded static path run eagerly, for tests on the CPU)."""
+        self.graphs = DecodeGraphs(self, sizes, self.max_blocks_per_seq, capture)
+
+    def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype) -> LayerCache:
+        k = torch.zeros(shape, dtype=storage, device=self.device)
+        v = torch.zeros(shape, dtype=storage, device=self.device)
+        if storage == torch.int8:  # a float16 scale per slot and KV head
+            zeros = torch.zeros(shape[:-1], dtype=torch.float16, device=self.device)
+            return LayerCache(k, v, zeros, zeros.clone())
+        if storage in FP8_DTYPES:  # per-head scales, set by _calibrate_fp8_scales
+            ones = torch.ones(shape[2], dtype=torch.float32, device=self.device)
+            return LayerCache(k, v, ones, ones.clone())
+        return LayerCache(k, v)
+
+    @torch.inference_mode()
+    def _calibrate_fp8_scales(self, storage: torch.dtype) -> None:
+        """Set each layer's per-head fp8 scales from the K/V of one fixed calibration sequence.
+
+        The sequence (seeded pseudo-random token ids) runs once through an unquantized scratch cache; each
+        layer's largest |K| and |V| per head, with ``FP8_HEADROOM``, become its scales. Fixed input, so
+        every replica of a model gets the same scales; values beyond them saturate instead of overflowing.
+        """
+        n, bs = CALIBRATION_TOKENS, self.block_size
+        nb = -(-n // bs)
+        attn = self.model.layers[0].self_attn
+        scratch = [self._layer_cache((nb, bs, attn.num_kv_heads, attn.head_dim), self.dtype) for _ in self.kv_caches]
+        vocab = self.model.embed_tokens.num_embeddings
+        ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).to(self.device)
+        meta = AttentionMetadata.build([n], [n], [list(range(nb))], bs, self.device)
+        rows = torch.tensor([n - 1], device=self.device)
+        with forward_context(ForwardContext(meta, scratch, self.kernels)):
+            self.model(ids, torch.arange(n, device=self.device), rows)
+        for layer, tmp in zip(self.kv_caches, scratch, strict=True):
+            for scale, values in ((layer.k_scale, tmp.k), (layer.v_scale, tmp.v)):
+                amax = values.flatten(0, 1)[:n].abs().amax(dim=(0, 2))
+                scale.copy_(fp8_scale_from_amax(amax, storage))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``(source, destination)`` in every layer's caches: copy-on-write of forked
+        sequences, done once per step before the forward pass. Each tensor gathers all sources before
+        writing any destination, so a block may be a destination and another copy's source."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for layer in self.kv_caches:
+            for tensor in map(as_bytes, layer.per_block()):
+                tensor[dst] = tensor[src]
+
+    def execute(self, batch: list[ScheduledRequest], tables: np.ndarray) -> torch.Tensor:
+        """Prepare and run one forward at once (the synchronous path): fp32 logits for the sampling rows."""
+        return self.forward(self.prepare(batch, tables))
+
+    def prepare(
+        self, batch: list[ScheduledRequest], tables: np.ndarray, extra_rows: list[int] | None = None
+    ) -> PreparedStep:
+        """A step's inputs, built on the host with a few numpy operations over the whole batch into the
+        next set of persistent buffers (two sets alternate, so a step in flight keeps its own).
+
+        ``tables`` holds every sequence's block ids, a row per sequence (``KVCacheManager.tables``). A
+        sequence whose input token is still being sampled by the step in flight (``Request.num_pending``)
+        gets a placeholder, and the step fills it on the device from that step's tokens (``fill``).
+        ``extra_rows``: more token positions (in the batch's flattened tokens) whose logits the step returns,
+        after the sampling rows: prompt positions whose log-probabilities a request asked for."""
+        n = len(batch)
+        reqs = [sr.request for sr in batch]
+        qlens = np.fromiter((sr.num_new_tokens for sr in batch), np.int64, n)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+        known = np.fromiter((len(r.all_token_ids) for r in reqs), np.int64, n)
+        rows = np.fromiter((r.kv_row for r in reqs), np.int64, n)
+        slens = starts + qlens
+        total = int(qlens.sum())
+        self._turn ^= 1
+        inp = self._inputs[self._turn]
+        ids = inp.host("input_ids", total)
+        starts_l, qlens_l = starts.tolist(), qlens.tolist()
+        if total == n:  # decode only: one token each, the one at its computed position
+            ids[:] = np.fromiter(
+                (t[s] if s < len(t) else 0 for t, s in zip((r.all_token_ids for r in reqs), starts_l, strict=True)),
+                np.int64,
+                n,
+            )
+        else:
+            flat = chain.from_iterable(
+                r.all_token_ids[s : s + q] or _PLACEHOLDER for r, s, q in zip(reqs, starts_l, qlens_l, strict=True)
+            )
+            ids[:] = np.fromiter(flat, np.int64, total)
+        qsl = inp.host("query_start_loc", n + 1)
+        qsl[0] = 0
+        np.cumsum(qlens, out=qsl[1:])
+        pending = np.flatnonzero(starts >= known)
+        fill = None
+        if len(pending):
+            src = np.fromiter((reqs[i].pending_row for i in pending.tolist()), np.int64, len(pending))
+            fill = (torch.from_numpy(qsl[pending].astype(np.int64)), torch.from_numpy(src))
+        positions, token_rows = token_positions(qlens, slens)
+        inp.host("positions", total)[:] = positions
+        inp.host("slot_mapping", total)[:] = slot_mapping(tables, rows[token_rows], positions, self.block_size)
+        inp.host("seq_lens", n)[:] = slens
+        width = -(-int(slens.max()) // self.block_size)
+        inp.host("block_tables", n, width)[:] = tables[rows, :width]
+        samples = slens == known + np.fromiter((r.num_pending for r in reqs), np.int64, n)
+        logits_rows = qsl[1:][samples] - 1
+        extra = len(extra_rows) if extra_rows else 0
+        rows_buf = inp.host("logits_rows", len(logits_rows) + extra)
+        rows_buf[: len(logits_rows)] = logits_rows
+        if extra:
+            rows_buf[len(logits_rows) :] = extra_rows
+        return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill)
+
+    def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the prepared step on the device; ``last_tokens``: the tokens of the step before, for the
+        placeholders of ``step.fill``. Returns fp32 logits for the sampling rows."""
+        if self.graphs is not None and (logits := self.graphs.run(step, last_tokens)) is not None:
+            return logits
+        inp, n, total = step.inputs, step.n, step.total
+        meta = AttentionMetadata(
+            slot_mapping=inp.device("slot_mapping", total),
+            query_start_loc=inp.device("query_start_loc", n + 1),
+            seq_lens=inp.device("seq_lens", n),
+            block_tables=inp.device("block_tables", n, step.width),
+            query_lens_cpu=step.qlens,
+            seq_lens_cpu=step.slens,
+        )
+        ids = inp.device("input_ids", total)
+        if step.fill is not None:
+            dst, src = (t.to(self.device, non_blocking=True) for t in step.fill)
+            ids[dst] = last_tokens[src]
+        positions = inp.device("positions", total)
+        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels)):
+            return self.model(ids, positions, inp.device("logits_rows", step.num_logits))
+
+
+_PLACEHOLDER = (0,)
+"""The input id of a token still being sampled; the step overwrites it on the device before the forward."""
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, ready in their buffers: what ``ModelRunner.forward`` needs besides them."""
+
+    inputs: StepInputs
+    n: int
+    total: int
+    num_logits: int
+    qlens: np.ndarray
+    slens: np.ndarray
+    width: int
+    fill: tuple[torch.Tensor, torch.Tensor] | None
+    """(token index in the batch, row of the previous step's tokens) of each placeholder input."""
+
+
+class StepInputs:
+    """Persistent buffers of a step's inputs: filled on the host as numpy arrays (pinned memory on CUDA),
+    copied to fixed device buffers once per step. On the CPU both are the same memory: nothing is copied.
+    Fixed addresses are also what CUDA graphs replay on."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+            "logits_rows": ((max_tokens,), torch.int64),
+            "query_start_loc": ((max_seqs + 1,), torch.int32),
+            "seq_lens": ((max_seqs,), torch.int32),
+            "block_tables": ((max_seqs * max_blocks,), torch.int32),
+        }
+        cuda = device.type == "cuda"
+        self._host = {k: torch.zeros(shape, dtype=dt, pin_memory=cuda) for k, (shape, dt) in shapes.items()}
+        self._np = {k: t.numpy() for k, t in self._host.items()}
+        self._dev = {k: t.to(device) for k, t in self._host.items()} if cuda else self._host
+        self._device = device
+
+    def host(self, name: str, n: int, width: int | None = None) -> np.ndarray:
+        """The host buffer's first ``n`` entries (``n x width`` for a 2-D view) to fill; grows if needed."""
+        size = n * (width or 1)
+        if size > len(self._np[name]):
+            self._grow(name, size)
+        view = self._np[name][:size]
+        return view.reshape(n, width) if width else view
+
+    def host_tensor(self, name: str, n: int, width: int | None = None) -> torch.Tensor:
+        """The host buffer's filled part as a tensor (pinned on CUDA): a source for device copies."""
+        view = self._host[name][: n * (width or 1)]
+        return view.view(n, width) if width else view
+
+    def device(self, name: str, n: int, width: int | None = None) -> torch.Tensor:
+        """The device copy of what ``host`` filled (the same memory on the CPU)."""
+        size = n * (width or 1)
+        dev = self._dev[name][:size]
+        if dev.data_ptr() != self._host[name].data_ptr():
+            dev.copy_(self._host[name][:size], non_blocking=True)
+        return dev.view(n, width) if width else dev
+
+    def _grow(self, name: str, size: int) -> None:
+        cuda = self._device.type == "cuda"
+        host = torch.zeros(max(size, 2 * len(self._np[name])), dtype=self._host[name].dtype, pin_memory=cuda)
+        self._host[name], self._np[name] = host, host.numpy()
+        if cuda:
+            self._dev[name] = host.to(self._device)

@@ -1,0 +1,431 @@
+"""Routing policies as plain objects: no Ray, no Redis, no torch.
+
+The same objects drive the Ray Serve request router (``kvmesh/router/serve_router.py``) and the trace simulator,
+so what is benchmarked is what is deployed. A policy sees the request (its block hashes, token count,
+optional session id), the candidate replicas' load, and, for prefix-aware policies, the index's answer
+(leading blocks held per replica, or ``None`` when the index is down). It returns candidates ranked best
+first plus the reason for the choice, which is counted in metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvmesh.router.sessions import SESSION_DECAY_S, SessionCounts
+from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.messages import LoadReport
+
+DEFAULT_PREFILL_TOK_S = 2000.0
+"""Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
+DEFAULT_DECODE_S_PER_SEQ = 0.0005
+"""Per running sequence, seconds it adds to every engine step, when not reported."""
+FULL_PRESSURE_BUSY = 0.8
+"""Prefill utilisation from which churn is priced at the full ``miss_weight`` (the load it was tuned at);
+below it, less (``KVAwarePolicy._pressure``). Above it no higher: a saturated fleet is no reason never to
+move (its queues are priced already)."""
+
+
+@dataclass
+class RouteRequest:
+    block_hashes: list[BlockHash]
+    num_tokens: int
+    block_size: int = 16
+    session_id: str | None = None
+
+
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(LoadReport))
+
+
+@dataclass
+class ReplicaLoad(LoadReport):
+    """What the router knows of one replica: its last ``LoadReport`` plus what it routed there since.
+
+    Unknown ``cache_fill`` counts as full (every new block evicts a cached one): the conservative, sticky
+    assumption. ``kv_free_blocks`` None: room is assumed. Unmeasured rates: the peers' median, else the
+    module defaults.
+    """
+
+    inflight_requests: int = 0
+    """Routed by this router since the replica's last report."""
+    inflight_prefill_tokens: int = 0
+    report_age_s: float = 0.0
+    """Seconds since the report was taken: the sequences it counted running have decoded since."""
+
+    @classmethod
+    def from_report(cls, report: LoadReport) -> ReplicaLoad:
+        """The router's view of a replica from its last report (what it sent since is added by the router)."""
+        return cls(**{name: getattr(report, name) for name in _REPORT_FIELDS})
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds before a new request's first token could start: queued prefill, slowed by every running
+        sequence, plus the wait for a free batch slot once the replica already holds ``max_num_seqs``."""
+        prefill_rate = self.prefill_tok_s or DEFAULT_PREFILL_TOK_S
+        prefill = (self.pending_prefill_tokens + self.inflight_prefill_tokens) / max(prefill_rate, 1e-6)
+        running = min(self.load, self.max_num_seqs)
+        excess = max(0, self.load + 1 - self.max_num_seqs)
+        slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
+        return prefill + running * (self.decode_s_per_seq or DEFAULT_DECODE_S_PER_SEQ) + slot_wait
+
+    def kv_wait_s(self, tokens: int, block_size: int) -> float:
+        """Seconds a newcomer needing ``tokens`` of new KV would wait for running sequences to free blocks.
+
+        Queued prefill (``queue_s``) does not show it: a replica whose one running request is decoding has
+        an empty queue but may have no room for a long prompt, which then waits for that request to finish
+        while another replica's pool sits empty. Running sequences finish spread over one decode lifetime
+        (``mean_output_tokens`` steps), so freeing a fraction f of the pinned blocks takes ~f of it, counted
+        from when the report was taken: a report from while a short request ran must not keep its replica
+        looking full after it finished.
+        """
+        if self.kv_free_blocks is None or not self.kv_total_blocks:
+            return 0.0
+        free = self.kv_free_blocks - self.inflight_prefill_tokens / block_size  # routed since the report
+        shortfall = -(-tokens // block_size) - free
+        if shortfall <= 0:
+            return 0.0
+        pinned = max(self.kv_total_blocks - self.kv_free_blocks, 1)
+        return max(min(shortfall / pinned, 1.0) * self.mean_output_tokens * self.step_s - self.report_age_s, 0.0)
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting + self.inflight_requests
+
+
+@dataclass
+class Decision:
+    ranked: list[str]
+    """Replica ids, best first: the caller tries them in order (a full replica falls to the next)."""
+    reason: str
+    """Why the first was chosen: hit, load_override, miss, index_unavailable, ... (counted in metrics)."""
+    matched_blocks: int = 0
+    costs: dict[str, float] = field(default_factory=dict)
+    tied: int = 1
+    """How many of the first ``ranked`` are interchangeable on what the router knows: the caller lets a
+    fresher signal choose among them (Ray probes their live queue lengths)."""
+    opens_session: bool = False
+    """A new conversation on a shared prefix (some replica holds part of the prompt, none half of it: its
+    own history; or it branches off a prefix conversations grow from): counted as a conversation start
+    where it goes."""
+    known_blocks: int = 0
+    """Leading blocks of the prompt this router had routed before (its own memory, not the index's)."""
+
+
+class RoutingPolicy(Protocol):
+    name: str
+    uses_index: bool
+
+    def rank(
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        hits: dict[str, int] | None,
+        shared_starts: dict[str, float] | None = None,
+        host_hits: dict[str, int] | None = None,
+    ) -> Decision:
+        """Candidates best first. ``hits``: leading blocks each holds on its device (None: the index did not
+        answer); ``shared_starts``: recent conversation starts per replica across routers (the index's
+        counts); ``host_hits``: blocks past ``hits`` each replica's host tier holds."""
+        ...
+
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None: ...
+
+
+class KVAwarePolicy:
+    """Ours: minimise the expected time to first token, in seconds.
+
+    ``cost(r) = queue_s(r) + kv_wait_s(r) + uncached_tokens(r) / prefill_rate(r)
+               + host_tokens(r) / host_load_rate(r)
+               + max((miss_weight - 1) * cache_fill(r) * pressure, busy) * uncached_tokens(r) / median_prefill_rate
+               + decode_weight * mean_output_tokens(r) * load(r) * decode_s_per_seq(r)``
+    ``busy = busy_weight * median_queue_s / (num_tokens / median_prefill_rate)``
+    ``pressure = min(u / 0.8, 1) ** 2``, ``u`` the replicas' median measured prefill utilisation
+
+    A prefix in a replica's host tier (``host_hits``) is charged what loading it back costs at the rate that
+    replica measured and reported, not a fixed fraction of a hit: on equal load a device hit beats a host
+    hit beats a miss, and a host hit on an idle replica beats a device hit behind a long queue.
+    On such a replica the blocks a miss evicts go to its host tier, so the churn part of the fifth term is
+    scaled by the reload / recompute cost ratio. ``host_tier=False`` routes blind to the tier (host hits
+    priced as misses, evictions as losses), for comparison.
+
+    The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
+    (it evicts other prefixes, which later requests miss), in proportion to how full the pool is and to how
+    much a recompute later delays others (``pressure``: 1 on a fleet whose prefill is 80% busy or more, where
+    ``miss_weight`` was tuned; near 0 on an idle one, where a recompute costs only its own time), or, when
+    more, the delay its extra prefill adds to the requests queued behind it on a busy fleet. The last
+    term, off by default, charges a newcomer the decode speed it would take from the sequences already
+    there.
+
+    Around the cost: a replica holding most of the request (its conversation history), or the one its
+    session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
+    conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
+    recent starts, ``kvmesh/router/sessions.py``); replicas caching as much as the cheapest and costing at most
+    ``tie_margin`` x the request's own prefill more are reported as tied, for the caller to let a fresher
+    signal choose. A one-off request on a prefix many requests branch off (a document, a few-shot or tenant
+    prompt; not a conversation's history) goes nowhere its own expected wait (queue, KV wait, its own
+    prefill) exceeds ``wait_cap`` x the best on offer: a burst on a hot prefix copies it to a second replica
+    rather than queueing behind its holder. Without the index's answer the policy falls back to the prefix
+    ownership it remembers from its own recent decisions. ``docs/routing.md`` explains each term and the
+    measurements behind the defaults.
+    """
+
+    name = "kv_aware"
+    uses_index = True
+
+    def __init__(
+        self,
+        miss_weight: float = 16.0,
+        decode_weight: float = 0.0,
+        override_margin_s: float = 0.005,
+        predict_ttl_s: float = 2.0,
+        memory_size: int = 65536,
+        session_balance: float = 1.25,
+        session_decay_s: float = SESSION_DECAY_S,
+        tie_margin: float = 1.0,
+        busy_weight: float = 2.0,
+        host_tier: bool = True,
+        wait_cap: float = 2.0,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
+            raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
+        self.busy_weight = busy_weight
+        self.host_tier = host_tier
+        self.wait_cap = wait_cap
+        if session_balance and session_balance < 1:
+            raise ValueError("session_balance must be 0 (off) or >= 1")
+        if wait_cap and wait_cap < 1:
+            raise ValueError("wait_cap must be 0 (off) or >= 1")
+        self.session_balance = session_balance
+        self.sessions = SessionCounts(session_decay_s)
+        self.miss_weight = miss_weight
+        self.decode_weight = decode_weight
+        self.override_margin_s = override_margin_s
+        self.tie_margin = tie_margin
+        self.predict_ttl_s = predict_ttl_s
+        self._recent = _RecentOwners(memory_size, clock)
+        self._rng = random.Random(seed)  # seeded only to make simulations reproducible
+
+    @property
+    def session_decay_s(self) -> float:
+        return self.sessions.decay_s
+
+    def rank(
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        hits: dict[str, int] | None,
+        shared_starts: dict[str, float] | None = None,
+        host_hits: dict[str, int] | None = None,
+    ) -> Decision:
+        if not replicas:
+            raise ValueError("no replicas to route to")
+        fill_unmeasured_rates(replicas)
+        reason_prefix = ""
+        ids = [r.index_id for r in replicas]
+        if hits is None:
+            hits, known = self._recent.match(req.block_hashes, ids)
+            reason_prefix = "index_unavailable_"
+        else:
+            # What we just routed may not have reached the index yet: recent decisions extend its answer,
+            # never contradict it. A candidate it has no answer for (no live heartbeat: its publisher
+            # stalled or lost Redis for a moment) is answered from memory, as when the whole index is down.
+            unknown = [rid for rid in ids if rid not in hits]
+            remembered = self._recent.match(req.block_hashes, unknown)[0] if unknown else {}
+            predicted, known = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
+            if self.predict_ttl_s <= 0:
+                predicted = dict.fromkeys(ids, 0)
+            indexed = max((hits.get(rid, 0) for rid in ids), default=0)
+            hits = {
+                rid: remembered[rid]
+                if rid in remembered
+                else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
+                for rid in ids
+            }
+        costs, own_prefill_s, own_s = {}, {}, {}
+        rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
+        median_rate = sorted(rates.values())[len(rates) // 2]
+        # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
+        # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
+        # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
+        queues = {r.index_id: r.queue_s for r in replicas}
+        typical_s = max(req.num_tokens / median_rate, 1e-6)
+        busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
+        pressure = self._pressure(replicas)
+        depth = self._depths(req, replicas, hits, host_hits)
+        for r in replicas:
+            most = max(req.num_tokens - 1, 0)  # the last token is always computed
+            cached = min(hits.get(r.index_id, 0) * req.block_size, most)
+            hosted = min(depth[r.index_id] * req.block_size, most) - cached
+            uncached = req.num_tokens - cached - hosted
+            fill = min(max(r.cache_fill, 0.0), 1.0)
+            load_s = hosted / r.host_load_tok_s if hosted else 0.0
+            own_prefill_s[r.index_id] = uncached / rates[r.index_id] + load_s
+            prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
+            evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
+            if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
+                evictions *= rates[r.index_id] / r.host_load_tok_s
+            churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
+            prefill_s += churn * uncached / median_rate
+            decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
+            kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
+            costs[r.index_id] = queues[r.index_id] + kv_wait + prefill_s + decode_s
+            own_s[r.index_id] = queues[r.index_id] + kv_wait + own_prefill_s[r.index_id]
+        jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
+        ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
+        holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
+        holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
+        # A new conversation on a shared prefix: some replica holds part, none its history; or it branches off
+        # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
+        # may have routed its earlier turns).
+        branches = self.sessions.branches
+        opens = 0 < holder_share < 0.5 or (depth[holder] <= known and branches.opens(req.block_hashes, known))
+        if not opens and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
+            ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
+        if (
+            self.wait_cap
+            and not opens
+            and 0 < depth[holder] <= known
+            and branches.shared(req.block_hashes[depth[holder] - 1])
+        ):
+            # A one-off request on a shared prefix waits for its own sake at most wait_cap x the best own wait
+            # on offer: under a burst the prefix is copied to a second replica instead of queueing behind it.
+            limit = self.wait_cap * min(own_s.values()) + 1e-9
+            ranked = [rid for rid in ranked if own_s[rid] <= limit] + [rid for rid in ranked if own_s[rid] > limit]
+        capped: set[str] = set()
+        if opens and self.session_balance:
+            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
+        best_hit = max(depth.values(), default=0)
+        chosen_hit = depth[ranked[0]]
+        reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
+        if reason == "hit" and hits.get(ranked[0], 0) < chosen_hit:
+            reason = "host_hit"  # served in part from its host tier
+        tied = 1
+        if self.tie_margin and ranked[0] not in capped:
+            limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
+            # Requests this router sent that no probe can see yet (not arrived): never tie across them, or a
+            # burst of concurrent decisions would all probe zeros and pile onto one replica.
+            own = {r.index_id: r.inflight_requests for r in replicas}
+            for rid in ranked[1:]:
+                if rid in capped or depth[rid] != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
+                    break
+                tied += 1
+        home = self.sessions.home(req.session_id)
+        if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
+            ranked, tied, reason = [home, *(rid for rid in ranked if rid != home)], 1, "session"
+            reason_prefix = ""
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
+
+    @staticmethod
+    def _pressure(replicas: list[ReplicaLoad]) -> float:
+        """The share of ``miss_weight`` churn is priced at: 1 on a busy fleet, little on an idle one.
+
+        An evicted prefix is recomputed when it is next asked for. On an idle fleet that costs the asker its
+        own prefill; on a busy one it also delays everyone queued behind it, more the busier the fleet.
+        ``(u / FULL_PRESSURE_BUSY) ** 2`` at the replicas' median prefill utilisation ``u`` priced it best in
+        the simulator (``docs/routing.md``). Unreported: 1.
+        """
+        busy = sorted(r.prefill_busy for r in replicas if r.prefill_busy is not None)
+        if not busy:
+            return 1.0
+        return min(max(busy[len(busy) // 2], 0.0) / FULL_PRESSURE_BUSY, 1.0) ** 2
+
+    def _depths(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], host: dict[str, int] | None
+    ) -> dict[str, int]:
+        """Per replica, the leading blocks it can serve without recomputing: its device hits, continued by
+        its host tier where the policy counts that tier and loading beats recomputing on that replica."""
+        depth = {r.index_id: hits.get(r.index_id, 0) for r in replicas}
+        for r in replicas:
+            if host and self._tiered(r):
+                depth[r.index_id] += host.get(r.index_id, 0)
+        return depth
+
+    def _tiered(self, r: ReplicaLoad) -> bool:
+        """Whether the policy counts ``r``'s host tier: it has one, and loading from it beats recomputing."""
+        return self.host_tier and bool(r.host_load_tok_s) and r.host_load_tok_s > (r.prefill_tok_s or 0.0)
+
+    def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
+        self._recent.record(req.block_hashes, index_id)
+        self.sessions.routed(req.session_id, index_id, decision.opens_session)
+        self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
+
+    def _bounded(self, ranked: list[str], starts: dict[str, float]) -> tuple[list[str], set[str]]:
+        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise), and them.
+
+        The cap is the fair share rounded up, plus the slack ``session_balance`` allows only once it
+        amounts to a whole conversation (rounded down): rounding the whole bound up instead lets a few
+        replicas take ``ceil(1.25 x 2) = 3`` each of 8 conversations and leaves the last with none.
+        """
+        counts = [starts[rid] for rid in ranked]
+        share = (sum(counts) + 1) / len(ranked)
+        cap = max(math.ceil(share - 1e-9), math.floor(self.session_balance * share + 1e-9))
+        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + 1e-9}
+        return [rid for rid in ranked if rid not in full] + [rid for rid in ranked if rid in full], full
+
+
+class _RecentOwners:
+    """Bounded memory of which replica this router last sent each block to, and when.
+
+    Two uses: predict-on-route (a burst of siblings on a brand-new prefix lands together before the
+    replica's KV events reach the index) and the fallback when the index is down. The clock is injectable
+    so the trace simulator can run the prediction's time-to-live on simulated time.
+    """
+
+    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.size = size
+        self.clock = clock
+        self._owner: dict[BlockHash, tuple[str, float]] = {}
+
+    def record(self, block_hashes: list[BlockHash], index_id: str) -> None:
+        now = self.clock()
+        for h in block_hashes:
+            self._owner.pop(h, None)
+            self._owner[h] = (index_id, now)  # re-insert: dicts keep insertion order, oldest first
+        while len(self._owner) > self.size:
+            del self._owner[next(iter(self._owner))]
+
+    def match(
+        self, block_hashes: list[BlockHash], candidates: list[str], max_age_s: float = math.inf
+    ) -> tuple[dict[str, int], int]:
+        """Per candidate, the deepest block of the chain last sent to it (it received the whole prefix), and
+        how many leading blocks of the chain were sent anywhere.
+
+        Shallow shared blocks (a system prompt) are re-recorded by every request, so their owner is just
+        the latest router choice; each replica's depth is therefore read independently, not as one chain.
+        """
+        out = dict.fromkeys(candidates, 0)
+        oldest = self.clock() - max_age_s
+        known = 0
+        for h in block_hashes:
+            entry = self._owner.get(h)
+            if entry is None:
+                break  # nobody was sent this deep: nothing deeper either
+            known += 1
+            if entry[1] >= oldest and entry[0] in out:
+                out[entry[0]] = known
+        return out, known
+
+
+def fill_unmeasured_rates(replicas: list[ReplicaLoad]) -> None:
+    """A replica that has not measured its speed yet (new, idle) is assumed as fast as its peers' median.
+
+    Replicas of one deployment run the same model on the same hardware; a pessimistic default would make
+    every fresh replica look expensive and herd traffic onto the first one that measured itself.
+    """
+    for attr, default in (("prefill_tok_s", DEFAULT_PREFILL_TOK_S), ("decode_s_per_seq", DEFAULT_DECODE_S_PER_SEQ)):
+        known = sorted(getattr(r, attr) for r in replicas if getattr(r, attr) is not None)
+        fallback = known[len(known) // 2] if known else default
+        for r in replicas:
+            if getattr(r, attr) is None:
+                setattr(r, attr, fallback)
+
+
+def least_loaded(replicas: list[ReplicaLoad]) -> list[str]:
+    return [r.index_id for r in sorted(replicas, key=lambda r: (r.queue_s, r.load, r.index_id))]

@@ -1,0 +1,258 @@
+"""The Ray Serve ``RequestRouter`` that puts kvmesh's routing policies on the engine deployment's handle.
+
+Every process holding a handle to the engine deployment (each ingress replica, each proxy) runs one of
+these. It reads the request's precomputed block hashes from the call (a ``GenerateCall``,
+``kvmesh/shared/messages.py``), asks the shared Redis index once, combines the answer with each replica's
+``LoadReport`` and the requests it routed itself since that report, and returns replicas ranked best first,
+one per group, so Ray falls back to the next when one is full; replicas the policy finds tied share the
+first group, for Ray to pick the one with the shortest live queue.
+
+It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
+in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
+information, down to plain least-loaded.
+
+Ray Serve ships this module to routers *by value* (cloudpickle), globals included: module-level state
+must therefore be reached through other modules (``router_metrics.X``), never imported into this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+import kvmesh.router.metrics as router_metrics
+from kvmesh.router.baselines import make_policy
+from kvmesh.router.index_schema import index_redis_url
+from kvmesh.router.policy import DEFAULT_PREFILL_TOK_S, Decision, ReplicaLoad, RouteRequest
+from kvmesh.router.prefix_index import IndexAnswer, PrefixIndex
+from kvmesh.router.sessions import SESSION_DECAY_S
+from kvmesh.shared.messages import GenerateCall, LoadReport
+
+log = logging.getLogger(__name__)
+
+MAX_TRACKED = 100_000
+"""Most requests a router remembers as planned or in flight: its memory stays bounded whatever happens."""
+PLANNED_TTL_S = 300.0
+"""A decision Ray has not acted on for this long belongs to a request cancelled while it queued."""
+
+
+def route_request(pending: PendingRequest | None) -> RouteRequest | None:
+    """The routing view of a call ``handle.generate.remote(GenerateCall(...))``: hashes, size, session."""
+    if pending is None or not pending.args or not isinstance(call := pending.args[0], GenerateCall):
+        return None
+    session = call.session_id or getattr(pending.metadata, "session_id", None) or None
+    return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session)
+
+
+class _Planned:
+    """A decision made for a request Ray has not sent yet."""
+
+    __slots__ = ("at", "decision", "hits", "index_ids", "request")
+
+    def __init__(
+        self,
+        at: float,
+        request: RouteRequest,
+        hits: dict[str, int],
+        index_ids: dict[ReplicaID, str],
+        decision: Decision,
+    ) -> None:
+        self.at, self.request, self.hits, self.index_ids, self.decision = at, request, hits, index_ids, decision
+
+
+class KVAwareRequestRouter(RequestRouter):
+    """Configured with ``RequestRouterConfig(request_router_kwargs={...})`` -> ``initialize_state``."""
+
+    def initialize_state(
+        self,
+        redis_url: str | None = None,
+        deployment: str = "kvmesh",
+        model: str = "",
+        policy: str = "kv_aware",
+        policy_kwargs: dict | None = None,
+        lookup_timeout_s: float = 0.02,
+        max_tracked: int = MAX_TRACKED,
+        report_period_s: float = 1.0,
+        predict_ttl_s: float = 2.0,
+    ) -> None:
+        self.policy = make_policy(policy, **(policy_kwargs or {}))
+        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
+        decay_s = getattr(self.policy, "session_decay_s", SESSION_DECAY_S)
+        self.index = (
+            PrefixIndex(redis_url, deployment, model, timeout_s=lookup_timeout_s, session_decay_s=decay_s)
+            if redis_url and self.policy.uses_index
+            else None
+        )
+        self.policy_name = policy
+        self.decisions: Counter[str] = Counter()
+        router_metrics.register_router(self)
+        self.report_period_s = report_period_s
+        self.predict_ttl_ms = int(predict_ttl_s * 1000)
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
+        """Per replica, what this router sent it (by request): when, and how many tokens to prefill."""
+        self._max_tracked = max_tracked
+        self._planned: OrderedDict[str, _Planned] = OrderedDict()
+        """Decisions waiting for Ray to send the request; a request cancelled while queued never is, so
+        entries older than ``PLANNED_TTL_S`` go."""
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _index_id(replica: RunningReplica) -> str:
+        """The id under which the replica publishes to the index (in its load report)."""
+        report = LoadReport.from_dict(replica.routing_stats)
+        return report.index_id if report is not None else replica.replica_id.unique_id
+
+    def _queued(
+        self, replica_id: ReplicaID, reported_at: float, reported_prefill: int, prefill_tok_s: float
+    ) -> tuple[int, int, int]:
+        """What is still queued for prefill at the replica: ``(requests routed here after its last report,
+        reported prefill tokens left, routed tokens left)``.
+
+        The replica's queue is a FIFO draining at its prefill rate: the report's backlog first, then what
+        this router sent since. Each part shrinks with its age instead of counting in full until the next
+        report: a report taken while prompts queued would otherwise keep a replica looking busy for a
+        whole period after it finished them, and move conversations away from their cached history.
+        """
+        now = time.time()
+        routes = self._recent_routes.get(replica_id)
+        horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
+        while routes and next(iter(routes.values()))[0] < horizon:
+            routes.popitem(last=False)
+        queued = routes.values() if routes else ()  # in routing order, none before the report
+        start = min(reported_at, now)  # 0 without a report: nothing reported to drain
+        backlog, prev = float(reported_prefill), start
+        for routed_at, tokens in queued:
+            backlog, prev = max(0.0, backlog - (routed_at - prev) * prefill_tok_s) + tokens, routed_at
+        left = max(0.0, backlog - (now - prev) * prefill_tok_s)
+        reported_left = max(0.0, reported_prefill - (now - start) * prefill_tok_s)
+        return len(queued), int(reported_left), int(max(0.0, left - reported_left))
+
+    def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        report = LoadReport.from_dict(replica.routing_stats)
+        load = ReplicaLoad.from_report(report) if report is not None else ReplicaLoad(replica.replica_id.unique_id)
+        load.inflight_requests, load.pending_prefill_tokens, load.inflight_prefill_tokens = self._queued(
+            replica.replica_id,
+            report.reported_at if report is not None else 0.0,
+            load.pending_prefill_tokens,
+            load.prefill_tok_s or DEFAULT_PREFILL_TOK_S,
+        )
+        if report is not None:
+            load.report_age_s = max(0.0, time.time() - report.reported_at)
+        return load
+
+    # ------------------------------------------------------------------ routing
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        try:
+            return await self._choose(candidate_replicas, pending_request)
+        except Exception:  # a routing bug must cost one good decision, never the request
+            log.exception("KV-aware routing failed; falling back to the candidates in order")
+            self.decisions["router_error"] += 1
+            return [candidate_replicas]
+
+    async def _choose(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # all full: wait, then retry
+        if not candidate_replicas:
+            return []
+        req = route_request(pending_request)
+        by_id = {self._index_id(r): r for r in candidate_replicas}
+        if req is None:
+            self.decisions["no_routing_info"] += 1
+            loads = [self._load(r) for r in candidate_replicas]
+            return [[by_id[ld.index_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
+        answer = IndexAnswer({})
+        if self.policy.uses_index:
+            if self.index is None:
+                answer = IndexAnswer(None)
+            elif req.block_hashes:
+                with router_metrics.INDEX_LOOKUP_SECONDS.time():
+                    answer = await self.index.query(req.block_hashes, list(by_id))
+        hits = answer.hits
+        # Loads are read after the lookup: decisions made while this one awaited Redis must count.
+        loads = [self._load(r) for r in candidate_replicas]
+        decision = self.policy.rank(req, loads, hits, answer.starts, answer.host)
+        ranked, tied = decision.ranked, decision.tied
+        self.decisions[decision.reason] += 1
+        if pending_request is not None:
+            rid = pending_request.metadata.internal_request_id
+            index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
+            self._plan(rid, _Planned(time.monotonic(), req, hits or {}, index_ids, decision))
+            # Count it against the first choice now: concurrent decisions must see each other.
+            self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
+        # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
+        # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours.
+        return [[by_id[rid] for rid in ranked[:tied]], *([by_id[rid]] for rid in ranked[tied:])]
+
+    def _background(self, coro) -> bool:
+        """Fire-and-forget on the router's loop (the hook itself must not block); False if there is none."""
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return False
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
+        previous = self._inflight.get(rid)  # re-tracked when Ray fell back to a later choice
+        if previous is not None:
+            self._recent_routes.get(previous, {}).pop(rid, None)
+        prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
+        self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
+        self._inflight[rid] = replica_id
+        if len(self._inflight) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
+            self._inflight.popitem(last=False)
+
+    def _plan(self, rid: str, planned: _Planned) -> None:
+        self._planned[rid] = planned
+        while self._planned and (
+            len(self._planned) > self._max_tracked or next(iter(self._planned.values())).at < planned.at - PLANNED_TTL_S
+        ):
+            self._planned.popitem(last=False)
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        planned = self._planned.pop(rid, None)
+        if planned is None or replica_id not in planned.index_ids:
+            return
+        req, hits = planned.request, planned.hits
+        index_id = planned.index_ids[replica_id]
+        if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
+            self._track(rid, replica_id, req, hits, index_id)
+        self.policy.on_routed(req, index_id, planned.decision)
+        if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
+            self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
+        if (
+            self.index is not None
+            and planned.decision.opens_session
+            and self._background(self._start_session(index_id))
+        ):
+            self.policy.sessions.unacknowledged[index_id] += 1  # until Redis has it: a burst sees its own starts
+
+    async def _start_session(self, index_id: str) -> None:
+        try:
+            await self.index.start_session(index_id)
+        finally:
+            self.policy.sessions.unacknowledged[index_id] -= 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._planned.pop(internal_request_id, None)
+        routed_to = self._inflight.pop(internal_request_id, None)
+        if routed_to is not None:
+            self._recent_routes.get(routed_to, {}).pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._recent_routes.pop(replica_id, None)

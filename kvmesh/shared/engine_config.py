@@ -1,0 +1,84 @@
+"""Engine configuration with the defaults a laptop (CPU) and a GPU replica both start well with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES
+from kvmesh.shared.model_files import DEFAULT_MODEL
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+"""KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+MAX_DEFAULT_SWAP_BYTES = 4 << 30
+DEFAULT_HOST_CACHE_FRACTION = 2.0
+"""On CUDA, the host prefix tier's default size as a multiple of the device KV pool's bytes."""
+MAX_DEFAULT_HOST_CACHE_BYTES = 16 << 30
+GPU_KV_FRACTION = 0.85
+"""Share of the GPU memory still free after loading weights that goes to the KV pool."""
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Exact pool size; ``None`` sizes it from ``kv_cache_bytes`` (or the free GPU memory)."""
+    kv_cache_bytes: int | None = None
+    swap_space_bytes: int | None = None
+    """Host memory for swapped-out sequences' KV; ``None``: half the KV pool, at most 4 GiB; 0: no swapping."""
+    host_cache_bytes: int | None = None
+    """Host memory that keeps prefix blocks evicted from the device pool, loaded back on a hit when that
+    beats recomputing them (``kvmesh/replica/swap.py``); ``None``: on CUDA ``DEFAULT_HOST_CACHE_FRACTION`` of the
+    KV pool's bytes, at most 16 GiB; on the CPU off (there it is a second pool in the same memory); 0: off."""
+    preemption_mode: str = "auto"
+    """``auto`` (swap a preempted sequence when that is cheaper than recomputing it), ``swap`` (whenever
+    the swap space has room) or ``recompute``."""
+    kv_cache_dtype: str = "auto"
+    """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales) or ``int8``
+    (per-token scales); fp8 holds twice the tokens of a 16-bit cache in the same bytes (``kvmesh/kernels/quant.py``)."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step; prompts longer than this are prefilled in chunks."""
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    """Context limit; ``None`` takes the model's ``max_position_embeddings``."""
+    device: str | None = None
+    """``None`` picks CUDA when available, else CPU."""
+    dtype: str | None = None
+    """``float32``/``float16``/``bfloat16``; ``None`` is fp32 on CPU, bf16 on GPU."""
+    torch_threads: int | None = None
+    """Intra-op threads for this engine; set it when several replicas share a machine's cores."""
+    async_scheduling: bool = True
+    """Schedule and prepare the next step, and turn the last one's tokens into outputs, while the device runs
+    the current one. False runs each step start to end before the next (``LLMEngine.step``)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs (``kvmesh/replica/cuda_graphs.py``; they capture decode steps on CUDA)."""
+    cuda_graph_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs (a batch runs in the smallest that holds it); None: 1, 2, 4,
+    8, then steps of 8 to 64, 16 to 256, 32 beyond, up to ``max_num_seqs``."""
+    device_thread: bool = False
+    """On the CPU, with ``async_scheduling``, run each step's forward pass in a worker thread so the host's
+    work overlaps it. Off by default: the two threads contend for the GIL, which costs more than it saves
+    unless a step's forward pass is long next to the host's work (``benchmarks/results/README.md``)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            dtypes = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {dtypes}, got {self.kv_cache_dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            modes = ", ".join(PREEMPTION_MODES)
+            raise ValueError(f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}")
+        if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two, got {bs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.cuda_graph_sizes is not None and not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes}")

@@ -1,0 +1,124 @@
+"""What crosses a process boundary, as typed objects: one definition each, used by both sides of its hop.
+
+- ``GenerateCall``: ingress -> engine deployment (``handle.generate.remote(call)``). The router on the
+  handle reads its routing fields; the replica runs it.
+- ``GenerateChunk``: engine replica -> ingress, one per step and sequence; the request's last chunk carries
+  its ``Usage``, which is how the stream's end is known.
+- ``LoadReport``: engine replica -> routers (Ray Serve's ``record_routing_stats``, which travels as a dict:
+  ``as_dict`` / ``from_dict`` at that boundary only).
+
+Torch-free: the ingress and the routers import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.shared.hashing import BlockHash
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    """The prompt's full blocks, hashed once by the ingress (``kvmesh/shared/hashing.py``); the replica checks
+    that they are its own before using them."""
+    block_size: int
+    params: dict[str, Any] = field(default_factory=dict)
+    """``SamplingParams`` fields (the replica builds, and so validates, the object)."""
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    """Counted once, whatever ``n``."""
+    completion_tokens: int
+    """Summed over the request's sequences."""
+    cached_tokens: int
+    """Prompt tokens served from the replica's prefix cache."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model (raw logits: before ``logit_bias``, temperature and every
+    cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first. None for a
+    prompt's first token, which nothing before it scores."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    index: int
+    """Which of the request's ``n`` sequences this continues."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    """Set on the sequence's last chunk."""
+    num_cached_tokens: int
+    replica: str
+    """The index id of the replica that produced it."""
+    usage: Usage | None = None
+    """Set on the request's last chunk (every sequence finished): the end of the stream."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``token_ids``, when the request asked for ``logprobs``."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On a sequence's first chunk, when the request asked for ``prompt_logprobs``: prompt tokens 1.."""
+
+
+BUSY_WINDOW_S = 10.0
+"""Time constant of a replica's moving average of how busy its prefill is (``LoadReport.prefill_busy``)."""
+
+
+@dataclass(slots=True)
+class LoadReport:
+    """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time)."""
+
+    index_id: str
+    reported_at: float = 0.0
+    """Unix time the report was taken (0: unknown)."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens queued or mid-prefill."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    kv_free_blocks: int | None = None
+    """Blocks a newcomer could take once the queue ahead of it is admitted (free or evictable, less what
+    queued prompts need)."""
+    kv_total_blocks: int | None = None
+    cache_fill: float = 1.0
+    """Share of the pool holding pinned or cached blocks."""
+    prefill_tok_s: float | None = None
+    """Prefill tokens per second; None until measured (routers then assume the peers' median)."""
+    decode_s_per_seq: float | None = None
+    """Seconds one more running sequence adds to a decode step; None until measured."""
+    host_load_tok_s: float | None = None
+    """Prompt tokens per second the replica loads back from its host prefix tier (its measured copy
+    bandwidth over the KV bytes per token); None without a host tier."""
+    prefill_busy: float | None = None
+    """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average); None until measured."""
+    step_s: float = 0.02
+    mean_output_tokens: float = 128.0
+    max_num_seqs: int = 256
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> LoadReport | None:
+        """The report a replica sent, or None if it has not reported (or reported something else)."""
+        if not values or "index_id" not in values:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
