@@ -286,7 +286,7 @@ def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
     from kvmesh.cluster.proto.build import build
 
     build(tmp_path)
-    generated = tmp_path / "cluster" / "proto"
+    generated = tmp_path / "kvmesh" / "cluster" / "proto"
     committed = Path(__file__).resolve().parents[1] / "kvmesh" / "cluster" / "proto"
     for name in ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py"):
         assert (generated / name).read_text() == (committed / name).read_text(), (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_wheel_installs_only_the_kvmesh_package_and_its_command(tmp_path):
+    source = tmp_path / "src"  # a copy: setuptools writes build/ beside the sources
+    skip = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "results", ".*cache", ".gpu")
+    shutil.copytree(ROOT, source, ignore=skip)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), source],
         check=True,
         capture_output=True,
         timeout=300,

@@ -75,4 +75,4 @@ def chain_arg(block_hashes: list[BlockHash]) -> bytes:
 
 @cache
 def script_source(name: str) -> str:
-    return resources.files("router").joinpath("lua", f"{name}.lua").read_text()
+    return resources.files("kvmesh.router").joinpath("lua", f"{name}.lua").read_text()
