@@ -19,7 +19,7 @@ Workloads: the Mooncake conversation trace (``--trace``) and the agentic and cha
 ``kvmesh/bench/trace_workloads.py``. Offered load is set as in ``kvmesh/bench/simulate.py`` (``--target-load``
 of the fleet's prefill capacity on the pooled-LRU bound of the device caches alone).
 
-    python -m benchmarks.host_tier_sim --trace ../shared/workloads/mooncake/conversation_trace.jsonl
+    python -m benchmarks.host_tier_sim --trace benchmarks/workloads/mooncake/conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--trace", type=Path, default=Path("../shared/workloads/mooncake/conversation_trace.jsonl"))
+    ap.add_argument("--trace", type=Path, default=Path("benchmarks/workloads/mooncake/conversation_trace.jsonl"))
     ap.add_argument("--replicas", type=int, default=16, help="for the Mooncake trace (agentic, chat: half)")
     ap.add_argument("--device-factor", type=float, default=0.5, help="fleet device cache / working set")
     ap.add_argument("--host-factor", type=float, default=4.0, help="host tier / device cache, per replica")

@@ -100,3 +100,16 @@ def test_bench_run_replays_generated_agentic_and_rag_traces_with_a_disjoint_warm
     assert not {tuple(p[:16]) for p in prompts} & {tuple(s.steps[0].token_ids[:16]) for s in warm}
     args.workload = "agentic"
     assert len(build_workload(args, 0)) == 30
+
+
+def test_the_mooncake_trace_in_the_repository_is_the_published_one():
+    """The trace the routing benchmarks replay travels with the repository, unchanged (its README names the
+    source, licence and checksum)."""
+    import hashlib
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads" / "mooncake" / "conversation_trace.jsonl"
+    digest = hashlib.sha256(trace.read_bytes()).hexdigest()
+    assert digest == "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+    sessions = mooncake_trace(trace, block_tokens=16, speed=1.0, max_output_tokens=8)
+    assert sum(len(s.steps) for s in sessions) == 12031

@@ -20,7 +20,7 @@ measures our real engine) uses the measured constants instead, sped up by ``--sp
 factor that brings the measured prefill rate to the GPU-class 20,000 tokens/s; step costs scale by the
 same factor, so the measured balance between prefill and decode is kept).
 
-    python -m kvmesh.bench.simulate --trace ../shared/workloads/mooncake/conversation_trace.jsonl \
+    python -m kvmesh.bench.simulate --trace benchmarks/workloads/mooncake/conversation_trace.jsonl \
         --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
     python -m kvmesh.bench.simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
 """

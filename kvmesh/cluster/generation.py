@@ -5,7 +5,7 @@ whose size alone says it cannot fit), renders the chat template, tokenizes once 
 thread) and hashes the prompt's blocks once, into a ``GenerateCall``. ``stream`` sends it to the engine
 deployment, whose router picks the replica, and yields its ``GenerateChunk``s with the request's metrics
 recorded. A replica that fails before the first token costs nothing: the call is cancelled and sent
-again under a fresh id (up to twice, after a short back-off). After the first token a failure ends the
+again under a fresh id (up to three times, after a short back-off). After the first token a failure ends the
 stream with an ``APIError`` naming the cause. Torch-free: the tokenizer alone.
 """
 

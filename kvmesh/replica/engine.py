@@ -54,7 +54,7 @@ def _token_logprob(token: int, row: tuple[float, list[int], list[float]], k: int
     """A sampled token's log-probability and its row's ``k`` most likely alternatives (the step computed
     as many as its most demanding row asked for)."""
     chosen, ids, values = row
-    return TokenLogprob(token, chosen, list(zip(ids[:k], values[:k], strict=True)))
+    return TokenLogprob(token_id=token, logprob=chosen, top=list(zip(ids[:k], values[:k], strict=True)))
 
 
 @dataclass(slots=True)
