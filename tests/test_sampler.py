@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kvmesh.replica.sampler import MAX_TOP_K, SamplingTensors, sample, uniforms
+from kvmesh.replica.sampler import MAX_TOP_K, SamplingColumns, SamplingTensors, sample, uniforms
 
 DRAWS = 20_000
 
@@ -46,15 +46,15 @@ def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 def draws(logits: torch.Tensor, n: int, **params) -> torch.Tensor:
     rows = logits.expand(n, -1).contiguous()
     seeds = torch.arange(n).mul_(7919).add_(12345).tolist()
-    st = SamplingTensors.build(
-        [params.get("temperature", 1.0)] * n,
-        [params.get("top_k", 0)] * n,
-        [params.get("top_p", 1.0)] * n,
-        [params.get("min_p", 0.0)] * n,
-        seeds,
-        [3] * n,
-        torch.device("cpu"),
+    columns = SamplingColumns(
+        temperature=[params.get("temperature", 1.0)] * n,
+        top_k=[params.get("top_k", 0)] * n,
+        top_p=[params.get("top_p", 1.0)] * n,
+        min_p=[params.get("min_p", 0.0)] * n,
+        seed=seeds,
+        position=[3] * n,
     )
+    st = SamplingTensors.build(columns, torch.device("cpu"))
     return sample(rows, st)
 
 
@@ -111,22 +111,21 @@ def test_flat_rows_small_nuclei_and_huge_top_k_match_too():
 def test_greedy_rows_take_the_argmax_and_seeded_rows_ignore_their_batch():
     logits = peaked(512, seed=2).expand(6, -1).contiguous()
     logits[3] = peaked(512, seed=3)
-    st = SamplingTensors.build(
-        [0.0, 1.0, 1.0, 1.0, 0.0, 1.0],
-        [0, 0, 10, 1, 0, 0],
-        [1.0, 0.9, 1.0, 1.0, 1.0, 0.5],
-        [0.0] * 6,
-        [1, 2, 3, 4, 5, 6],
-        [0, 1, 2, 3, 4, 5],
-        torch.device("cpu"),
+    columns = SamplingColumns(
+        temperature=[0.0, 1.0, 1.0, 1.0, 0.0, 1.0],
+        top_k=[0, 0, 10, 1, 0, 0],
+        top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.5],
+        min_p=[0.0] * 6,
+        seed=[1, 2, 3, 4, 5, 6],
+        position=[0, 1, 2, 3, 4, 5],
     )
+    st = SamplingTensors.build(columns, torch.device("cpu"))
     batch = sample(logits, st)
     assert batch[0] == batch[4] == logits[0].argmax() and batch[3] == logits[3].argmax()  # temperature 0, top_k 1
     for i in (1, 2, 5):
-        alone = SamplingTensors.build(
-            [1.0], [st.top_k[i].item()], [st.top_p[i].item()], [0.0], [i + 1], [i], torch.device("cpu")
-        )
+        alone = SamplingTensors.build(columns.row(i), torch.device("cpu"))
         assert sample(logits[i : i + 1], alone).item() == batch[i]
+        assert sample(logits[i : i + 1], st.row(i)).item() == batch[i]
 
 
 def test_uniforms_are_uniform_and_depend_on_seed_and_position():

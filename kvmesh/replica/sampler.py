@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels.cpu_extension import cpu_op
-from kvmesh.shared.sampling_params import GREEDY_TEMPERATURE
+from kvmesh.shared.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 MAX_TOP_K = 1024
 """Largest ``top_k`` served from one ``topk`` of candidates; a larger one sorts its row."""
@@ -41,72 +41,101 @@ MAX_ROUNDS = 16
 _MASK32 = 0xFFFFFFFF
 
 
-@dataclass
-class SamplingTensors:
-    """Per-row settings of one step's sampling rows, on the logits' device. Which rows take which path is
-    decided on the host, from the settings, so no path needs a data-dependent sync to be chosen."""
+@dataclass(slots=True, kw_only=True)
+class SamplingColumns:
+    """One step's per-row sampling settings as host lists: the one definition of the sampling columns. A
+    new sampling parameter is a field here (with its tensor dtype and neutral value) and its op in ``sample``."""
 
-    temperature: torch.Tensor | None  # float32 [R]
-    top_k: torch.Tensor | None  # int64 [R]; 0 = off
-    top_p: torch.Tensor | None  # float32 [R]
-    min_p: torch.Tensor | None  # float32 [R]
-    seed: torch.Tensor | None  # int64 [R], a 64-bit seed as two's complement
-    position: torch.Tensor | None  # int64 [R], the output position being sampled
-    sampled: torch.Tensor | None  # int64: the rows that are not greedy (None: all greedy)
-    by_top_k: torch.Tensor | None  # int64, among ``sampled``: rows with 0 < top_k <= MAX_TOP_K
-    by_rejection: torch.Tensor | None  # int64, among ``sampled``: rows without top_k
-    by_sort: torch.Tensor | None  # int64, among ``sampled``: rows with top_k > MAX_TOP_K
-    max_top_k: int
+    temperature: list[float]
+    top_k: list[int]  # 0 = off
+    top_p: list[float]
+    min_p: list[float]
+    seed: list[int]  # a 64-bit seed as two's complement
+    position: list[int]  # the output position being sampled
 
     @classmethod
-    def build(
-        cls,
-        temperature: list[float],
-        top_k: list[int],
-        top_p: list[float],
-        min_p: list[float],
-        seed: list[int],
-        position: list[int],
-        device: torch.device,
-    ) -> SamplingTensors:
-        """From per-row Python values (one list each, built once per step): a handful of tensor copies."""
-        pairs = zip(temperature, top_k, strict=True)
+    def of(cls, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> SamplingColumns:
+        return cls(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            seed=seeds,
+            position=positions,
+        )
+
+    def row(self, i: int) -> SamplingColumns:
+        return SamplingColumns(**{name: [getattr(self, name)[i]] for name in COLUMNS})
+
+    def neutralise(self, i: int) -> None:
+        """Row ``i`` sampled greedily with neutral settings (its own could not be turned into tensors)."""
+        for name, (_, neutral) in COLUMNS.items():
+            getattr(self, name)[i] = neutral
+
+
+COLUMNS: dict[str, tuple[torch.dtype, float | int]] = {
+    "temperature": (torch.float32, 0.0),
+    "top_k": (torch.int64, 0),
+    "top_p": (torch.float32, 1.0),
+    "min_p": (torch.float32, 0.0),
+    "seed": (torch.int64, 0),
+    "position": (torch.int64, 0),
+}
+"""Each ``SamplingColumns`` field: its tensor dtype and the value that leaves a row greedy and uncut."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingTensors:
+    """Per-row settings of one step's sampling rows, on the logits' device (``SamplingColumns``' fields as
+    tensors). Which rows take which path is decided on the host, from the settings, so no path needs a
+    data-dependent sync to be chosen."""
+
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seed: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
+    """int64: the rows that are not greedy (None: all greedy)."""
+    by_top_k: torch.Tensor | None = None
+    """int64, among ``sampled``: rows with 0 < top_k <= MAX_TOP_K."""
+    by_rejection: torch.Tensor | None = None
+    """int64, among ``sampled``: rows without top_k."""
+    by_sort: torch.Tensor | None = None
+    """int64, among ``sampled``: rows with top_k > MAX_TOP_K."""
+    max_top_k: int = 0
+
+    @classmethod
+    def build(cls, columns: SamplingColumns, device: torch.device) -> SamplingTensors:
+        """From one step's columns (built once per step): a handful of tensor copies."""
+        pairs = zip(columns.temperature, columns.top_k, strict=True)
         sampled = [i for i, (t, k) in enumerate(pairs) if t >= GREEDY_TEMPERATURE and k != 1]
-        ks = [top_k[i] for i in sampled]
+        ks = [columns.top_k[i] for i in sampled]
         by_top_k = [j for j, k in enumerate(ks) if 0 < k <= MAX_TOP_K]
-        by_rejection = [j for j, k in enumerate(ks) if k == 0]
-        by_sort = [j for j, k in enumerate(ks) if k > MAX_TOP_K]
+        paths = {
+            "sampled": sampled,
+            "by_top_k": by_top_k,
+            "by_rejection": [j for j, k in enumerate(ks) if k == 0],
+            "by_sort": [j for j, k in enumerate(ks) if k > MAX_TOP_K],
+        }
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        def index(values: list[int]) -> torch.Tensor | None:
-            return tensor(values, torch.int64) if values else None
-
         return cls(
-            tensor(temperature, torch.float32),
-            tensor(top_k, torch.int64),
-            tensor(top_p, torch.float32),
-            tensor(min_p, torch.float32),
-            tensor(seed, torch.int64),
-            tensor(position, torch.int64),
-            index(sampled),
-            index(by_top_k),
-            index(by_rejection),
-            index(by_sort),
-            max((ks[j] for j in by_top_k), default=0),
+            **{name: tensor(getattr(columns, name), dtype) for name, (dtype, _) in COLUMNS.items()},
+            **{name: tensor(rows, torch.int64) if rows else None for name, rows in paths.items()},
+            max_top_k=max((ks[j] for j in by_top_k), default=0),
         )
 
     def row(self, i: int) -> SamplingTensors:
         """Row ``i`` alone (to sample rows one at a time after a batch failed)."""
-        values = [
-            t[i : i + 1].tolist()
-            for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.position)
-        ]
-        return SamplingTensors.build(*values, self.temperature.device)
+        values = {name: getattr(self, name)[i : i + 1].tolist() for name in COLUMNS}
+        return SamplingTensors.build(SamplingColumns(**values), self.temperature.device)
 
 
-GREEDY = SamplingTensors(*(None,) * 10, max_top_k=0)
+GREEDY = SamplingTensors()
 """Settings of a step whose rows are all greedy: ``sample`` takes the argmax and reads nothing else."""
 
 
