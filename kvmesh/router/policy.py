@@ -224,30 +224,72 @@ class KVAwarePolicy:
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
     ) -> Decision:
+        """Replicas from cheapest to dearest for ``req``: price each, keep the holder on noise, cap the wait
+        of a one-off request on a shared prefix, bound where new conversations start, group near-ties, and
+        keep a conversation at its home."""
         if not replicas:
             raise ValueError("no replicas to route to")
         fill_unmeasured_rates(replicas)
-        reason_prefix = ""
-        ids = [r.index_id for r in replicas]
+        reason_prefix = "index_unavailable_" if hits is None else ""
+        hits, known = self._merged_hits(req, [r.index_id for r in replicas], hits)
+        depth = self._depths(req, replicas, hits, host_hits)
+        costs, own_prefill_s, own_s = self._price(req, replicas, hits, depth)
+        jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
+        ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
+        holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
+        holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
+        # A new conversation on a shared prefix: some replica holds part, none its history; or it branches off
+        # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
+        # may have routed its earlier turns).
+        branches = self.sessions.branches
+        opens = 0 < holder_share < 0.5 or (depth[holder] <= known and branches.opens(req.block_hashes, known))
+        if not opens:
+            ranked = self._keep_holder(ranked, holder, costs)
+            if self.wait_cap and 0 < depth[holder] <= known and branches.shared(req.block_hashes[depth[holder] - 1]):
+                ranked = self._cap_wait(ranked, own_s)
+        capped: set[str] = set()
+        if opens and self.session_balance:
+            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
+        best_hit, chosen_hit = max(depth.values(), default=0), depth[ranked[0]]
+        reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
+        if reason == "hit" and hits.get(ranked[0], 0) < chosen_hit:
+            reason = "host_hit"  # served in part from its host tier
+        tied = self._ties(ranked, capped, depth, costs, own_prefill_s, replicas)
+        home = self.sessions.home(req.session_id)
+        if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
+            ranked, tied, reason, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, "session", ""
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
+
+    def _merged_hits(
+        self, req: RouteRequest, ids: list[str], hits: dict[str, int] | None
+    ) -> tuple[dict[str, int], int]:
+        """Leading blocks each replica holds, by the index and by this router's recent decisions, and how
+        many of the request's blocks this router knows it routed. Without the index (``hits`` None), memory
+        alone answers."""
         if hits is None:
-            hits, known = self._recent.match(req.block_hashes, ids)
-            reason_prefix = "index_unavailable_"
-        else:
-            # What we just routed may not have reached the index yet: recent decisions extend its answer,
-            # never contradict it. A candidate it has no answer for (no live heartbeat: its publisher
-            # stalled or lost Redis for a moment) is answered from memory, as when the whole index is down.
-            unknown = [rid for rid in ids if rid not in hits]
-            remembered = self._recent.match(req.block_hashes, unknown)[0] if unknown else {}
-            predicted, known = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
-            if self.predict_ttl_s <= 0:
-                predicted = dict.fromkeys(ids, 0)
-            indexed = max((hits.get(rid, 0) for rid in ids), default=0)
-            hits = {
-                rid: remembered[rid]
-                if rid in remembered
-                else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
-                for rid in ids
-            }
+            return self._recent.match(req.block_hashes, ids)
+        # What we just routed may not have reached the index yet: recent decisions extend its answer, never
+        # contradict it. A candidate it has no answer for (no live heartbeat: its publisher stalled or lost
+        # Redis for a moment) is answered from memory, as when the whole index is down.
+        unknown = [rid for rid in ids if rid not in hits]
+        remembered = self._recent.match(req.block_hashes, unknown)[0] if unknown else {}
+        predicted, known = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
+        if self.predict_ttl_s <= 0:
+            predicted = dict.fromkeys(ids, 0)
+        indexed = max((hits.get(rid, 0) for rid in ids), default=0)
+        merged = {
+            rid: remembered[rid]
+            if rid in remembered
+            else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
+            for rid in ids
+        }
+        return merged, known
+
+    def _price(
+        self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], depth: dict[str, int]
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
+        (load from the host tier included) and its own wait (queue, KV room, prefill)."""
         costs, own_prefill_s, own_s = {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         median_rate = sorted(rates.values())[len(rates) // 2]
@@ -258,69 +300,64 @@ class KVAwarePolicy:
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
         pressure = self._pressure(replicas)
-        depth = self._depths(req, replicas, hits, host_hits)
+        most = max(req.num_tokens - 1, 0)  # the last token is always computed
         for r in replicas:
-            most = max(req.num_tokens - 1, 0)  # the last token is always computed
-            cached = min(hits.get(r.index_id, 0) * req.block_size, most)
-            hosted = min(depth[r.index_id] * req.block_size, most) - cached
+            rid = r.index_id
+            cached = min(hits.get(rid, 0) * req.block_size, most)
+            hosted = min(depth[rid] * req.block_size, most) - cached
             uncached = req.num_tokens - cached - hosted
             fill = min(max(r.cache_fill, 0.0), 1.0)
             load_s = hosted / r.host_load_tok_s if hosted else 0.0
-            own_prefill_s[r.index_id] = uncached / rates[r.index_id] + load_s
-            prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[r.index_id]
+            own_prefill_s[rid] = uncached / rates[rid] + load_s
+            prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[rid]
             evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
             if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
-                evictions *= rates[r.index_id] / r.host_load_tok_s
+                evictions *= rates[rid] / r.host_load_tok_s
             churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
             prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
-            costs[r.index_id] = queues[r.index_id] + kv_wait + prefill_s + decode_s
-            own_s[r.index_id] = queues[r.index_id] + kv_wait + own_prefill_s[r.index_id]
-        jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
-        ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
-        holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
-        holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
-        # A new conversation on a shared prefix: some replica holds part, none its history; or it branches off
-        # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
-        # may have routed its earlier turns).
-        branches = self.sessions.branches
-        opens = 0 < holder_share < 0.5 or (depth[holder] <= known and branches.opens(req.block_hashes, known))
-        if not opens and holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
-            ranked = [holder, *(rid for rid in ranked if rid != holder)]  # hysteresis: no churn on noise
-        if (
-            self.wait_cap
-            and not opens
-            and 0 < depth[holder] <= known
-            and branches.shared(req.block_hashes[depth[holder] - 1])
-        ):
-            # A one-off request on a shared prefix waits for its own sake at most wait_cap x the best own wait
-            # on offer: under a burst the prefix is copied to a second replica instead of queueing behind it.
-            limit = self.wait_cap * min(own_s.values()) + 1e-9
-            ranked = [rid for rid in ranked if own_s[rid] <= limit] + [rid for rid in ranked if own_s[rid] > limit]
-        capped: set[str] = set()
-        if opens and self.session_balance:
-            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
-        best_hit = max(depth.values(), default=0)
-        chosen_hit = depth[ranked[0]]
-        reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
-        if reason == "hit" and hits.get(ranked[0], 0) < chosen_hit:
-            reason = "host_hit"  # served in part from its host tier
+            costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
+            own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
+        return costs, own_prefill_s, own_s
+
+    def _keep_holder(self, ranked: list[str], holder: str, costs: dict[str, float]) -> list[str]:
+        """The replica holding the most keeps the request unless another is clearly cheaper (hysteresis: no
+        churn on noise)."""
+        if holder != ranked[0] and costs[holder] - costs[ranked[0]] <= self.override_margin_s:
+            return [holder, *(rid for rid in ranked if rid != holder)]
+        return ranked
+
+    def _cap_wait(self, ranked: list[str], own_s: dict[str, float]) -> list[str]:
+        """A one-off request on a shared prefix waits for its own sake at most ``wait_cap`` x the best own
+        wait on offer: under a burst the prefix is copied to a second replica instead of queueing behind it."""
+        limit = self.wait_cap * min(own_s.values()) + 1e-9
+        return [rid for rid in ranked if own_s[rid] <= limit] + [rid for rid in ranked if own_s[rid] > limit]
+
+    def _ties(
+        self,
+        ranked: list[str],
+        capped: set[str],
+        depth: dict[str, int],
+        costs: dict[str, float],
+        own_prefill_s: dict[str, float],
+        replicas: list[ReplicaLoad],
+    ) -> int:
+        """How many leading replicas are near-ties (same hit, cost within ``tie_margin`` x the first's own
+        prefill), handed to Ray as one group to choose by live queue length."""
         tied = 1
-        if self.tie_margin and ranked[0] not in capped:
-            limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
-            # Requests this router sent that no probe can see yet (not arrived): never tie across them, or a
-            # burst of concurrent decisions would all probe zeros and pile onto one replica.
-            own = {r.index_id: r.inflight_requests for r in replicas}
-            for rid in ranked[1:]:
-                if rid in capped or depth[rid] != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
-                    break
-                tied += 1
-        home = self.sessions.home(req.session_id)
-        if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
-            ranked, tied, reason = [home, *(rid for rid in ranked if rid != home)], 1, "session"
-            reason_prefix = ""
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
+        if not self.tie_margin or ranked[0] in capped:
+            return tied
+        limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
+        # Requests this router sent that no probe can see yet (not arrived): never tie across them, or a
+        # burst of concurrent decisions would all probe zeros and pile onto one replica.
+        own = {r.index_id: r.inflight_requests for r in replicas}
+        chosen_hit = depth[ranked[0]]
+        for rid in ranked[1:]:
+            if rid in capped or depth[rid] != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:
+                break
+            tied += 1
+        return tied
 
     @staticmethod
     def _pressure(replicas: list[ReplicaLoad]) -> float:
