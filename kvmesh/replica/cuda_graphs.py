@@ -14,17 +14,15 @@ suite checks the padding and the bucket choice, which are the parts that are not
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvmesh.kernels import AttentionMetadata
+from kvmesh.kernels import AttentionMetadata, Kernels
 from kvmesh.kernels.metadata import decode_splits
-from kvmesh.replica.context import ForwardContext, forward_context
-
-if TYPE_CHECKING:
-    from kvmesh.replica.model_runner import ModelRunner, PreparedStep
+from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
+from kvmesh.replica.llama import LlamaForCausalLM
+from kvmesh.replica.step_inputs import PreparedStep
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -34,11 +32,21 @@ def default_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, sizes: list[int], max_blocks: int, capture: bool = True) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[LayerCache],
+        kernels: Kernels,
+        device: torch.device,
+        sizes: list[int],
+        max_blocks: int,
+        block_size: int,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.kv_caches, self.kernels, self.device = model, kv_caches, kernels, device
         self.sizes = sorted(set(sizes))
-        n, dev = self.sizes[-1], runner.device
-        self.max_seq_len = max_blocks * runner.block_size
+        n, dev = self.sizes[-1], device
+        self.max_seq_len = max_blocks * block_size
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -54,7 +62,7 @@ class DecodeGraphs:
             self._capture()
 
     def _forward(self, size: int) -> torch.Tensor:
-        kv_heads = self.runner.model.layers[0].self_attn.num_kv_heads
+        kv_heads = self.model.layers[0].self_attn.num_kv_heads
         meta = AttentionMetadata(
             slot_mapping=self.slots[:size],
             query_start_loc=self.query_start[: size + 1],
@@ -62,22 +70,22 @@ class DecodeGraphs:
             block_tables=self.tables[:size],
             query_lens_cpu=np.ones(size, dtype=np.int64),
             seq_lens_cpu=np.full(size, self.max_seq_len),
-            decode_splits=decode_splits(size, kv_heads, self.max_seq_len, self.runner.device),
+            decode_splits=decode_splits(size, kv_heads, self.max_seq_len, self.device),
         )
-        with torch.inference_mode(), forward_context(ForwardContext(meta, self.runner.kv_caches, self.runner.kernels)):
-            return self.runner.model(self.ids[:size], self.positions[:size], self.rows[:size])
+        with torch.inference_mode(), forward_context(ForwardContext(meta, self.kv_caches, self.kernels)):
+            return self.model(self.ids[:size], self.positions[:size], self.rows[:size])
 
     def _capture(self) -> None:
         """Largest bucket first, all in one memory pool: smaller graphs reuse what larger ones allocated."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self._forward(size)  # outside the capture: Triton compiles and autotunes on first launch
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self._forward(size)
             self.graphs[size] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket that holds ``n`` sequences, or None (run eagerly)."""

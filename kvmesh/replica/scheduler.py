@@ -31,11 +31,6 @@ class ScheduledRequest:
     start: int = 0
     """``num_computed_tokens`` before this step (set at launch): where a failed step rolls back to."""
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so the step yields a new token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
 
 class Scheduler:
     def __init__(

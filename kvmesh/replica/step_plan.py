@@ -13,11 +13,11 @@ import torch
 
 from kvmesh.replica.device_queue import StepHandle
 from kvmesh.replica.logit_bias import LogitBias
-from kvmesh.replica.model_runner import PreparedStep
 from kvmesh.replica.penalties import StepPenalties
 from kvmesh.replica.request import Request
 from kvmesh.replica.sampler import SamplingTensors
 from kvmesh.replica.scheduler import ScheduledRequest
+from kvmesh.replica.step_inputs import PreparedStep
 from kvmesh.replica.structured import GrammarRows
 from kvmesh.replica.swap import SwapCopies
 
