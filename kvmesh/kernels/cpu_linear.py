@@ -1,9 +1,8 @@
 """Linear layers with weights prepacked for oneDNN, for models served on the CPU.
 
 ``torch.nn.functional.linear`` on the CPU repacks its weight into the GEMM's blocked layout on every call;
-for a serving engine, whose weights never change, that is work thrown away on every step (on SmolLM2's
-shapes oneDNN on a prepacked weight was 1.2-1.9x faster from 16 to 1,024 rows on a 2-core AMD EPYC, 1.04-2.1x
-at 16-64 rows and about level from 256 on a 2-core Xeon: ``benchmarks/cpu_linear.py``).
+for a serving engine, whose weights never change, that is work thrown away on every step (measured by
+``python -m benchmarks.cpu_linear``; figures in ``benchmarks/results/README.md``).
 ``pack_linears`` replaces each ``nn.Linear`` of a model on the CPU with a ``PackedLinear`` holding its
 weight in oneDNN's layout (the dense weight is dropped unless something else, such as a tied embedding,
 still holds it) and, in float32, a second copy in 32-column panels for ``linear_panels``
@@ -19,8 +18,8 @@ first calls for each weight shape and size of batch (rows, by powers of two) and
   threads, SmolLM2's 1,536 -> 576 projection at 512 rows ran no faster than with one).
 - ``panels`` (float32): a decode step reads every weight once, more than stays in the caches between steps,
   and oneDNN's GEMM does not hide that stream behind its arithmetic; the panel kernel prefetches the next
-  panel while one computes (SmolLM2's float32 decode-step linears 1.05-1.24x faster on 4-128 rows:
-  ``python -m benchmarks.cpu_linear --decode-step``). oneDNN stays faster on prefill-sized batches.
+  panel while one computes (faster on decode-sized batches: ``python -m benchmarks.cpu_linear
+  --decode-step``). oneDNN stays faster on prefill-sized batches.
 
 The ways can differ in the last bits of a result, like any change of GEMM blocking.
 
@@ -79,8 +78,7 @@ MIN_ROWS = 16
 """Rows each thread takes at least in the rows-shared way (an AMX tile's height)."""
 PANEL_MAX_ROWS = 128
 """The most rows the panel kernel is offered for: from 256 rows oneDNN is faster even on weights streamed from
-memory (SmolLM2's float32 decode-step linears: panels 1.10-1.24x at 16-64 rows, 1.06x at 128, 0.92x at 256),
-so timing it there could only mislead the choice."""
+memory (``benchmarks/results/README.md``), so timing it there could only mislead the choice."""
 
 
 class PackedLinear(nn.Module):

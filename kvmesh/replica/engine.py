@@ -495,8 +495,8 @@ class LLMEngine(StepRecovery):
         Routers turn queues into seconds with the replica's measured prefill rate and weigh a decode batch by
         its marginal cost per sequence, which a replica can only measure from steps of different sizes;
         without this, a fresh replica would report nothing until traffic happened to vary its batch, and
-        routers would guess. The first prefill builds kernels and runs slower than serving will (the tiny test
-        model: 56k against 100k tokens/s), so the rate reported comes from a second one. It also warms the
+        routers would guess. The first prefill builds kernels and runs slower than serving will, so the rate
+        reported comes from a second one. It also warms the
         kernels, so the first user does not pay for it. Leaves no trace: blocks, cache and counters are reset.
         """
         n = max(2, min(batch, self.scheduler.max_num_seqs))
