@@ -46,9 +46,9 @@ from kvmesh.router.baselines import POLICIES, make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
 from kvmesh.router.prefix_lru import PrefixLRU
 from kvmesh.router.sessions import SESSION_DECAY_S, DecayingCounts
+from kvmesh.shared.defaults import PREDICT_TTL_S
 
 BLOCK_TOKENS = 16
-PREDICT_TTL_S = 2.0
 """How long a routing decision stands as a prediction, in trace seconds: the serve router's default."""
 WINDOW_SHARE = 0.1
 """A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.router.sessions import decayed
+from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_S
 from kvmesh.shared.messages import BUSY_WINDOW_S, LoadReport
 
 
@@ -171,9 +172,9 @@ class StepRates:
     """
 
     def __init__(self, alpha: float = 0.2, decode_alpha: float = 0.05) -> None:
-        self.prefill_tok_s = 2000.0
-        self.step_s = 0.02
-        self.mean_output_tokens = 128.0
+        self.prefill_tok_s = DEFAULT_PREFILL_TOK_S
+        self.step_s = DEFAULT_STEP_S
+        self.mean_output_tokens = DEFAULT_MEAN_OUTPUT_TOKENS
         self.alpha = alpha
         self.decode_alpha = decode_alpha
         self.prefill_measured = False

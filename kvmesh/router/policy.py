@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmesh.router.sessions import SESSION_DECAY_S, SessionCounts
+from kvmesh.shared.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
 from kvmesh.shared.hashing import BlockHash
 from kvmesh.shared.messages import LoadReport
 
-DEFAULT_PREFILL_TOK_S = 2000.0
 """Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
 DEFAULT_DECODE_S_PER_SEQ = 0.0005
 """Per running sequence, seconds it adds to every engine step, when not reported."""
@@ -35,7 +35,7 @@ move (its queues are priced already)."""
 class RouteRequest:
     block_hashes: list[BlockHash]
     num_tokens: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     session_id: str | None = None
 
 
@@ -182,7 +182,7 @@ class KVAwarePolicy:
         miss_weight: float = 16.0,
         decode_weight: float = 0.0,
         override_margin_s: float = 0.005,
-        predict_ttl_s: float = 2.0,
+        predict_ttl_s: float = PREDICT_TTL_S,
         memory_size: int = 65536,
         session_balance: float = 1.25,
         session_decay_s: float = SESSION_DECAY_S,

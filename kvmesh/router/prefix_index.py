@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from kvmesh.router.index_schema import block_key, chain_arg, index_prefix, script_source
 from kvmesh.router.sessions import SESSION_DECAY_S, decayed
+from kvmesh.shared.defaults import PREDICT_TTL_S
 from kvmesh.shared.hashing import BlockHash
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,9 @@ class PrefixIndex:
             return False
         return True
 
-    async def predict(self, block_hashes: list[BlockHash], replica_id: str, ttl_ms: int = 2000) -> None:
+    async def predict(
+        self, block_hashes: list[BlockHash], replica_id: str, ttl_ms: int = int(PREDICT_TTL_S * 1000)
+    ) -> None:
         """Record that ``replica_id`` will hold these blocks (written right after routing, short TTL).
 
         Keys sit at the depths the lookup script checks (1, 2, 4, ..., the end) so siblings routed by any

@@ -27,9 +27,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 import kvmesh.router.metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.index_schema import index_redis_url
-from kvmesh.router.policy import DEFAULT_PREFILL_TOK_S, Decision, ReplicaLoad, RouteRequest
+from kvmesh.router.policy import Decision, ReplicaLoad, RouteRequest
 from kvmesh.router.prefix_index import IndexAnswer, PrefixIndex
 from kvmesh.router.sessions import SESSION_DECAY_S
+from kvmesh.shared.defaults import DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
 from kvmesh.shared.messages import GenerateCall, LoadReport
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class KVAwareRequestRouter(RequestRouter):
         lookup_timeout_s: float = 0.02,
         max_tracked: int = MAX_TRACKED,
         report_period_s: float = 1.0,
-        predict_ttl_s: float = 2.0,
+        predict_ttl_s: float = PREDICT_TTL_S,
     ) -> None:
         self.policy = make_policy(policy, **(policy_kwargs or {}))
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.shared.defaults import DEFAULT_BLOCK_SIZE
 from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES
 from kvmesh.shared.model_files import DEFAULT_MODEL
 
@@ -21,7 +22,7 @@ GPU_KV_FRACTION = 0.85
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     """Exact pool size; ``None`` sizes it from ``kv_cache_bytes`` (or the free GPU memory)."""
     kv_cache_bytes: int | None = None
