@@ -67,7 +67,7 @@ def populate(url: str, deployment: str, replicas: int, entries: int, chains: lis
     return {"publishers": pubs, "entries": total, "ingest_events_per_s": total / dt, "bytes_per_entry": mem / total}
 
 
-async def measure_lookups(url, deployment, ids, chains, n: int, inflight: int) -> dict:
+async def measure_lookups(url, deployment, ids, chains, n: int, concurrency: int) -> dict:
     index = PrefixIndex(url, deployment, MODEL, timeout_s=1.0)
     for chain in chains[:20]:  # warm up connection and script cache
         await index.lookup(chain, ids)
@@ -81,11 +81,11 @@ async def measure_lookups(url, deployment, ids, chains, n: int, inflight: int) -
     lat.sort()
 
     async def worker(k: int) -> None:
-        for i in range(k, n, inflight):
+        for i in range(k, n, concurrency):
             await index.lookup(chains[i % len(chains)], ids)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(k) for k in range(inflight)))
+    await asyncio.gather(*(worker(k) for k in range(concurrency)))
     rate = n / (time.perf_counter() - t0)
     await index.close()
     return {"p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[int(0.99 * len(lat))], "lookups_per_s": rate}

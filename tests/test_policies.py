@@ -59,7 +59,7 @@ def test_on_a_busy_fleet_a_miss_is_charged_the_delay_it_adds_for_others():
 def test_kv_aware_miss_goes_to_least_loaded_and_ranks_everyone():
     reps = replicas(3)
     reps[0].num_running = 20
-    reps[2].inflight_prefill_tokens = 3000
+    reps[2].routed_prefill_tokens = 3000
     d = KVAwarePolicy().rank(request(list(range(100))), reps, {"r0": 0, "r1": 0, "r2": 0})
     assert (d.reason == "miss" and d.ranked == ["r1", "r0", "r2"]) or d.ranked[0] == "r1"
     assert sorted(d.ranked) == ["r0", "r1", "r2"]
@@ -79,13 +79,13 @@ def route_hot_prefix(rounds_busy: int, n: int = 300) -> Counter:
     for i in range(n):
         for done in [b for b in busy if b[0] <= i]:
             busy.remove(done)
-            reps[done[1]].inflight_requests -= 1
+            reps[done[1]].routed_requests -= 1
         req = request(list(range(512)) + [100_000 + i] * 32)
         hits = {rid: (32 if rid in holders else 0) for rid in reps}
         rid = policy.rank(req, list(reps.values()), hits).ranked[0]
         chosen[rid] += 1
         holders.add(rid)
-        reps[rid].inflight_requests += 1
+        reps[rid].routed_requests += 1
         busy.append((i + rounds_busy, rid))
     return chosen
 

@@ -47,7 +47,7 @@ def pending(tokens, i, session=None):
     )
 
 
-def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
+def test_routes_to_the_holder_counts_reasons_and_tracks_what_it_routed(redis_server):
     tokens = list(range(640))
     pub = KVIndexPublisher(
         redis_server.url, "unit", "m", "u2", lambda: hash_blocks(tokens, 16, model_seed("m")), unique_name=True
@@ -61,9 +61,9 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_inflight(redis_server):
         ranked = await router.choose_replicas(reps, req)
         assert ranked[0][0].replica_id.unique_id == "u2" and req.routing_context.should_backoff
         assert router.decisions["hit"] == 1
-        assert router._load(reps[2]).inflight_requests == 1  # counted before Ray even sends it
+        assert router._load(reps[2]).routed_requests == 1  # counted before Ray even sends it
         router.on_request_completed(reps[2].replica_id, "q1")
-        assert router._load(reps[2]).inflight_requests == 0
+        assert router._load(reps[2]).routed_requests == 0
         miss = await router.choose_replicas(reps, pending([9] * 300, 2))
         # A miss on three idle-looking replicas: tied, one group, so Ray's live queue probe picks among them.
         assert router.decisions["miss"] == 1 and len(miss) == 1 and len(miss[0]) == 3
@@ -139,10 +139,10 @@ def test_a_newer_load_report_supersedes_routed_work():
         router.index = None
         ranked = await router.choose_replicas(reps, pending([3] * 64, 1))
         chosen = ranked[0][0]
-        assert router._load(chosen).inflight_requests == 1
+        assert router._load(chosen).routed_requests == 1
         chosen.routing_stats = {**chosen.routing_stats, "reported_at": time.time() + 1, "num_running": 1}
         load = router._load(chosen)  # the report now includes it: counted once, not twice
-        assert (load.inflight_requests, load.inflight_prefill_tokens, load.num_running) == (0, 0, 1)
+        assert (load.routed_requests, load.routed_prefill_tokens, load.num_running) == (0, 0, 1)
 
     asyncio.run(main())
 
@@ -162,8 +162,8 @@ def test_a_reported_queue_drains_at_the_reported_rate():
         assert router._load(fresh).pending_prefill_tokens > 1700
         await router.choose_replicas([fresh], pending([3] * 600, 1))
         load = router._load(fresh)
-        assert load.inflight_requests == 1 and load.inflight_prefill_tokens > 550  # behind the report's backlog
-        assert (load.pending_prefill_tokens + load.inflight_prefill_tokens) / 12000 > 0.19
+        assert load.routed_requests == 1 and load.routed_prefill_tokens > 550  # behind the report's backlog
+        assert (load.pending_prefill_tokens + load.routed_prefill_tokens) / 12000 > 0.19
 
     asyncio.run(main())
 
@@ -189,9 +189,9 @@ def test_routed_work_drains_on_a_replica_that_has_not_reported_yet():
         router = make_router(None, policy="kv_aware")
         router.index = None
         await router.choose_replicas([fresh], pending([3] * 600, 1))
-        assert router._load(fresh).inflight_prefill_tokens > 550
+        assert router._load(fresh).routed_prefill_tokens > 550
         await asyncio.sleep(0.3)
-        assert router._load(fresh).inflight_prefill_tokens < 350
+        assert router._load(fresh).routed_prefill_tokens < 350
 
     asyncio.run(main())
 
@@ -232,7 +232,7 @@ def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
         router = make_router(None, max_tracked=50)
         for i in range(200):  # decided, then cancelled: Ray never calls on_request_routed / _completed
             await router.choose_replicas(reps, pending([i % 7] * 40, i))
-        assert len(router._planned) <= 50 and len(router._inflight) <= 50
+        assert len(router._planned) <= 50 and len(router._routed) <= 50
         next(iter(router._planned.values())).at = time.monotonic() - 1e6  # a decision long ago
         await router.choose_replicas(reps, pending([1] * 40, 999))
         assert all(p.at > time.monotonic() - serve_router.PLANNED_TTL_S for p in router._planned.values())

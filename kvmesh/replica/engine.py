@@ -116,7 +116,7 @@ class LLMEngine(StepRecovery):
         self.async_scheduling = config.async_scheduling
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
         self.device_step = DeviceStep(self.runner, self.swap, self.penalties)
-        self._inflight: LaunchedStep | None = None
+        self._launched_step: LaunchedStep | None = None
         self._last_collect = self._last_launched = 0.0
         """When the last step was collected, and when the last inline step finished its launch (step timing)."""
         log.info(
@@ -256,7 +256,7 @@ class LLMEngine(StepRecovery):
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._inflight is not None
+        return self.scheduler.has_unfinished or self._launched_step is not None
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -279,7 +279,7 @@ class LLMEngine(StepRecovery):
             outputs = self.drain() + self._run_alone(failed.batch)
         else:
             if self.async_scheduling:
-                launched, self._inflight = self._inflight, launched
+                launched, self._launched_step = self._launched_step, launched
             outputs = self._collect(launched) if launched is not None else []
         self._flush_events()
         return outputs
@@ -322,7 +322,7 @@ class LLMEngine(StepRecovery):
             # end of the previous launch while that step is in flight (the pipeline's period, host work
             # included), else from the start of this one.
             done = time.perf_counter()
-            launched.ran_s = done - (self._last_launched if self._inflight is not None else began)
+            launched.ran_s = done - (self._last_launched if self._launched_step is not None else began)
             self._last_launched = done
         return launched
 
@@ -453,7 +453,7 @@ class LLMEngine(StepRecovery):
 
     def drain(self) -> list[RequestOutput]:
         """Collect the step in flight, if any (its outputs); the engine then holds no pending token."""
-        previous, self._inflight = self._inflight, None
+        previous, self._launched_step = self._launched_step, None
         outputs = self._collect(previous) if previous is not None else []
         self._flush_events()
         return outputs

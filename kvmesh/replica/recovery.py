@@ -27,7 +27,7 @@ class StepRecovery:
         """A step failed on the device: undo it and the step launched on top of it, then run its requests
         one at a time."""
         log.warning("a step of %d requests failed (%r); running them one at a time", len(launched.batch), exc)
-        later, self._inflight = self._inflight, None
+        later, self._launched_step = self._launched_step, None
         if later is not None and later is not launched:
             with contextlib.suppress(Exception):
                 later.handle.result()

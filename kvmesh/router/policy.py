@@ -51,9 +51,9 @@ class ReplicaLoad(LoadReport):
     module defaults.
     """
 
-    inflight_requests: int = 0
+    routed_requests: int = 0
     """Routed by this router since the replica's last report."""
-    inflight_prefill_tokens: int = 0
+    routed_prefill_tokens: int = 0
     report_age_s: float = 0.0
     """Seconds since the report was taken: the sequences it counted running have decoded since."""
 
@@ -67,7 +67,7 @@ class ReplicaLoad(LoadReport):
         """Seconds before a new request's first token could start: queued prefill, slowed by every running
         sequence, plus the wait for a free batch slot once the replica already holds ``max_num_seqs``."""
         prefill_rate = self.prefill_tok_s or DEFAULT_PREFILL_TOK_S
-        prefill = (self.pending_prefill_tokens + self.inflight_prefill_tokens) / max(prefill_rate, 1e-6)
+        prefill = (self.pending_prefill_tokens + self.routed_prefill_tokens) / max(prefill_rate, 1e-6)
         running = min(self.load, self.max_num_seqs)
         excess = max(0, self.load + 1 - self.max_num_seqs)
         slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
@@ -85,7 +85,7 @@ class ReplicaLoad(LoadReport):
         """
         if self.kv_free_blocks is None or not self.kv_total_blocks:
             return 0.0
-        free = self.kv_free_blocks - self.inflight_prefill_tokens / block_size  # routed since the report
+        free = self.kv_free_blocks - self.routed_prefill_tokens / block_size  # routed since the report
         shortfall = -(-tokens // block_size) - free
         if shortfall <= 0:
             return 0.0
@@ -94,7 +94,7 @@ class ReplicaLoad(LoadReport):
 
     @property
     def load(self) -> int:
-        return self.num_running + self.num_waiting + self.inflight_requests
+        return self.num_running + self.num_waiting + self.routed_requests
 
 
 @dataclass
@@ -351,7 +351,7 @@ class KVAwarePolicy:
         limit = costs[ranked[0]] + self.tie_margin * own_prefill_s[ranked[0]] + 1e-9
         # Requests this router sent that no probe can see yet (not arrived): never tie across them, or a
         # burst of concurrent decisions would all probe zeros and pile onto one replica.
-        own = {r.index_id: r.inflight_requests for r in replicas}
+        own = {r.index_id: r.routed_requests for r in replicas}
         chosen_hit = depth[ranked[0]]
         for rid in ranked[1:]:
             if rid in capped or depth[rid] != chosen_hit or costs[rid] > limit or own[rid] != own[ranked[0]]:

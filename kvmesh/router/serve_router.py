@@ -94,7 +94,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.report_period_s = report_period_s
         self.predict_ttl_ms = int(predict_ttl_s * 1000)
         self._tasks: set[asyncio.Task] = set()
-        self._inflight: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._routed: OrderedDict[str, ReplicaID] = OrderedDict()
         self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
         """Per replica, what this router sent it (by request): when, and how many tokens to prefill."""
         self._max_tracked = max_tracked
@@ -137,7 +137,7 @@ class KVAwareRequestRouter(RequestRouter):
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         report = LoadReport.from_dict(replica.routing_stats)
         load = ReplicaLoad.from_report(report) if report is not None else ReplicaLoad(replica.replica_id.unique_id)
-        load.inflight_requests, load.pending_prefill_tokens, load.inflight_prefill_tokens = self._queued(
+        load.routed_requests, load.pending_prefill_tokens, load.routed_prefill_tokens = self._queued(
             replica.replica_id,
             report.reported_at if report is not None else 0.0,
             load.pending_prefill_tokens,
@@ -206,14 +206,14 @@ class KVAwareRequestRouter(RequestRouter):
         return True
 
     def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
-        previous = self._inflight.get(rid)  # re-tracked when Ray fell back to a later choice
+        previous = self._routed.get(rid)  # re-tracked when Ray fell back to a later choice
         if previous is not None:
             self._recent_routes.get(previous, {}).pop(rid, None)
         prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
         self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
-        self._inflight[rid] = replica_id
-        if len(self._inflight) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
-            self._inflight.popitem(last=False)
+        self._routed[rid] = replica_id
+        if len(self._routed) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
+            self._routed.popitem(last=False)
 
     def _plan(self, rid: str, planned: _Planned) -> None:
         self._planned[rid] = planned
@@ -230,7 +230,7 @@ class KVAwareRequestRouter(RequestRouter):
             return
         req, hits = planned.request, planned.hits
         index_id = planned.index_ids[replica_id]
-        if self._inflight.get(rid) != replica_id:  # Ray fell back to a later choice
+        if self._routed.get(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, hits, index_id)
         self.policy.on_routed(req, index_id, planned.decision)
         if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
@@ -250,7 +250,7 @@ class KVAwareRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
-        routed_to = self._inflight.pop(internal_request_id, None)
+        routed_to = self._routed.pop(internal_request_id, None)
         if routed_to is not None:
             self._recent_routes.get(routed_to, {}).pop(internal_request_id, None)
 
