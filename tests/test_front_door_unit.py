@@ -4,6 +4,7 @@ and the ingress's promises (no torch; hashes the replica accepts only when they 
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 from kvmesh.cluster.config import ClusterConfig, build_config
 from kvmesh.cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.status import render_status
-from kvmesh.shared.messages import GenerateCall
+from kvmesh.shared.errors import InvalidRequest
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, TokenLogprob, Usage
+from kvmesh.shared.sampling_params import SamplingParams
 
 
 def test_chat_request_translates_to_sampling_params():
@@ -112,11 +115,14 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
 
     from kvmesh.cluster.generation import gather
     from kvmesh.cluster.openai_protocol import ResponseShape, usage_dict
-    from kvmesh.shared.messages import GenerateChunk, Usage
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
     chat = ResponseShape(chat=True, model="m", n=3)
-    whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage_dict(Usage(5, 9, 0)))
+    whole = chat.whole(
+        ["a", "b", "c"],
+        ["stop", "length", "stop"],
+        usage_dict(Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=0)),
+    )
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
         (0, "a", "stop"),
         (1, "b", "length"),
@@ -129,13 +135,24 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
         "finish_reason": None,
         "logprobs": None,
     }
-    text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage_dict(Usage(1, 2, 0)))
+    text = ResponseShape(chat=False, model="m", n=2).whole(
+        ["p", "q"], ["stop", "stop"], usage_dict(Usage(prompt_tokens=1, completion_tokens=2, cached_tokens=0))
+    )
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
 
     async def chunks():
         pieces = [(1, "b", None), (0, "a", None), (1, "B", "stop"), (0, "A", "length")]
         for i, (index, piece, reason) in enumerate(pieces):
-            yield GenerateChunk(index, piece, [7], reason, 0, "r", Usage(1, 4, 0) if i == 3 else None)
+            usage = Usage(prompt_tokens=1, completion_tokens=4, cached_tokens=0) if i == 3 else None
+            yield GenerateChunk(
+                index=index,
+                text=piece,
+                token_ids=[7],
+                finish_reason=reason,
+                num_cached_tokens=0,
+                replica="r",
+                usage=usage,
+            )
 
     texts, reasons, last, logprobs = asyncio.run(gather(2, chunks()))
     assert (texts, reasons, last.text, logprobs) == (["aA", "bB"], ["length", "stop"], "A", [None, None])
@@ -147,7 +164,13 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     from kvmesh.cluster.engine_deployment import EngineReplica
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
-    call = GenerateCall("r", list(range(100, 137)), [], 16, {"max_tokens": 4, "temperature": 0, "n": 3})
+    call = GenerateCall(
+        request_id="r",
+        prompt_token_ids=list(range(100, 137)),
+        block_hashes=[],
+        block_size=16,
+        params=SamplingParams(max_tokens=4, temperature=0, n=3),
+    )
 
     async def collect():
         return [chunk async for chunk in server.generate(call)]
@@ -160,6 +183,33 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (37, 12)
     server.engine.check_integrity()
     assert server.engine.pool.num_used == 0
+
+    # The replica checks a call's parameters again: a handle user may have changed them after building them.
+    call.params.top_p = 5.0
+    with pytest.raises(InvalidRequest) as err:
+        asyncio.run(collect())
+    assert err.value.param == "top_p"
+    assert not server.engine.has_unfinished
+
+
+def test_messages_cross_a_pickle_as_ray_sends_them():
+    params = SamplingParams(max_tokens=3, stop=["END"], logit_bias={5: -100.0})
+    call = GenerateCall(request_id="r", prompt_token_ids=[1, 2], block_hashes=[b"h" * 16], block_size=16, params=params)
+    chunk = GenerateChunk(
+        index=0,
+        text="x",
+        token_ids=[7],
+        finish_reason="stop",
+        num_cached_tokens=0,
+        replica="r0",
+        usage=Usage(prompt_tokens=2, completion_tokens=1, cached_tokens=0),
+        logprobs=[TokenLogprob(token_id=7, logprob=-0.5, top=[(7, -0.5)])],
+    )
+    for message in (call, chunk):
+        assert pickle.loads(pickle.dumps(message)) == message
+    assert isinstance(pickle.loads(pickle.dumps(call)).params, SamplingParams)
+    with pytest.raises(TypeError):
+        GenerateCall("r", [1, 2], [], 16)  # keyword-only: a positional build cannot shift a field
 
 
 def test_completion_prompt_forms():
@@ -315,7 +365,9 @@ def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
     seed = model_seed(str(tiny_llama_dir))
 
     def body(hashes, block_size=16, salt=None):
-        return GenerateCall("r", ids, hashes, block_size, cache_salt=salt)
+        return GenerateCall(
+            request_id="r", prompt_token_ids=ids, block_hashes=hashes, block_size=block_size, cache_salt=salt
+        )
 
     good = hash_blocks(ids, 16, seed, first_block_extra("tenant-a"))
     assert server._checked_hashes(body(good, salt="tenant-a")) == good
@@ -390,8 +442,6 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     import kvmesh.cluster.generation as generation_module
     from kvmesh.cluster.generation import Generation, ModelLimits, Prepared
     from kvmesh.cluster.openai_protocol import ResponseShape
-    from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
-    from kvmesh.shared.sampling_params import SamplingParams
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -405,7 +455,15 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
         async def __aiter__(self):
             if self.fail:
                 raise ActorUnavailableError("connection lost", None)
-            yield GenerateChunk(0, "x", [5], "length", 0, "r0", usage=Usage(3, 1, 0))
+            yield GenerateChunk(
+                index=0,
+                text="x",
+                token_ids=[5],
+                finish_reason="length",
+                num_cached_tokens=0,
+                replica="r0",
+                usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
+            )
 
     class Handle:
         def __init__(self) -> None:
@@ -423,8 +481,9 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     limits = ModelLimits({"m"}, "m", vocab_size=100, max_model_len=64, max_prompt_bytes=1000, max_n=4)
     generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits)
     shape = ResponseShape(chat=False, model="m")
-    call = GenerateCall(shape.id, [1, 2, 3], [], 16, {"max_tokens": 1})
-    prep = Prepared(call, SamplingParams(max_tokens=1), shape, "completions")
+    params = SamplingParams(max_tokens=1)
+    call = GenerateCall(request_id=shape.id, prompt_token_ids=[1, 2, 3], block_hashes=[], block_size=16, params=params)
+    prep = Prepared(call, params, shape, "completions")
 
     async def run():
         return [chunk async for chunk in generation.stream(prep)]

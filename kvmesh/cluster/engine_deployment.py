@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
-from kvmesh.replica import AsyncLLM, EngineConfig, SamplingParams
+from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.shared.hashing import first_block_extra, hash_block
@@ -64,7 +64,7 @@ class EngineReplica:
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
         sequences); the last one carries the request's ``Usage``."""
-        params = SamplingParams(**call.params)
+        params = dataclasses.replace(call.params)  # checked again (``__post_init__``): any handle user may call
         unfinished, completion_tokens = params.n, 0
         async for out in self.llm.generate(
             call.prompt_token_ids,
@@ -75,17 +75,23 @@ class EngineReplica:
         ):
             completion_tokens += len(out.delta_token_ids)
             unfinished -= out.finished
-            usage = None if unfinished else Usage(call.num_tokens, completion_tokens, out.num_cached_tokens)
+            usage = None
+            if not unfinished:
+                usage = Usage(
+                    prompt_tokens=call.num_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
             yield GenerateChunk(
-                out.index,
-                out.delta_text,
-                out.delta_token_ids,
-                out.finish_reason,
-                out.num_cached_tokens,
-                self.index_id,
-                usage,
-                out.logprobs,
-                out.prompt_logprobs,
+                index=out.index,
+                text=out.delta_text,
+                token_ids=out.delta_token_ids,
+                finish_reason=out.finish_reason,
+                num_cached_tokens=out.num_cached_tokens,
+                replica=self.index_id,
+                usage=usage,
+                logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             )
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:

@@ -242,7 +242,15 @@ class Generation:
         salt = self.cache_salt(tenant, cache_salt)
         hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
         shape = ResponseShape(messages is not None, lim.served_name, params.n, self.token_text)
-        call = GenerateCall(shape.id, ids, hashes, self.block_size, params.__dict__, session_id, salt)
+        call = GenerateCall(
+            request_id=shape.id,
+            prompt_token_ids=ids,
+            block_hashes=hashes,
+            block_size=self.block_size,
+            params=params,
+            session_id=session_id,
+            cache_salt=salt,
+        )
         return Prepared(call, params, shape, api)
 
     # ------------------------------------------------------------------ streaming

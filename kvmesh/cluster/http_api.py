@@ -102,7 +102,7 @@ async def _echoed(chunks: AsyncIterator[GenerateChunk], text: str, ids: list[int
                 started.add(chunk.index)
                 chunk.text = text + chunk.text
                 if chunk.logprobs is not None:
-                    prompt = [TokenLogprob(ids[0], None), *(chunk.prompt_logprobs or [])]
+                    prompt = [TokenLogprob(token_id=ids[0], logprob=None), *(chunk.prompt_logprobs or [])]
                     chunk.logprobs = prompt + chunk.logprobs
             yield chunk
     finally:

@@ -6,8 +6,13 @@
   its ``Usage``, which is how the stream's end is known.
 - ``LoadReport``: engine replica -> routers (Ray Serve's ``record_routing_stats``, which travels as a dict:
   ``as_dict`` / ``from_dict`` at that boundary only).
+- ``KVPressure``: engine replica -> the autoscaling policy on Ray's controller (``record_autoscaling_stats``,
+  a dict of numbers).
+- ``ReplicaStatus``: engine replica -> Redis (JSON beside its heartbeat) -> ingress (metrics, ``/status``)
+  -> ``kvmesh status`` (HTTP JSON).
 
-Torch-free: the ingress and the routers import it.
+Every message is keyword-only: fields are named where a message is built, so adding one cannot shift
+another. Torch-free: the ingress, the routers and the autoscaler import it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerateCall:
     request_id: str
     prompt_token_ids: list[int]
@@ -27,8 +33,8 @@ class GenerateCall:
     """The prompt's full blocks, hashed once by the ingress (``kvmesh/shared/hashing.py``); the replica checks
     that they are its own before using them."""
     block_size: int
-    params: dict[str, Any] = field(default_factory=dict)
-    """``SamplingParams`` fields (the replica builds, and so validates, the object)."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """Validated when built; the replica checks them again (a call may come from any handle user)."""
     session_id: str | None = None
     cache_salt: str | None = None
 
@@ -37,7 +43,7 @@ class GenerateCall:
         return len(self.prompt_token_ids)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Usage:
     prompt_tokens: int
     """Counted once, whatever ``n``."""
@@ -47,7 +53,7 @@ class Usage:
     """Prompt tokens served from the replica's prefix cache."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TokenLogprob:
     """A token's log-probability under the model (raw logits: before ``logit_bias``, temperature and every
     cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first. None for a
@@ -58,7 +64,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerateChunk:
     index: int
     """Which of the request's ``n`` sequences this continues."""
@@ -81,7 +87,7 @@ BUSY_WINDOW_S = 10.0
 """Time constant of a replica's moving average of how busy its prefill is (``LoadReport.prefill_busy``)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class LoadReport:
     """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time)."""
 
