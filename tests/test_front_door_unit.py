@@ -3,6 +3,7 @@ and the ingress's promises (no torch; hashes the replica accepts only when they 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -15,7 +16,7 @@ from kvmesh.cluster.config import ClusterConfig, build_config
 from kvmesh.cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.status import render_status
 from kvmesh.shared.errors import InvalidRequest
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, TokenLogprob, Usage
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, TokenLogprob, Usage
 from kvmesh.shared.sampling_params import SamplingParams
 
 
@@ -183,6 +184,15 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (37, 12)
     server.engine.check_integrity()
     assert server.engine.pool.num_used == 0
+    # What it reports beside the stream, typed at both ends: its status and its KV pressure.
+    status, stats = server.status(), dataclasses.asdict(server.engine.stats())
+    del stats["prefill_busy"]  # a moving average: it decays between the two reads
+    assert status.as_dict().items() >= stats.items() and stats["requests_admitted"] >= 1
+    assert (status.pid, status.num_running, status.num_blocks, status.error) == (os.getpid(), 0, 64, None)
+    pressure = KVPressure.from_dict(server.record_autoscaling_stats())
+    assert pressure == KVPressure(
+        kv_used_blocks=0, kv_waiting_blocks=0, kv_total_blocks=64, num_running=0, num_waiting=0, preemptions=0
+    )
 
     # The replica checks a call's parameters again: a handle user may have changed them after building them.
     call.params.top_p = 5.0

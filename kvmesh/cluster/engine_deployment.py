@@ -25,7 +25,7 @@ from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.shared.hashing import first_block_extra, hash_block
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, ReplicaStatus, Usage
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +112,25 @@ class EngineReplica:
             return None
         return hashes
 
-    def status(self) -> dict:
-        """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
-        return {**dataclasses.asdict(self.engine.stats()), "pid": os.getpid()}
+    def status(self) -> ReplicaStatus:
+        """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
+        return ReplicaStatus(**dataclasses.asdict(self.engine.stats()), pid=os.getpid())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """KV pressure for the autoscaler (``kvmesh/cluster/autoscaling.py``); preemptions since the last report."""
-        report = self.engine.snapshot().kv_pressure()
-        total = report.pop("num_preemptions")
-        report["preemptions"] = total - self._preemptions_seen
+        """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
+        preemptions since the last report."""
+        kv = self.engine.snapshot().kv_pressure()
+        total = kv["num_preemptions"]
+        pressure = KVPressure(
+            kv_used_blocks=kv["kv_used_blocks"],
+            kv_waiting_blocks=kv["kv_waiting_blocks"],
+            kv_total_blocks=kv["kv_total_blocks"],
+            num_running=kv["num_running"],
+            num_waiting=kv["num_waiting"],
+            preemptions=total - self._preemptions_seen,
+        )
         self._preemptions_seen = total
-        return report
+        return pressure.as_dict()
 
     def record_routing_stats(self) -> dict:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""

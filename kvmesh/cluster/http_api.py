@@ -36,7 +36,7 @@ from kvmesh.cluster.openai_protocol import (
 from kvmesh.cluster.tool_calls import ToolReplies, check_tools
 from kvmesh.router.metrics import decision_counts
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.messages import GenerateChunk, TokenLogprob
+from kvmesh.shared.messages import GenerateChunk, ReplicaStatus, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class HttpApi:
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    async def _replica_reports(self) -> dict[str, dict]:
+    async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         if self.index is None:
             return {}
         try:
@@ -277,8 +277,8 @@ class HttpApi:
         return {
             "model": self.generation.limits.served_name,
             "policy": self.settings.policy,
-            "replicas": reports,
+            "replicas": {rid: report.as_dict() for rid, report in reports.items()},
             "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
-            "index": {"entries": sum(int(r.get("index_entries") or 0) for r in reports.values())},
+            "index": {"entries": sum(report.index_entries for report in reports.values())},
             "redis": redis_health,
         }

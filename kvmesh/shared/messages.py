@@ -128,3 +128,87 @@ class LoadReport:
             return None
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclass(slots=True, kw_only=True)
+class KVPressure:
+    """A replica's KV demand for the autoscaling policy (``kvmesh/cluster/autoscaling.py``), in blocks.
+
+    Sent through Ray's ``record_autoscaling_stats`` (a dict of numbers: ``as_dict``); Ray averages each field
+    per replica over its look-back window and hands the policy one dict per field (``per_replica``)."""
+
+    kv_used_blocks: float
+    """Blocks pinned by requests (evictable cached blocks are free capacity, not demand)."""
+    kv_waiting_blocks: float
+    """Blocks the waiting requests' prompts will need."""
+    kv_total_blocks: float
+    num_running: float
+    num_waiting: float
+    preemptions: float
+    """Preemptions since the replica's previous report."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, float]) -> KVPressure | None:
+        """The pressure a replica reported, or None if a field is missing (it reported something else)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if any(name not in values for name in names):
+            return None
+        return cls(**{name: values[name] for name in names})
+
+    @classmethod
+    def per_replica(cls, aggregated: dict[str, dict[Any, float]]) -> list[KVPressure]:
+        """Each replica's pressure from Ray's aggregated metrics (field -> replica -> value)."""
+        replicas = {replica for values in aggregated.values() for replica in values}
+        reports = (cls.from_dict({k: v[r] for k, v in aggregated.items() if r in v}) for r in replicas)
+        return [report for report in reports if report is not None]
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplicaStatus:
+    """A replica's state for metrics and ``kvmesh status``: its engine's counters (``EngineStats``,
+    ``kvmesh/replica/telemetry.py``), its process and what its publisher adds at each heartbeat.
+
+    Stored in Redis as JSON beside the heartbeat and served by the ingress's ``/status``: ``as_dict`` /
+    ``from_dict`` at those edges. Fields a report lacks (an older replica's) read as their defaults."""
+
+    kv_usage: float = 0.0
+    """Share of KV blocks pinned by requests."""
+    prefix_hit_rate: float = 0.0
+    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_swapped_out: int = 0
+    num_recomputed_tokens: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    requests_admitted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    cached_prompt_tokens_host: int = 0
+    """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
+    host_hit_rate: float = 0.0
+    host_cache_blocks: int = 0
+    """Host-tier capacity for evicted prefix blocks (0: no host prefix tier)."""
+    host_cached_blocks: int = 0
+    prefill_busy: float = 0.0
+    """Share of the last ``BUSY_WINDOW_S`` spent prefilling."""
+    pid: int | None = None
+    index_entries: int = 0
+    """Blocks the replica has published to the index (set by its publisher)."""
+    reported_at: float = 0.0
+    """Unix time of the heartbeat that stored it (set by its publisher)."""
+    error: str | None = None
+    """Why the replica could not read its engine's state; its counters are then unknown, not zero."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ReplicaStatus:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
