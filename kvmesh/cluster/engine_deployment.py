@@ -41,9 +41,9 @@ class EngineReplica:
         self.engine = self.llm.engine
         self.engine.warm_up()  # measured decode costs for routers from the first request on
         try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
-            name, unique = serve.get_replica_context().replica_id.unique_id, True
-        except RayServeException:  # outside Serve
-            name, unique = f"engine-{uuid.uuid4().hex[:8]}", True
+            name = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # outside Serve: unique per process too
+            name = f"engine-{uuid.uuid4().hex[:8]}"
         self.publisher = None
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         if redis_url:
@@ -53,7 +53,7 @@ class EngineReplica:
                 self.engine.model_id,
                 name,
                 self.engine.pool.cached_hashes,
-                unique_name=unique,
+                unique_name=True,
                 status=self.status,
                 host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
             ).start()
