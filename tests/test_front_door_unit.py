@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.config import ClusterConfig, build_config
-from kvmesh.cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.status import render_status
 from kvmesh.shared.errors import InvalidRequest
 from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, TokenLogprob, Usage
@@ -115,10 +116,10 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     import asyncio
 
     from kvmesh.cluster.generation import gather
-    from kvmesh.cluster.openai_protocol import ResponseShape, usage_dict
+    from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
-    chat = ResponseShape(chat=True, model="m", n=3)
+    chat = ResponseShape("chatcmpl-1", chat=True, model="m", n=3)
     whole = chat.whole(
         ["a", "b", "c"],
         ["stop", "length", "stop"],
@@ -136,7 +137,7 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
         "finish_reason": None,
         "logprobs": None,
     }
-    text = ResponseShape(chat=False, model="m", n=2).whole(
+    text = ResponseShape("cmpl-1", chat=False, model="m", n=2).whole(
         ["p", "q"], ["stop", "stop"], usage_dict(Usage(prompt_tokens=1, completion_tokens=2, cached_tokens=0))
     )
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
@@ -450,8 +451,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     from ray.exceptions import ActorUnavailableError
 
     import kvmesh.cluster.generation as generation_module
-    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared
-    from kvmesh.cluster.openai_protocol import ResponseShape
+    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared, new_request_id
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -490,10 +490,12 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     handle = Handle()
     limits = ModelLimits({"m"}, "m", vocab_size=100, max_model_len=64, max_prompt_bytes=1000, max_n=4)
     generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits)
-    shape = ResponseShape(chat=False, model="m")
+    request_id = new_request_id(chat=False)
     params = SamplingParams(max_tokens=1)
-    call = GenerateCall(request_id=shape.id, prompt_token_ids=[1, 2, 3], block_hashes=[], block_size=16, params=params)
-    prep = Prepared(call, params, shape, "completions")
+    call = GenerateCall(
+        request_id=request_id, prompt_token_ids=[1, 2, 3], block_hashes=[], block_size=16, params=params
+    )
+    prep = Prepared(call, params, chat=False, api="completions")
 
     async def run():
         return [chunk async for chunk in generation.stream(prep)]
@@ -503,7 +505,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     first, second = handle.attempts
     assert first.cancelled and not second.cancelled
     ids = [c.request_id for c in handle.calls]
-    assert len(set(ids)) == 2 and ids[0] == shape.id
+    assert len(set(ids)) == 2 and ids[0] == request_id
 
 
 def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -25,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import RETRY_AFTER_S
-from kvmesh.cluster.openai_protocol import APIError, ResponseShape
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.tool_calls import ToolRequest, template_messages, template_syntax
 from kvmesh.shared.errors import InvalidRequest, RequestFailed
 from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
@@ -46,13 +47,20 @@ TOKENIZE_INLINE_CHARS = 8192
 """Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
 
 
+def new_request_id(chat: bool) -> str:
+    """A new request's id: the engine's request id and the response's id, over HTTP and gRPC alike (with
+    OpenAI's prefixes, which its clients show)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 @dataclass
 class Prepared:
     """A validated request, tokenized and hashed, ready for the engine."""
 
     call: GenerateCall
     params: SamplingParams
-    shape: ResponseShape
+    chat: bool
+    """A chat (``messages``) rather than a text prompt."""
     api: str
     """``chat``, ``completions`` or ``grpc``: the label of its metrics."""
 
@@ -241,9 +249,8 @@ class Generation:
             )
         salt = self.cache_salt(tenant, cache_salt)
         hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
-        shape = ResponseShape(messages is not None, lim.served_name, params.n, self.token_text)
         call = GenerateCall(
-            request_id=shape.id,
+            request_id=new_request_id(chat=messages is not None),
             prompt_token_ids=ids,
             block_hashes=hashes,
             block_size=self.block_size,
@@ -251,7 +258,7 @@ class Generation:
             session_id=session_id,
             cache_salt=salt,
         )
-        return Prepared(call, params, shape, api)
+        return Prepared(call, params, messages is not None, api)
 
     # ------------------------------------------------------------------ streaming
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:

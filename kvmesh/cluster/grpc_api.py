@@ -17,8 +17,10 @@ import grpc
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import Admission
+from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.api_params import sampling_params
 from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_protocol import CHAT_ROLES, APIError, sampling_params
+from kvmesh.cluster.openai_requests import CHAT_ROLES
 from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.cluster.tool_calls import ToolReplies, ToolRequest, check_tools
 from kvmesh.shared.limits import MAX_MESSAGES
@@ -214,7 +216,7 @@ class GrpcApi:
             await _fail(grpc_context, exc)
         try:
             prep, tools = await self._prepare_grpc(request, tenant)
-            texts, reasons, last, logprobs = await gather(prep.shape.n, self.generation.stream(prep))
+            texts, reasons, last, logprobs = await gather(prep.params.n, self.generation.stream(prep))
         except APIError as exc:
             await _fail(grpc_context, exc)
         finally:
@@ -227,5 +229,5 @@ class GrpcApi:
             for i, (t, r, c, lp) in enumerate(zip(texts, reasons, calls, logprobs, strict=True))
         ]
         return kvmesh_pb2.Completion(
-            id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices
+            id=prep.call.request_id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices
         )

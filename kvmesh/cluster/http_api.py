@@ -23,16 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import TENANT_STATE, Admission, AdmissionMiddleware
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ResponseShape,
-    TokenizeRequest,
-    usage_dict,
-)
+from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
 from kvmesh.cluster.tool_calls import ToolReplies, check_tools
 from kvmesh.router.metrics import decision_counts
 from kvmesh.router.prefix_index import PrefixIndex
@@ -167,6 +161,13 @@ class HttpApi:
         echo: str | None = None,
     ) -> Response:
         """The response to a prepared request; ``echo``: the prompt's text, to start each choice with."""
+        shape = ResponseShape(
+            prep.call.request_id,
+            chat=prep.chat,
+            model=self.generation.limits.served_name,
+            n=prep.params.n,
+            token_text=self.generation.token_text,
+        )
         chunks = self.generation.stream(prep)
         if echo is not None:
             chunks = _echoed(chunks, echo, prep.call.prompt_token_ids)
@@ -176,14 +177,14 @@ class HttpApi:
             raise APIError("the engine ended the request without output", status=500) from None
         headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
         if not stream:
-            texts, reasons, last, logprobs = await gather(prep.shape.n, _prepend(first, chunks))
+            texts, reasons, last, logprobs = await gather(shape.n, _prepend(first, chunks))
             calls = None
             if tools is not None:
                 texts, calls, reasons = tools.whole(texts, reasons)
-            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
+            body = shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
             return JSONResponse(body, headers=headers)
         return StreamingResponse(
-            _sse(prep.shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
+            _sse(shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
         )
 
     @app.post("/v1/chat/completions")
