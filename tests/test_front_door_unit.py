@@ -529,3 +529,69 @@ def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
     assert float(ingress_deadline()) == 0.5
     monkeypatch.setenv(PROBE_DEADLINE_ENV, "2")
     assert ingress_deadline() == "2"
+
+
+class NoEngine:
+    """The engine deployment's handle where a test stops before the engine: preparing never calls it."""
+
+    def options(self, **_) -> NoEngine:
+        return self
+
+    def remote(self, call: GenerateCall):
+        raise AssertionError(f"request {call.request_id} reached the engine")
+
+
+@pytest.fixture(scope="module")
+def generation(smollm_dir):
+    """The ingress's ``Generation`` with SmolLM2's tokenizer and chat template, up to the engine call."""
+    from kvmesh.cluster.generation import Generation, ModelLimits
+    from kvmesh.shared.model_files import load_tokenizer, vocab_size
+
+    limits = ModelLimits({"m"}, "m", vocab_size(smollm_dir), max_model_len=2048, max_prompt_bytes=1 << 20, max_n=4)
+    return Generation(NoEngine(), load_tokenizer(smollm_dir), model="m", block_size=16, limits=limits)
+
+
+def _http_chat(generation, messages: list[dict], **fields):
+    """A chat completion prepared as the HTTP route prepares it, from the JSON body's fields."""
+    import asyncio
+
+    from kvmesh.cluster.http_api import HttpApi
+
+    api = HttpApi()
+    api.generation = generation
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+    return asyncio.run(api._prepare_chat(body, ""))[0]
+
+
+def _grpc_generate(generation, **fields):
+    """A ``GenerateRequest`` prepared as the gRPC methods prepare it."""
+    import asyncio
+
+    from kvmesh.cluster.grpc_api import GrpcApi
+    from kvmesh.cluster.proto import kvmesh_pb2
+
+    api = GrpcApi()
+    api.generation = generation
+    return asyncio.run(api._prepare_grpc(kvmesh_pb2.GenerateRequest(**fields), ""))[0]
+
+
+def test_a_developer_message_reaches_the_chat_template_as_system_over_http_and_grpc(generation):
+    """OpenAI's ``developer`` role is ``system`` to a chat template, whichever API the chat came through:
+    SmolLM2's template would otherwise add its default system prompt and render a ``developer`` turn."""
+    from kvmesh.cluster.proto import kvmesh_pb2
+
+    def chat(role: str) -> list[dict]:
+        return [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+
+    http = _http_chat(generation, chat("developer"))
+    grpc_ = _grpc_generate(generation, messages=[kvmesh_pb2.ChatMessage(**m) for m in chat("developer")])
+    as_system = _http_chat(generation, chat("system")).call.prompt_token_ids
+    assert http.call.prompt_token_ids == grpc_.call.prompt_token_ids == as_system
+    text = generation.tokenizer.decode(http.call.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nAnswer in French.<|im_end|>") and "developer" not in text
+    # A text part list (HTTP only) renders the same, and a role neither API knows is a 400 over gRPC too.
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}, chat("user")[1]]
+    assert _http_chat(generation, parts).call.prompt_token_ids == as_system
+    with pytest.raises(APIError) as err:
+        _grpc_generate(generation, messages=[kvmesh_pb2.ChatMessage(role="narrator", content="x")])
+    assert (err.value.status, err.value.param) == (400, "messages")

@@ -19,8 +19,8 @@ from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import Admission
 from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.api_params import sampling_params
+from kvmesh.cluster.chat_messages import HistoryToolCall, template_message
 from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_requests import CHAT_ROLES
 from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.cluster.tool_calls import ToolReplies, ToolRequest, check_tools
 from kvmesh.shared.limits import MAX_MESSAGES
@@ -54,16 +54,9 @@ def _usage(u: Usage) -> kvmesh_pb2.Usage:
 
 
 def _message(m: kvmesh_pb2.ChatMessage) -> dict:
-    """A chat message as the HTTP API's ``ChatMessage.render`` gives it to the template."""
-    out: dict = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    return out
+    """A chat message as the template takes it, translated as HTTP's (``kvmesh/cluster/chat_messages.py``)."""
+    calls = [HistoryToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]
+    return template_message(role=m.role, content=m.content, tool_calls=calls, tool_call_id=m.tool_call_id or None)
 
 
 def _tools(request: kvmesh_pb2.GenerateRequest, chat: bool) -> ToolRequest | None:
@@ -149,8 +142,6 @@ class GrpcApi:
         if len(request.messages) > MAX_MESSAGES:
             raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
         messages = [_message(m) for m in request.messages] or None
-        if messages and any(m["role"] not in CHAT_ROLES for m in messages):
-            raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
         tools, offered = _tools(request, messages is not None), None
         if tools is not None:
             if tools.forced_schema() is not None:

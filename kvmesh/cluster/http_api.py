@@ -187,8 +187,8 @@ class HttpApi:
             _sse(shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+    async def _prepare_chat(self, body: ChatCompletionRequest, tenant: str) -> tuple[Prepared, ToolReplies | None]:
+        """The chat prepared for the engine, and the parser of its replies when it offers tools."""
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         params = body.check(tools.forced_schema() if tools else None)
         messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
@@ -198,12 +198,16 @@ class HttpApi:
             messages,
             params,
             "chat",
-            _tenant(raw),
+            tenant,
             body.cache_salt,
             body.session_id or body.user,
             tools=offered,
         )
-        replies = ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+        return prep, ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        prep, replies = await self._prepare_chat(body, _tenant(raw))
         return await self._respond(prep, body.stream, body.include_usage, replies)
 
     @app.post("/v1/completions")

@@ -15,12 +15,13 @@ its sequences share its KV blocks.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.api_params import sampling_params
+from kvmesh.cluster.chat_messages import ChatRole, HistoryToolCall, template_message
 from kvmesh.shared.limits import MAX_ID_CHARS
 from kvmesh.shared.sampling_params import JSON_OBJECT_SCHEMA, MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -138,10 +139,6 @@ class TextPart(BaseModel):
     text: str
 
 
-ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
-CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
-
-
 class FunctionCall(BaseModel):
     name: str = Field(max_length=MAX_ID_CHARS)
     arguments: str = ""
@@ -171,16 +168,15 @@ class ChatMessage(BaseModel):
         return self
 
     def render(self) -> dict:
-        """The message as chat templates take it (tool calls and ids kept for templates that render them)."""
-        content = self.content if isinstance(self.content, str) or self.content is None else ""
+        """The message as chat templates take it (``kvmesh/cluster/chat_messages.py``); text parts joined."""
+        content = self.content if isinstance(self.content, str) else ""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+        calls = [
+            HistoryToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in self.tool_calls or []
+        ]
+        return template_message(role=self.role, content=content, tool_calls=calls, tool_call_id=self.tool_call_id)
 
 
 class ChatCompletionRequest(_Request):
