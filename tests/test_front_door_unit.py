@@ -46,6 +46,8 @@ def test_chat_request_translates_to_sampling_params():
         ({"n": 17}, "n"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
         ({"logprobs": 3}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -595,3 +597,42 @@ def test_a_developer_message_reaches_the_chat_template_as_system_over_http_and_g
     with pytest.raises(APIError) as err:
         _grpc_generate(generation, messages=[kvmesh_pb2.ChatMessage(role="narrator", content="x")])
     assert (err.value.status, err.value.param) == (400, "messages")
+
+
+def test_min_p_reaches_sampling_params_over_http_and_grpc_and_out_of_range_is_refused(generation):
+    import asyncio
+
+    import grpc
+
+    from kvmesh.cluster.admission import Admission
+    from kvmesh.cluster.embedded_redis import free_port
+    from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
+    from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+
+    user = [{"role": "user", "content": "Hello"}]
+    assert _http_chat(generation, user, min_p=0.05).params.min_p == 0.05
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_p": 1}).check().min_p == 1.0
+    assert _http_chat(generation, user).params.min_p == 0.0  # left out: off
+    assert _grpc_generate(generation, prompt="Hello", min_p=0.25).params.min_p == 0.25
+    assert _grpc_generate(generation, prompt="Hello").params.min_p == 0.0
+
+    class Servicer(GrpcApi):
+        def __init__(self) -> None:
+            self.generation, self.admission = generation, Admission()
+
+    async def refused(min_p: float) -> grpc.aio.AioRpcError:
+        port = free_port()
+        server = serve_grpc(Servicer(), "127.0.0.1", port, 1 << 20)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Complete(kvmesh_pb2.GenerateRequest(prompt="Hello", min_p=min_p))
+                return err.value
+        finally:
+            await server.stop(grace=None)
+
+    for bad in (1.5, -0.25):
+        error = asyncio.run(refused(bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("min_p"), error

@@ -125,6 +125,7 @@ class GrpcApi:
             "temperature",
             "top_p",
             "top_k",
+            "min_p",
             "seed",
             "n",
             "min_tokens",

@@ -37,6 +37,9 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = Field(
+        default=None, description="Drop tokens less likely than min_p x the most likely one, 0 to 1 (0: off)."
+    )
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, description=f"Choices to generate from the prompt, 1 to {MAX_N}.")
@@ -103,6 +106,7 @@ class _Request(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
