@@ -636,3 +636,29 @@ def test_min_p_reaches_sampling_params_over_http_and_grpc_and_out_of_range_is_re
     for bad in (1.5, -0.25):
         error = asyncio.run(refused(bad))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("min_p"), error
+
+
+def test_prompt_size_is_bounded_in_utf8_bytes_not_characters(generation):
+    """A token stands for at most so many bytes of text, so the bound before tokenizing counts bytes: 60
+    two-byte characters are over a 100-byte bound although 60 characters are not."""
+    import asyncio
+
+    from kvmesh.cluster.generation import Generation
+
+    limits = dataclasses.replace(generation.limits, max_prompt_bytes=100)
+    small = Generation(NoEngine(), generation.tokenizer, model="m", block_size=16, limits=limits)
+
+    def ids(prompt=None, messages=None):
+        return asyncio.run(small.token_ids(prompt, messages))
+
+    assert ids("é" * 50) == generation.tokenizer.encode("é" * 50)  # 100 bytes: at the bound
+    for prompt, messages, param in (
+        ("é" * 60, None, "prompt"),
+        (None, [{"role": "user", "content": "é" * 30}, {"role": "user", "content": "ü" * 30}], "messages"),
+        (None, [{"role": "user", "content": "é" * 45}], "messages"),  # 90 bytes, but over 100 once rendered
+    ):
+        with pytest.raises(APIError) as err:
+            ids(prompt, messages)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", param)
+    with pytest.raises(APIError, match="lone surrogate"):
+        ids("a\ud800b")

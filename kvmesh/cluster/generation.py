@@ -65,6 +65,15 @@ class Prepared:
     """``chat``, ``completions`` or ``grpc``: the label of its metrics."""
 
 
+def _utf8_bytes(text: str, param: str) -> int:
+    """UTF-8 bytes of ``text``; a 400 naming ``param`` for a lone surrogate (JSON can escape one; no tokenizer
+    takes it)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
 @dataclass
 class ModelLimits:
     """What a request is checked against: the served model's names, vocabulary, context and tokens."""
@@ -74,7 +83,8 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_prompt_bytes: int
-    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``kvmesh/shared/limits.py``)."""
+    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``prompt_byte_limit``): counted in
+    bytes, since a token stands for at most so many bytes, not characters."""
     max_n: int
 
 
@@ -151,29 +161,21 @@ class Generation:
         texts = (
             [m["content"] for m in messages] if messages is not None else [prompt] if isinstance(prompt, str) else []
         )
-        for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # JSON can escape a lone surrogate; no tokenizer takes one
-                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+        text_bytes = sum(_utf8_bytes(text, param) for text in texts)
         if messages is not None:
             if len(messages) > MAX_MESSAGES:
                 raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
-            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
+            if text_bytes > lim.max_prompt_bytes:
                 raise self._too_long(param)
             try:
                 text = render_chat(self.tokenizer, messages, tools)
             except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
                 raise APIError(f"messages: {exc}", param=param) from exc
-            if len(text) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
+            if _utf8_bytes(text, param) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
                 raise self._too_long(param)
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
             return await self.encode(text, bool(add_special_tokens))
         if isinstance(prompt, str):
-            if len(prompt) > lim.max_prompt_bytes:
+            if text_bytes > lim.max_prompt_bytes:
                 raise self._too_long(param)
             return await self.encode(prompt, add_special_tokens is not False)
         ids = list(prompt or [])
