@@ -4,8 +4,9 @@ publisher.
 The router (``kvmesh/router/serve_router.py``) sits on this deployment's handle; callers pass one
 ``GenerateCall`` per request (``generate.remote(call)``) carrying the token ids and the block hashes the
 ingress computed once, so neither the router nor the replica re-tokenizes or re-hashes, and get a stream
-of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``
-and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``,
+its ``KVPressure`` through ``record_autoscaling_stats`` and its ``ReplicaStatus`` beside its heartbeats, and
+mirrors its prefix cache into Redis under an id with a fresh incarnation.
 """
 
 from __future__ import annotations
