@@ -83,7 +83,10 @@ async def decisions(url: str, n: int) -> dict:
         )
         for p in pubs
     ]
-    bodies = [GenerateCall(f"b{i}", [0] * TOKENS, ch, 16) for i, ch in enumerate(chains)]
+    bodies = [
+        GenerateCall(request_id=f"b{i}", prompt_token_ids=[0] * TOKENS, block_hashes=ch, block_size=16)
+        for i, ch in enumerate(chains)
+    ]
     lookup: list[float] = []
     timed = router.index.query
 

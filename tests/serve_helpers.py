@@ -6,6 +6,7 @@ import uuid
 
 from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.messages import GenerateCall
+from kvmesh.shared.sampling_params import SamplingParams
 
 
 def greedy_call(model: str, tokens: list[int], max_tokens: int, session: str | None = None) -> GenerateCall:
@@ -15,6 +16,6 @@ def greedy_call(model: str, tokens: list[int], max_tokens: int, session: str | N
         prompt_token_ids=tokens,
         block_hashes=hash_blocks(tokens, 16, model_seed(model)),
         block_size=16,
-        params={"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         session_id=session,
     )

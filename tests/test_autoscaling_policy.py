@@ -12,6 +12,7 @@ import ray.serve.autoscaling_policy as ray_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from kvmesh.cluster.autoscaling import KVPressurePolicy, autoscaling_config
+from kvmesh.shared.messages import KVPressure
 
 POOL = 100  # blocks per replica
 
@@ -25,16 +26,17 @@ class Clock:
 
 
 def metrics(n: int, demand: float, waiting: float = 0.0, preemptions: float = 0.0) -> dict:
-    """Aggregated replica reports of ``n`` replicas sharing ``demand`` pinned blocks evenly."""
-    ids = [f"r{i}" for i in range(n)]
-    return {
-        "kv_used_blocks": dict.fromkeys(ids, demand / n),
-        "kv_waiting_blocks": dict.fromkeys(ids, waiting / n),
-        "kv_total_blocks": dict.fromkeys(ids, POOL),
-        "num_running": dict.fromkeys(ids, 4),
-        "num_waiting": dict.fromkeys(ids, 0),
-        "preemptions": dict.fromkeys(ids, preemptions),
-    }
+    """The reports of ``n`` replicas sharing ``demand`` pinned blocks evenly, as Ray hands them to the policy:
+    each replica's ``KVPressure.as_dict()`` regrouped field -> replica -> value."""
+    report = KVPressure(
+        kv_used_blocks=demand / n,
+        kv_waiting_blocks=waiting / n,
+        kv_total_blocks=POOL,
+        num_running=4,
+        num_waiting=0,
+        preemptions=preemptions,
+    ).as_dict()
+    return {name: {f"r{i}": value for i in range(n)} for name, value in report.items()}
 
 
 def run(
@@ -148,6 +150,24 @@ def test_a_short_spike_shorter_than_the_delay_changes_nothing(monkeypatch):
 
     history = run(KVPressurePolicy(0.7), spike, 60, monkeypatch=monkeypatch)
     assert {n for _, n in history} == {1}
+
+
+def test_each_replicas_pressure_is_read_back_whole_from_rays_aggregate():
+    a = KVPressure(
+        kv_used_blocks=10, kv_waiting_blocks=2, kv_total_blocks=100, num_running=3, num_waiting=1, preemptions=0
+    )
+    b = KVPressure(
+        kv_used_blocks=70, kv_waiting_blocks=0, kv_total_blocks=100, num_running=9, num_waiting=0, preemptions=1
+    )
+    aggregated: dict[str, dict[str, float]] = {}
+    for replica, report in (("a", a), ("b", b)):
+        for name, value in report.as_dict().items():
+            aggregated.setdefault(name, {})[replica] = value
+    assert sorted(KVPressure.per_replica(aggregated), key=lambda r: r.kv_used_blocks) == [a, b]
+    # A replica whose report lacks a field (it sent something else) is left out, not read as zeros.
+    del aggregated["preemptions"]["b"]
+    assert KVPressure.per_replica(aggregated) == [a]
+    assert KVPressure.per_replica({}) == []
 
 
 def test_config_validation():

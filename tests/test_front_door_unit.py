@@ -3,17 +3,22 @@ and the ingress's promises (no torch; hashes the replica accepts only when they 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.config import ClusterConfig, build_config
-from kvmesh.cluster.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from kvmesh.cluster.status import render_status
-from kvmesh.shared.messages import GenerateCall
+from kvmesh.shared.errors import InvalidRequest
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, TokenLogprob, Usage
+from kvmesh.shared.sampling_params import SamplingParams
 
 
 def test_chat_request_translates_to_sampling_params():
@@ -41,6 +46,8 @@ def test_chat_request_translates_to_sampling_params():
         ({"n": 17}, "n"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
         ({"logprobs": 3}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -111,12 +118,15 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     import asyncio
 
     from kvmesh.cluster.generation import gather
-    from kvmesh.cluster.openai_protocol import ResponseShape, usage_dict
-    from kvmesh.shared.messages import GenerateChunk, Usage
+    from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
-    chat = ResponseShape(chat=True, model="m", n=3)
-    whole = chat.whole(["a", "b", "c"], ["stop", "length", "stop"], usage_dict(Usage(5, 9, 0)))
+    chat = ResponseShape("chatcmpl-1", chat=True, model="m", n=3)
+    whole = chat.whole(
+        ["a", "b", "c"],
+        ["stop", "length", "stop"],
+        usage_dict(Usage(prompt_tokens=5, completion_tokens=9, cached_tokens=0)),
+    )
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] == [
         (0, "a", "stop"),
         (1, "b", "length"),
@@ -129,13 +139,24 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
         "finish_reason": None,
         "logprobs": None,
     }
-    text = ResponseShape(chat=False, model="m", n=2).whole(["p", "q"], ["stop", "stop"], usage_dict(Usage(1, 2, 0)))
+    text = ResponseShape("cmpl-1", chat=False, model="m", n=2).whole(
+        ["p", "q"], ["stop", "stop"], usage_dict(Usage(prompt_tokens=1, completion_tokens=2, cached_tokens=0))
+    )
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "p"), (1, "q")]
 
     async def chunks():
         pieces = [(1, "b", None), (0, "a", None), (1, "B", "stop"), (0, "A", "length")]
         for i, (index, piece, reason) in enumerate(pieces):
-            yield GenerateChunk(index, piece, [7], reason, 0, "r", Usage(1, 4, 0) if i == 3 else None)
+            usage = Usage(prompt_tokens=1, completion_tokens=4, cached_tokens=0) if i == 3 else None
+            yield GenerateChunk(
+                index=index,
+                text=piece,
+                token_ids=[7],
+                finish_reason=reason,
+                num_cached_tokens=0,
+                replica="r",
+                usage=usage,
+            )
 
     texts, reasons, last, logprobs = asyncio.run(gather(2, chunks()))
     assert (texts, reasons, last.text, logprobs) == (["aA", "bB"], ["length", "stop"], "A", [None, None])
@@ -147,7 +168,13 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     from kvmesh.cluster.engine_deployment import EngineReplica
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
-    call = GenerateCall("r", list(range(100, 137)), [], 16, {"max_tokens": 4, "temperature": 0, "n": 3})
+    call = GenerateCall(
+        request_id="r",
+        prompt_token_ids=list(range(100, 137)),
+        block_hashes=[],
+        block_size=16,
+        params=SamplingParams(max_tokens=4, temperature=0, n=3),
+    )
 
     async def collect():
         return [chunk async for chunk in server.generate(call)]
@@ -160,6 +187,42 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (37, 12)
     server.engine.check_integrity()
     assert server.engine.pool.num_used == 0
+    # What it reports beside the stream, typed at both ends: its status and its KV pressure.
+    status, stats = server.status(), dataclasses.asdict(server.engine.stats())
+    del stats["prefill_busy"]  # a moving average: it decays between the two reads
+    assert status.as_dict().items() >= stats.items() and stats["requests_admitted"] >= 1
+    assert (status.pid, status.num_running, status.num_blocks, status.error) == (os.getpid(), 0, 64, None)
+    pressure = KVPressure.from_dict(server.record_autoscaling_stats())
+    assert pressure == KVPressure(
+        kv_used_blocks=0, kv_waiting_blocks=0, kv_total_blocks=64, num_running=0, num_waiting=0, preemptions=0
+    )
+
+    # The replica checks a call's parameters again: a handle user may have changed them after building them.
+    call.params.top_p = 5.0
+    with pytest.raises(InvalidRequest) as err:
+        asyncio.run(collect())
+    assert err.value.param == "top_p"
+    assert not server.engine.has_unfinished
+
+
+def test_messages_cross_a_pickle_as_ray_sends_them():
+    params = SamplingParams(max_tokens=3, stop=["END"], logit_bias={5: -100.0})
+    call = GenerateCall(request_id="r", prompt_token_ids=[1, 2], block_hashes=[b"h" * 16], block_size=16, params=params)
+    chunk = GenerateChunk(
+        index=0,
+        text="x",
+        token_ids=[7],
+        finish_reason="stop",
+        num_cached_tokens=0,
+        replica="r0",
+        usage=Usage(prompt_tokens=2, completion_tokens=1, cached_tokens=0),
+        logprobs=[TokenLogprob(token_id=7, logprob=-0.5, top=[(7, -0.5)])],
+    )
+    for message in (call, chunk):
+        assert pickle.loads(pickle.dumps(message)) == message
+    assert isinstance(pickle.loads(pickle.dumps(call)).params, SamplingParams)
+    with pytest.raises(TypeError):
+        GenerateCall("r", [1, 2], [], 16)  # keyword-only: a positional build cannot shift a field
 
 
 def test_completion_prompt_forms():
@@ -315,7 +378,9 @@ def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
     seed = model_seed(str(tiny_llama_dir))
 
     def body(hashes, block_size=16, salt=None):
-        return GenerateCall("r", ids, hashes, block_size, cache_salt=salt)
+        return GenerateCall(
+            request_id="r", prompt_token_ids=ids, block_hashes=hashes, block_size=block_size, cache_salt=salt
+        )
 
     good = hash_blocks(ids, 16, seed, first_block_extra("tenant-a"))
     assert server._checked_hashes(body(good, salt="tenant-a")) == good
@@ -388,10 +453,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     from ray.exceptions import ActorUnavailableError
 
     import kvmesh.cluster.generation as generation_module
-    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared
-    from kvmesh.cluster.openai_protocol import ResponseShape
-    from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
-    from kvmesh.shared.sampling_params import SamplingParams
+    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared, new_request_id
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -405,7 +467,15 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
         async def __aiter__(self):
             if self.fail:
                 raise ActorUnavailableError("connection lost", None)
-            yield GenerateChunk(0, "x", [5], "length", 0, "r0", usage=Usage(3, 1, 0))
+            yield GenerateChunk(
+                index=0,
+                text="x",
+                token_ids=[5],
+                finish_reason="length",
+                num_cached_tokens=0,
+                replica="r0",
+                usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
+            )
 
     class Handle:
         def __init__(self) -> None:
@@ -422,9 +492,12 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     handle = Handle()
     limits = ModelLimits({"m"}, "m", vocab_size=100, max_model_len=64, max_prompt_bytes=1000, max_n=4)
     generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits)
-    shape = ResponseShape(chat=False, model="m")
-    call = GenerateCall(shape.id, [1, 2, 3], [], 16, {"max_tokens": 1})
-    prep = Prepared(call, SamplingParams(max_tokens=1), shape, "completions")
+    request_id = new_request_id(chat=False)
+    params = SamplingParams(max_tokens=1)
+    call = GenerateCall(
+        request_id=request_id, prompt_token_ids=[1, 2, 3], block_hashes=[], block_size=16, params=params
+    )
+    prep = Prepared(call, params, chat=False, api="completions")
 
     async def run():
         return [chunk async for chunk in generation.stream(prep)]
@@ -434,7 +507,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
     first, second = handle.attempts
     assert first.cancelled and not second.cancelled
     ids = [c.request_id for c in handle.calls]
-    assert len(set(ids)) == 2 and ids[0] == shape.id
+    assert len(set(ids)) == 2 and ids[0] == request_id
 
 
 def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
@@ -458,3 +531,134 @@ def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
     assert float(ingress_deadline()) == 0.5
     monkeypatch.setenv(PROBE_DEADLINE_ENV, "2")
     assert ingress_deadline() == "2"
+
+
+class NoEngine:
+    """The engine deployment's handle where a test stops before the engine: preparing never calls it."""
+
+    def options(self, **_) -> NoEngine:
+        return self
+
+    def remote(self, call: GenerateCall):
+        raise AssertionError(f"request {call.request_id} reached the engine")
+
+
+@pytest.fixture(scope="module")
+def generation(smollm_dir):
+    """The ingress's ``Generation`` with SmolLM2's tokenizer and chat template, up to the engine call."""
+    from kvmesh.cluster.generation import Generation, ModelLimits
+    from kvmesh.shared.model_files import load_tokenizer, vocab_size
+
+    limits = ModelLimits({"m"}, "m", vocab_size(smollm_dir), max_model_len=2048, max_prompt_bytes=1 << 20, max_n=4)
+    return Generation(NoEngine(), load_tokenizer(smollm_dir), model="m", block_size=16, limits=limits)
+
+
+def _http_chat(generation, messages: list[dict], **fields):
+    """A chat completion prepared as the HTTP route prepares it, from the JSON body's fields."""
+    import asyncio
+
+    from kvmesh.cluster.http_api import HttpApi
+
+    api = HttpApi()
+    api.generation = generation
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+    return asyncio.run(api._prepare_chat(body, ""))[0]
+
+
+def _grpc_generate(generation, **fields):
+    """A ``GenerateRequest`` prepared as the gRPC methods prepare it."""
+    import asyncio
+
+    from kvmesh.cluster.grpc_api import GrpcApi
+    from kvmesh.cluster.proto import kvmesh_pb2
+
+    api = GrpcApi()
+    api.generation = generation
+    return asyncio.run(api._prepare_grpc(kvmesh_pb2.GenerateRequest(**fields), ""))[0]
+
+
+def test_a_developer_message_reaches_the_chat_template_as_system_over_http_and_grpc(generation):
+    """OpenAI's ``developer`` role is ``system`` to a chat template, whichever API the chat came through:
+    SmolLM2's template would otherwise add its default system prompt and render a ``developer`` turn."""
+    from kvmesh.cluster.proto import kvmesh_pb2
+
+    def chat(role: str) -> list[dict]:
+        return [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+
+    http = _http_chat(generation, chat("developer"))
+    grpc_ = _grpc_generate(generation, messages=[kvmesh_pb2.ChatMessage(**m) for m in chat("developer")])
+    as_system = _http_chat(generation, chat("system")).call.prompt_token_ids
+    assert http.call.prompt_token_ids == grpc_.call.prompt_token_ids == as_system
+    text = generation.tokenizer.decode(http.call.prompt_token_ids)
+    assert text.startswith("<|im_start|>system\nAnswer in French.<|im_end|>") and "developer" not in text
+    # A text part list (HTTP only) renders the same, and a role neither API knows is a 400 over gRPC too.
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}, chat("user")[1]]
+    assert _http_chat(generation, parts).call.prompt_token_ids == as_system
+    with pytest.raises(APIError) as err:
+        _grpc_generate(generation, messages=[kvmesh_pb2.ChatMessage(role="narrator", content="x")])
+    assert (err.value.status, err.value.param) == (400, "messages")
+
+
+def test_min_p_reaches_sampling_params_over_http_and_grpc_and_out_of_range_is_refused(generation):
+    import asyncio
+
+    import grpc
+
+    from kvmesh.cluster.admission import Admission
+    from kvmesh.cluster.embedded_redis import free_port
+    from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
+    from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+
+    user = [{"role": "user", "content": "Hello"}]
+    assert _http_chat(generation, user, min_p=0.05).params.min_p == 0.05
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_p": 1}).check().min_p == 1.0
+    assert _http_chat(generation, user).params.min_p == 0.0  # left out: off
+    assert _grpc_generate(generation, prompt="Hello", min_p=0.25).params.min_p == 0.25
+    assert _grpc_generate(generation, prompt="Hello").params.min_p == 0.0
+
+    class Servicer(GrpcApi):
+        def __init__(self) -> None:
+            self.generation, self.admission = generation, Admission()
+
+    async def refused(min_p: float) -> grpc.aio.AioRpcError:
+        port = free_port()
+        server = serve_grpc(Servicer(), "127.0.0.1", port, 1 << 20)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Complete(kvmesh_pb2.GenerateRequest(prompt="Hello", min_p=min_p))
+                return err.value
+        finally:
+            await server.stop(grace=None)
+
+    for bad in (1.5, -0.25):
+        error = asyncio.run(refused(bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("min_p"), error
+
+
+def test_prompt_size_is_bounded_in_utf8_bytes_not_characters(generation):
+    """A token stands for at most so many bytes of text, so the bound before tokenizing counts bytes: 60
+    two-byte characters are over a 100-byte bound although 60 characters are not."""
+    import asyncio
+
+    from kvmesh.cluster.generation import Generation
+
+    limits = dataclasses.replace(generation.limits, max_prompt_bytes=100)
+    small = Generation(NoEngine(), generation.tokenizer, model="m", block_size=16, limits=limits)
+
+    def ids(prompt=None, messages=None):
+        return asyncio.run(small.token_ids(prompt, messages))
+
+    assert ids("é" * 50) == generation.tokenizer.encode("é" * 50)  # 100 bytes: at the bound
+    for prompt, messages, param in (
+        ("é" * 60, None, "prompt"),
+        (None, [{"role": "user", "content": "é" * 30}, {"role": "user", "content": "ü" * 30}], "messages"),
+        (None, [{"role": "user", "content": "é" * 45}], "messages"),  # 90 bytes, but over 100 once rendered
+    ):
+        with pytest.raises(APIError) as err:
+            ids(prompt, messages)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", param)
+    with pytest.raises(APIError, match="lone surrogate"):
+        ids("a\ud800b")

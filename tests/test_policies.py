@@ -20,7 +20,7 @@ def request(tokens, session=None):
 
 
 def replicas(n, **kw):
-    return [ReplicaLoad(f"r{i}", prefill_tok_s=2000, **kw) for i in range(n)]
+    return [ReplicaLoad(index_id=f"r{i}", prefill_tok_s=2000, **kw) for i in range(n)]
 
 
 def test_kv_aware_prefers_the_replica_holding_the_prefix():
@@ -363,16 +363,22 @@ def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     """r0 runs one request that is decoding (empty prefill queue) but pins 42 of its 48 blocks; r1 is idle
     and measured a little slower. A 640-token prompt placed on r0 would wait for that request to finish."""
     full = ReplicaLoad(
-        "r0", prefill_tok_s=500, num_running=1, kv_free_blocks=6, kv_total_blocks=48, mean_output_tokens=16, step_s=0.07
+        index_id="r0",
+        prefill_tok_s=500,
+        num_running=1,
+        kv_free_blocks=6,
+        kv_total_blocks=48,
+        mean_output_tokens=16,
+        step_s=0.07,
     )
     empty = ReplicaLoad(
-        "r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16, step_s=0.07
+        index_id="r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16, step_s=0.07
     )
     req = request(list(range(640)))
     assert full.kv_wait_s(640, 16) == pytest.approx(34 / 42 * 16 * 0.07)
     assert empty.kv_wait_s(640, 16) == 0.0 and full.kv_wait_s(64, 16) == 0.0  # a short prompt fits
     assert KVAwarePolicy().rank(req, [full, empty], {"r0": 0, "r1": 0}).ranked[0] == "r1"
-    unreported = ReplicaLoad("r0", prefill_tok_s=500, num_running=1)  # an old replica: room assumed
+    unreported = ReplicaLoad(index_id="r0", prefill_tok_s=500, num_running=1)  # an old replica: room assumed
     assert unreported.kv_wait_s(640, 16) == 0.0
 
 
@@ -381,11 +387,11 @@ def test_a_full_pool_in_an_old_report_has_been_freeing_since():
     the wait counts from the report, and a report older than that wait shows no wait at all."""
     wait = 34 / 42 * 16 * 0.07
     stats = dict(prefill_tok_s=500, num_running=1, kv_free_blocks=6, kv_total_blocks=48, mean_output_tokens=16)
-    aged = ReplicaLoad("r0", step_s=0.07, report_age_s=0.2, **stats)
+    aged = ReplicaLoad(index_id="r0", step_s=0.07, report_age_s=0.2, **stats)
     assert aged.kv_wait_s(640, 16) == pytest.approx(wait - 0.2)
-    stale = ReplicaLoad("r0", step_s=0.07, report_age_s=wait + 0.01, **stats)
+    stale = ReplicaLoad(index_id="r0", step_s=0.07, report_age_s=wait + 0.01, **stats)
     assert stale.kv_wait_s(640, 16) == 0.0
-    twin = ReplicaLoad("r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16)
+    twin = ReplicaLoad(index_id="r1", prefill_tok_s=450, kv_free_blocks=48, kv_total_blocks=48, mean_output_tokens=16)
     req = request(list(range(640)))
     assert KVAwarePolicy().rank(req, [stale, twin], {"r0": 0, "r1": 0}).ranked[0] == "r0"  # faster, room now
 
@@ -393,8 +399,8 @@ def test_a_full_pool_in_an_old_report_has_been_freeing_since():
 def test_prompts_sharing_nothing_go_by_cost_not_by_the_conversation_bound():
     """A replica just added has started no conversations. A prompt nobody holds any of must still go where
     it waits least, not to the newcomer because of its count; one on a shared system prompt is bounded."""
-    old = ReplicaLoad("r0", prefill_tok_s=2000)  # idle, many conversations started
-    new = ReplicaLoad("r1", prefill_tok_s=2000, pending_prefill_tokens=4000)  # busy prefilling, none started
+    old = ReplicaLoad(index_id="r0", prefill_tok_s=2000)  # idle, many conversations started
+    new = ReplicaLoad(index_id="r1", prefill_tok_s=2000, pending_prefill_tokens=4000)  # busy prefilling, none started
     starts = {"r0": 12.0, "r1": 0.0}
     fresh = request(list(range(50_000, 50_400)))
     d = KVAwarePolicy().rank(fresh, [old, new], {"r0": 0, "r1": 0}, starts)

@@ -13,6 +13,7 @@ from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import block_key, index_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import ReplicaStatus
 from tests.index_helpers import entries_of_slot, host_tag, lookup, query
 
 MODEL = "m"
@@ -61,6 +62,61 @@ def test_lookup_counts_leading_blocks_per_replica(redis_server, request):
     }
     a.close()
     b.close()
+
+
+def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_server, request):
+    """A replica's ``ReplicaStatus`` is stored beside its heartbeat with its publisher's index size and read
+    back typed by the ingress; a status that fails still beats, and its counters show as unknown."""
+    from kvmesh.cluster import metrics
+    from kvmesh.cluster.status import render_status
+
+    dep = request.node.name
+    cache = FakeCache()
+    ok = make_publisher(
+        redis_server.url, dep, "ok", cache, status=lambda: ReplicaStatus(num_running=3, kv_usage=0.5, pid=42)
+    )
+
+    def broken() -> ReplicaStatus:
+        raise RuntimeError("stats broke")
+
+    bad = make_publisher(redis_server.url, dep, "bad", FakeCache(), status=broken)
+    ok.publish(cache.store(CHAINS[0][:7]))
+    assert ok.wait_synced(5) and bad.wait_synced(5)
+
+    async def reports_after_a_beat() -> dict[str, ReplicaStatus]:
+        index = PrefixIndex(redis_server.url, dep, MODEL)
+        try:
+            for _ in range(100):
+                reports = await index.replica_reports()
+                if len(reports) == 2 and reports[ok.replica_id].index_entries == 7:
+                    return reports
+                await asyncio.sleep(0.05)
+            return reports
+        finally:
+            await index.close()
+
+    reports = asyncio.run(reports_after_a_beat())
+    good, failed = reports[ok.replica_id], reports[bad.replica_id]
+    assert (good.num_running, good.kv_usage, good.pid, good.index_entries, good.error) == (3, 0.5, 42, 7, None)
+    assert good.reported_at > time.time() - 10
+    assert "stats broke" in failed.error and failed.index_entries == 0
+    text = metrics.render(reports).decode()
+    assert f'kvmesh_replica_requests_running{{replica="{ok.replica_id}"}} 3.0' in text
+    assert f'kvmesh_replica_index_entries{{replica="{ok.replica_id}"}} 7.0' in text
+    assert f'kvmesh_replica_requests_running{{replica="{bad.replica_id}"}}' not in text  # unknown, not 0
+    assert f'kvmesh_replica_index_entries{{replica="{bad.replica_id}"}} 0.0' in text
+    status = {
+        "model": MODEL,
+        "policy": "kv_aware",
+        "index": {"entries": 7},
+        "redis": {"ok": True},
+        "replicas": {rid: r.as_dict() for rid, r in reports.items()},
+    }
+    rows = [line.split() for line in render_status(status).splitlines()]
+    assert [ok.replica_id, "50.0%", "0.0%", "off", "off", "3", "0", "0", "0%", "7"] in rows
+    assert [bad.replica_id, *["?"] * 8, "0"] in rows
+    ok.close()
+    bad.close()
 
 
 def test_host_tier_entries_are_looked_up_per_tier_resynced_and_purged(redis_server, request):

@@ -38,7 +38,13 @@ def replicas(n, **stats):
 
 
 def pending(tokens, i, session=None):
-    call = GenerateCall(f"q{i}", list(tokens), hash_blocks(tokens, 16, model_seed("m")), 16, session_id=session)
+    call = GenerateCall(
+        request_id=f"q{i}",
+        prompt_token_ids=list(tokens),
+        block_hashes=hash_blocks(tokens, 16, model_seed("m")),
+        block_size=16,
+        session_id=session,
+    )
     return SimpleNamespace(
         args=[call],
         kwargs={},

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvmesh.cluster.openai_protocol import APIError
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.tool_calls import (
     HERMES,
     LLAMA3_JSON,

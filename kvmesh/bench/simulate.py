@@ -136,7 +136,7 @@ class Replica:
 
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(
-            self.rid,
+            index_id=self.rid,
             pending_prefill_tokens=self.queued_tokens,
             num_running=self.running,
             num_waiting=len(self.slot_waiters),

@@ -3,10 +3,10 @@
 An LLM replica runs out of KV memory before it runs out of compute: when its pool is full, requests queue
 and get preempted and cached prefixes are evicted, while the number of ongoing requests (Ray Serve's
 default signal) says little about it: ten requests with long contexts fill a pool that a hundred short
-ones do not. Each replica therefore reports its KV demand (``EngineReplica.record_autoscaling_stats``):
-blocks pinned by running requests (cached-but-evictable blocks are free capacity, not demand), blocks its
-waiting requests' prompts need, its pool size, its queue and its preemptions. ``KVPressurePolicy`` sizes
-the deployment so that demand sits at ``target_kv_util`` of the pooled capacity.
+ones do not. Each replica therefore reports its KV demand (``EngineReplica.record_autoscaling_stats``, a
+``KVPressure``): blocks pinned by running requests (cached-but-evictable blocks are free capacity, not
+demand), blocks its waiting requests' prompts need, its pool size, its queue and its preemptions.
+``KVPressurePolicy`` sizes the deployment so that demand sits at ``target_kv_util`` of the pooled capacity.
 
 Ray Serve runs the policy on its controller every control-loop tick and wraps it: a decision must persist
 for ``upscale_delay_s`` / ``downscale_delay_s`` before it takes effect, and ``min_replicas`` /
@@ -15,13 +15,17 @@ the smaller deployment at ``target_kv_util * (1 - downscale_band)``) so a steady
 does not flap. Scale-down drains: Ray stops routing to the replica at once, waits up to the graceful-
 shutdown timeout for its in-flight streams, then its destructor removes its index entries.
 
-Ray pickles this module *by value* into the controller: keep its imports to the standard library.
+Ray pickles this module *by value* into the controller: keep its imports to the standard library and
+``kvmesh.shared.messages`` (torch-free; the controller imports it by reference, from the same installation
+as the replicas).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from kvmesh.shared.messages import KVPressure
 
 SCALING_POLICIES = ("kv_pressure", "ongoing_requests")
 """``kv_pressure``: ``KVPressurePolicy``; ``ongoing_requests``: Ray Serve's default (the baseline)."""
@@ -57,20 +61,18 @@ class KVPressurePolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         current = ctx.target_num_replicas
-        metrics = ctx.aggregated_metrics or {}
-        used = metrics.get("kv_used_blocks") or {}
-        if not used:  # nothing reported yet (replicas starting): keep the current target
+        reports = KVPressure.per_replica(ctx.aggregated_metrics or {})
+        if not reports:  # nothing reported yet (replicas starting): keep the current target
             return current, {"kv_reason": "no reports"}
-        totals = metrics.get("kv_total_blocks") or {}
-        capacity = sum(totals.values()) / len(totals) if totals else 0.0
+        capacity = sum(r.kv_total_blocks for r in reports) / len(reports)
         if capacity <= 0:
             return current, {"kv_reason": "no pool size"}
-        demand = sum(used.values()) + sum((metrics.get("kv_waiting_blocks") or {}).values())
-        requests = sum((metrics.get("num_running") or {}).values()) + sum((metrics.get("num_waiting") or {}).values())
+        demand = sum(r.kv_used_blocks + r.kv_waiting_blocks for r in reports)
+        requests = sum(r.num_running + r.num_waiting for r in reports)
         queued = float(ctx.total_queued_requests or 0.0)
         if queued > 0:
             demand += queued * (demand / requests if requests > 0 else 1.0)
-        preempting = any(v > 0 for v in (metrics.get("preemptions") or {}).values())
+        preempting = any(r.preemptions > 0 for r in reports)
 
         per_replica = self.target_kv_util * capacity
         desired = math.ceil(demand / per_replica - 1e-9)
@@ -82,7 +84,7 @@ class KVPressurePolicy:
         desired = max(ctx.capacity_adjusted_min_replicas, min(desired, ctx.capacity_adjusted_max_replicas))
         state = {
             "kv_demand_blocks": round(demand, 1),
-            "kv_util": round(demand / (capacity * max(len(used), 1)), 3),
+            "kv_util": round(demand / (capacity * len(reports)), 3),
             "kv_preempting": preempting,
             "kv_reason": "preemptions" if preempting else "demand",
         }

@@ -4,8 +4,9 @@ publisher.
 The router (``kvmesh/router/serve_router.py``) sits on this deployment's handle; callers pass one
 ``GenerateCall`` per request (``generate.remote(call)``) carrying the token ids and the block hashes the
 ingress computed once, so neither the router nor the replica re-tokenizes or re-hashes, and get a stream
-of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``
-and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``,
+its ``KVPressure`` through ``record_autoscaling_stats`` and its ``ReplicaStatus`` beside its heartbeats, and
+mirrors its prefix cache into Redis under an id with a fresh incarnation.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
-from kvmesh.replica import AsyncLLM, EngineConfig, SamplingParams
+from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.shared.hashing import first_block_extra, hash_block
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, Usage
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, ReplicaStatus, Usage
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,9 @@ class EngineReplica:
         self.engine = self.llm.engine
         self.engine.warm_up()  # measured decode costs for routers from the first request on
         try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
-            name, unique = serve.get_replica_context().replica_id.unique_id, True
-        except RayServeException:  # outside Serve
-            name, unique = f"engine-{uuid.uuid4().hex[:8]}", True
+            name = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # outside Serve: unique per process too
+            name = f"engine-{uuid.uuid4().hex[:8]}"
         self.publisher = None
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         if redis_url:
@@ -53,7 +54,7 @@ class EngineReplica:
                 self.engine.model_id,
                 name,
                 self.engine.pool.cached_hashes,
-                unique_name=unique,
+                unique_name=True,
                 status=self.status,
                 host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
             ).start()
@@ -64,7 +65,7 @@ class EngineReplica:
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
         sequences); the last one carries the request's ``Usage``."""
-        params = SamplingParams(**call.params)
+        params = dataclasses.replace(call.params)  # checked again (``__post_init__``): any handle user may call
         unfinished, completion_tokens = params.n, 0
         async for out in self.llm.generate(
             call.prompt_token_ids,
@@ -75,17 +76,23 @@ class EngineReplica:
         ):
             completion_tokens += len(out.delta_token_ids)
             unfinished -= out.finished
-            usage = None if unfinished else Usage(call.num_tokens, completion_tokens, out.num_cached_tokens)
+            usage = None
+            if not unfinished:
+                usage = Usage(
+                    prompt_tokens=call.num_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
             yield GenerateChunk(
-                out.index,
-                out.delta_text,
-                out.delta_token_ids,
-                out.finish_reason,
-                out.num_cached_tokens,
-                self.index_id,
-                usage,
-                out.logprobs,
-                out.prompt_logprobs,
+                index=out.index,
+                text=out.delta_text,
+                token_ids=out.delta_token_ids,
+                finish_reason=out.finish_reason,
+                num_cached_tokens=out.num_cached_tokens,
+                replica=self.index_id,
+                usage=usage,
+                logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
             )
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
@@ -106,17 +113,25 @@ class EngineReplica:
             return None
         return hashes
 
-    def status(self) -> dict:
-        """The replica's state for metrics and ``kvmesh status`` (stored in Redis with each heartbeat)."""
-        return {**dataclasses.asdict(self.engine.stats()), "pid": os.getpid()}
+    def status(self) -> ReplicaStatus:
+        """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
+        return ReplicaStatus(**dataclasses.asdict(self.engine.stats()), pid=os.getpid())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """KV pressure for the autoscaler (``kvmesh/cluster/autoscaling.py``); preemptions since the last report."""
-        report = self.engine.snapshot().kv_pressure()
-        total = report.pop("num_preemptions")
-        report["preemptions"] = total - self._preemptions_seen
+        """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
+        preemptions since the last report."""
+        kv = self.engine.snapshot().kv_pressure()
+        total = kv["num_preemptions"]
+        pressure = KVPressure(
+            kv_used_blocks=kv["kv_used_blocks"],
+            kv_waiting_blocks=kv["kv_waiting_blocks"],
+            kv_total_blocks=kv["kv_total_blocks"],
+            num_running=kv["num_running"],
+            num_waiting=kv["num_waiting"],
+            preemptions=total - self._preemptions_seen,
+        )
         self._preemptions_seen = total
-        return report
+        return pressure.as_dict()
 
     def record_routing_stats(self) -> dict:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -25,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import RETRY_AFTER_S
-from kvmesh.cluster.openai_protocol import APIError, ResponseShape
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.tool_calls import ToolRequest, template_messages, template_syntax
 from kvmesh.shared.errors import InvalidRequest, RequestFailed
 from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
@@ -46,15 +47,31 @@ TOKENIZE_INLINE_CHARS = 8192
 """Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
 
 
+def new_request_id(chat: bool) -> str:
+    """A new request's id: the engine's request id and the response's id, over HTTP and gRPC alike (with
+    OpenAI's prefixes, which its clients show)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 @dataclass
 class Prepared:
     """A validated request, tokenized and hashed, ready for the engine."""
 
     call: GenerateCall
     params: SamplingParams
-    shape: ResponseShape
+    chat: bool
+    """A chat (``messages``) rather than a text prompt."""
     api: str
     """``chat``, ``completions`` or ``grpc``: the label of its metrics."""
+
+
+def _utf8_bytes(text: str, param: str) -> int:
+    """UTF-8 bytes of ``text``; a 400 naming ``param`` for a lone surrogate (JSON can escape one; no tokenizer
+    takes it)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
 
 
 @dataclass
@@ -66,7 +83,8 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_prompt_bytes: int
-    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``kvmesh/shared/limits.py``)."""
+    """UTF-8 bytes of text beyond which a prompt cannot fit the context (``prompt_byte_limit``): counted in
+    bytes, since a token stands for at most so many bytes, not characters."""
     max_n: int
 
 
@@ -143,29 +161,21 @@ class Generation:
         texts = (
             [m["content"] for m in messages] if messages is not None else [prompt] if isinstance(prompt, str) else []
         )
-        for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # JSON can escape a lone surrogate; no tokenizer takes one
-                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
+        text_bytes = sum(_utf8_bytes(text, param) for text in texts)
         if messages is not None:
             if len(messages) > MAX_MESSAGES:
                 raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param=param)
-            if sum(len(m["content"]) for m in messages) > lim.max_prompt_bytes:
+            if text_bytes > lim.max_prompt_bytes:
                 raise self._too_long(param)
             try:
                 text = render_chat(self.tokenizer, messages, tools)
             except TemplateError as exc:  # e.g. roles that do not alternate, for templates that insist
                 raise APIError(f"messages: {exc}", param=param) from exc
-            if len(text) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
+            if _utf8_bytes(text, param) > lim.max_prompt_bytes:  # tools and tool calls are rendered into it too
                 raise self._too_long(param)
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError("the text is not valid Unicode (it holds a lone surrogate)", param=param) from None
             return await self.encode(text, bool(add_special_tokens))
         if isinstance(prompt, str):
-            if len(prompt) > lim.max_prompt_bytes:
+            if text_bytes > lim.max_prompt_bytes:
                 raise self._too_long(param)
             return await self.encode(prompt, add_special_tokens is not False)
         ids = list(prompt or [])
@@ -241,9 +251,16 @@ class Generation:
             )
         salt = self.cache_salt(tenant, cache_salt)
         hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
-        shape = ResponseShape(messages is not None, lim.served_name, params.n, self.token_text)
-        call = GenerateCall(shape.id, ids, hashes, self.block_size, params.__dict__, session_id, salt)
-        return Prepared(call, params, shape, api)
+        call = GenerateCall(
+            request_id=new_request_id(chat=messages is not None),
+            prompt_token_ids=ids,
+            block_hashes=hashes,
+            block_size=self.block_size,
+            params=params,
+            session_id=session_id,
+            cache_salt=salt,
+        )
+        return Prepared(call, params, messages is not None, api)
 
     # ------------------------------------------------------------------ streaming
     async def stream(self, prep: Prepared) -> AsyncIterator[GenerateChunk]:

@@ -17,8 +17,10 @@ import grpc
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import Admission
+from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.api_params import sampling_params
+from kvmesh.cluster.chat_messages import HistoryToolCall, template_message
 from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_protocol import CHAT_ROLES, APIError, sampling_params
 from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.cluster.tool_calls import ToolReplies, ToolRequest, check_tools
 from kvmesh.shared.limits import MAX_MESSAGES
@@ -52,16 +54,9 @@ def _usage(u: Usage) -> kvmesh_pb2.Usage:
 
 
 def _message(m: kvmesh_pb2.ChatMessage) -> dict:
-    """A chat message as the HTTP API's ``ChatMessage.render`` gives it to the template."""
-    out: dict = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
-    return out
+    """A chat message as the template takes it, translated as HTTP's (``kvmesh/cluster/chat_messages.py``)."""
+    calls = [HistoryToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]
+    return template_message(role=m.role, content=m.content, tool_calls=calls, tool_call_id=m.tool_call_id or None)
 
 
 def _tools(request: kvmesh_pb2.GenerateRequest, chat: bool) -> ToolRequest | None:
@@ -130,6 +125,7 @@ class GrpcApi:
             "temperature",
             "top_p",
             "top_k",
+            "min_p",
             "seed",
             "n",
             "min_tokens",
@@ -147,8 +143,6 @@ class GrpcApi:
         if len(request.messages) > MAX_MESSAGES:
             raise APIError(f"messages: at most {MAX_MESSAGES} messages, got {len(request.messages)}", param="messages")
         messages = [_message(m) for m in request.messages] or None
-        if messages and any(m["role"] not in CHAT_ROLES for m in messages):
-            raise APIError(f"messages: role must be one of {', '.join(CHAT_ROLES)}", param="messages")
         tools, offered = _tools(request, messages is not None), None
         if tools is not None:
             if tools.forced_schema() is not None:
@@ -214,7 +208,7 @@ class GrpcApi:
             await _fail(grpc_context, exc)
         try:
             prep, tools = await self._prepare_grpc(request, tenant)
-            texts, reasons, last, logprobs = await gather(prep.shape.n, self.generation.stream(prep))
+            texts, reasons, last, logprobs = await gather(prep.params.n, self.generation.stream(prep))
         except APIError as exc:
             await _fail(grpc_context, exc)
         finally:
@@ -227,5 +221,5 @@ class GrpcApi:
             for i, (t, r, c, lp) in enumerate(zip(texts, reasons, calls, logprobs, strict=True))
         ]
         return kvmesh_pb2.Completion(
-            id=prep.shape.id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices
+            id=prep.call.request_id, text=texts[0], finish_reason=reasons[0], usage=_usage(last.usage), choices=choices
         )

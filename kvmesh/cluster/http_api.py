@@ -23,20 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import TENANT_STATE, Admission, AdmissionMiddleware
+from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ResponseShape,
-    TokenizeRequest,
-    usage_dict,
-)
+from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
 from kvmesh.cluster.tool_calls import ToolReplies, check_tools
 from kvmesh.router.metrics import decision_counts
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.messages import GenerateChunk, TokenLogprob
+from kvmesh.shared.messages import GenerateChunk, ReplicaStatus, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +96,7 @@ async def _echoed(chunks: AsyncIterator[GenerateChunk], text: str, ids: list[int
                 started.add(chunk.index)
                 chunk.text = text + chunk.text
                 if chunk.logprobs is not None:
-                    prompt = [TokenLogprob(ids[0], None), *(chunk.prompt_logprobs or [])]
+                    prompt = [TokenLogprob(token_id=ids[0], logprob=None), *(chunk.prompt_logprobs or [])]
                     chunk.logprobs = prompt + chunk.logprobs
             yield chunk
     finally:
@@ -167,6 +161,13 @@ class HttpApi:
         echo: str | None = None,
     ) -> Response:
         """The response to a prepared request; ``echo``: the prompt's text, to start each choice with."""
+        shape = ResponseShape(
+            prep.call.request_id,
+            chat=prep.chat,
+            model=self.generation.limits.served_name,
+            n=prep.params.n,
+            token_text=self.generation.token_text,
+        )
         chunks = self.generation.stream(prep)
         if echo is not None:
             chunks = _echoed(chunks, echo, prep.call.prompt_token_ids)
@@ -176,18 +177,18 @@ class HttpApi:
             raise APIError("the engine ended the request without output", status=500) from None
         headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
         if not stream:
-            texts, reasons, last, logprobs = await gather(prep.shape.n, _prepend(first, chunks))
+            texts, reasons, last, logprobs = await gather(shape.n, _prepend(first, chunks))
             calls = None
             if tools is not None:
                 texts, calls, reasons = tools.whole(texts, reasons)
-            body = prep.shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
+            body = shape.whole(texts, reasons, usage_dict(last.usage), logprobs, calls)
             return JSONResponse(body, headers=headers)
         return StreamingResponse(
-            _sse(prep.shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
+            _sse(shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+    async def _prepare_chat(self, body: ChatCompletionRequest, tenant: str) -> tuple[Prepared, ToolReplies | None]:
+        """The chat prepared for the engine, and the parser of its replies when it offers tools."""
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         params = body.check(tools.forced_schema() if tools else None)
         messages, offered = self.generation.with_tools([m.render() for m in body.messages], tools)
@@ -197,12 +198,16 @@ class HttpApi:
             messages,
             params,
             "chat",
-            _tenant(raw),
+            tenant,
             body.cache_salt,
             body.session_id or body.user,
             tools=offered,
         )
-        replies = ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+        return prep, ToolReplies(tools, self.generation.tool_syntax, params.n) if tools else None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        prep, replies = await self._prepare_chat(body, _tenant(raw))
         return await self._respond(prep, body.stream, body.include_usage, replies)
 
     @app.post("/v1/completions")
@@ -256,7 +261,7 @@ class HttpApi:
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    async def _replica_reports(self) -> dict[str, dict]:
+    async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         if self.index is None:
             return {}
         try:
@@ -277,8 +282,8 @@ class HttpApi:
         return {
             "model": self.generation.limits.served_name,
             "policy": self.settings.policy,
-            "replicas": reports,
+            "replicas": {rid: report.as_dict() for rid, report in reports.items()},
             "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
-            "index": {"entries": sum(int(r.get("index_entries") or 0) for r in reports.values())},
+            "index": {"entries": sum(report.index_entries for report in reports.values())},
             "redis": redis_health,
         }

@@ -24,7 +24,7 @@ from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
 from kvmesh.cluster.http_api import HttpApi, app, set_admission
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.limits import prompt_char_limit, request_body_limit
+from kvmesh.shared.limits import prompt_byte_limit, request_body_limit
 from kvmesh.shared.model_files import load_tokenizer, max_context, max_token_bytes, resolve_model_dir, vocab_size
 from kvmesh.shared.sampling_params import MAX_N
 
@@ -72,7 +72,7 @@ class Ingress(HttpApi, GrpcApi):
             served_name=s.served_model_name,
             vocab_size=vocab_size(model_dir),
             max_model_len=max_model_len,
-            max_prompt_bytes=prompt_char_limit(max_model_len, token_bytes),
+            max_prompt_bytes=prompt_byte_limit(max_model_len, token_bytes),
             max_n=s.max_n,
         )
         self.generation = Generation(engine, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache)

@@ -9,11 +9,14 @@ process (``kvmesh.router.metrics``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import kvmesh.router.metrics  # noqa: F401  (registers the routers' metrics in this process's registry)
+from kvmesh.shared.messages import ReplicaStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -41,53 +44,73 @@ RETRIES = Counter(
 )
 REFUSED = Counter("kvmesh_requests_refused", "Requests refused at the door (401, 413, 429).", ["reason"])
 
-_GAUGES = {
-    "kv_usage": ("kvmesh_replica_kv_usage_ratio", "Share of the replica's KV blocks held by running requests."),
-    "prefix_hit_rate": ("kvmesh_replica_prefix_hit_rate", "Prompt tokens served from the prefix cache / admitted."),
-    "num_running": ("kvmesh_replica_requests_running", "Requests in the replica's running batch."),
-    "num_waiting": ("kvmesh_replica_requests_waiting", "Requests queued at the replica."),
-    "num_cached_blocks": ("kvmesh_replica_cached_blocks", "Evictable blocks holding cached prefixes."),
-    "host_hit_rate": ("kvmesh_replica_host_hit_rate", "Prompt tokens loaded from the host prefix tier / admitted."),
-    "host_cached_blocks": ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes."),
-    "host_cache_blocks": ("kvmesh_replica_host_cache_blocks", "Host-tier capacity for evicted prefixes, in blocks."),
-    "index_entries": ("kvmesh_replica_index_entries", "Blocks the replica has published to the index."),
-    "prefill_busy": (
+_GAUGES: tuple[tuple[str, str, Callable[[ReplicaStatus], float]], ...] = (
+    (
+        "kvmesh_replica_kv_usage_ratio",
+        "Share of the replica's KV blocks held by running requests.",
+        lambda s: s.kv_usage,
+    ),
+    (
+        "kvmesh_replica_prefix_hit_rate",
+        "Prompt tokens served from the prefix cache / admitted.",
+        lambda s: s.prefix_hit_rate,
+    ),
+    ("kvmesh_replica_requests_running", "Requests in the replica's running batch.", lambda s: s.num_running),
+    ("kvmesh_replica_requests_waiting", "Requests queued at the replica.", lambda s: s.num_waiting),
+    ("kvmesh_replica_cached_blocks", "Evictable blocks holding cached prefixes.", lambda s: s.num_cached_blocks),
+    (
+        "kvmesh_replica_host_hit_rate",
+        "Prompt tokens loaded from the host prefix tier / admitted.",
+        lambda s: s.host_hit_rate,
+    ),
+    ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes.", lambda s: s.host_cached_blocks),
+    (
+        "kvmesh_replica_host_cache_blocks",
+        "Host-tier capacity for evicted prefixes, in blocks.",
+        lambda s: s.host_cache_blocks,
+    ),
+    (
         "kvmesh_replica_prefill_busy_ratio",
         "Share of the last 10 s the replica spent prefilling (what routers price cache churn by).",
+        lambda s: s.prefill_busy,
     ),
-}
+)
+"""The engine's gauges: not exported for a replica whose report says it could not read its engine."""
 
 
 class _ReplicaCollector(Collector):
-    def __init__(self, reports: dict[str, dict]) -> None:
-        self.reports = reports
+    def __init__(self, reports: dict[str, ReplicaStatus]) -> None:
+        self.reports = sorted(reports.items())
 
     def collect(self):
-        for key, (name, doc) in _GAUGES.items():
+        known = [(replica, status) for replica, status in self.reports if status.error is None]
+        for name, doc, value in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["replica"])
-            for replica, report in sorted(self.reports.items()):
-                if isinstance(report.get(key), (int, float)):
-                    family.add_metric([replica], float(report[key]))
+            for replica, status in known:
+                family.add_metric([replica], float(value(status)))
             yield family
+        entries = GaugeMetricFamily(
+            "kvmesh_replica_index_entries", "Blocks the replica has published to the index.", labels=["replica"]
+        )
+        for replica, status in self.reports:
+            entries.add_metric([replica], float(status.index_entries))
+        yield entries
         preemptions = CounterMetricFamily("kvmesh_replica_preemptions", "Requests preempted.", labels=["replica"])
-        for replica, report in sorted(self.reports.items()):
-            if isinstance(report.get("num_preemptions"), int):
-                preemptions.add_metric([replica], report["num_preemptions"])
+        for replica, status in known:
+            preemptions.add_metric([replica], status.num_preemptions)
         yield preemptions
         cached = CounterMetricFamily(
             "kvmesh_replica_cached_prompt_tokens",
             "Prompt tokens served from the replica's prefix cache, by the tier that held them.",
             labels=["replica", "tier"],
         )
-        for replica, report in sorted(self.reports.items()):
-            total, host = report.get("cached_prompt_tokens"), report.get("cached_prompt_tokens_host", 0)
-            if isinstance(total, int) and isinstance(host, int):
-                cached.add_metric([replica, "device"], total - host)
-                cached.add_metric([replica, "host"], host)
+        for replica, status in known:
+            cached.add_metric([replica, "device"], status.cached_prompt_tokens - status.cached_prompt_tokens_host)
+            cached.add_metric([replica, "host"], status.cached_prompt_tokens_host)
         yield cached
 
 
-def render(replica_reports: dict[str, dict]) -> bytes:
+def render(replica_reports: dict[str, ReplicaStatus]) -> bytes:
     """This process's metrics plus one gauge set per replica from their latest reports."""
     replicas = CollectorRegistry(auto_describe=False)
     replicas.register(_ReplicaCollector(replica_reports))

@@ -6,6 +6,8 @@ import json
 import urllib.error
 import urllib.request
 
+from kvmesh.shared.messages import ReplicaStatus
+
 
 def fetch_status(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -29,15 +31,29 @@ def format_table(headers: list[str], rows: list[list[str]], rule: bool = False) 
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines]
 
 
-def _host_tier(report: dict) -> list[str]:
+def _host_tier(report: ReplicaStatus) -> list[str]:
     """The host prefix tier's hit rate and ``<blocks used>/<capacity>``; ``off`` without one."""
-    capacity = report.get("host_cache_blocks", 0)
-    if not capacity:
+    if not report.host_cache_blocks:
         return ["off", "off"]
-    return [f"{100 * report.get('host_hit_rate', 0):.1f}%", f"{report.get('host_cached_blocks', 0)}/{capacity}"]
+    return [f"{100 * report.host_hit_rate:.1f}%", f"{report.host_cached_blocks}/{report.host_cache_blocks}"]
+
+
+def _row(replica: str, r: ReplicaStatus) -> list[str]:
+    """One replica's line; ``?`` for the engine's counters when the replica could not read them."""
+    engine = [
+        f"{100 * r.kv_usage:.1f}%",
+        f"{100 * r.prefix_hit_rate:.1f}%",
+        *_host_tier(r),
+        str(r.num_running),
+        str(r.num_waiting),
+        str(r.num_preemptions),
+        f"{100 * r.prefill_busy:.0f}%",
+    ]
+    return [replica, *(["?"] * len(engine) if r.error is not None else engine), str(r.index_entries)]
 
 
 def render_status(status: dict) -> str:
+    """``kvmesh status``'s text from the ``/status`` JSON."""
     redis = status.get("redis") or {}
     redis_text = f"ok, {redis.get('ping_ms')} ms, {redis.get('used_memory')}" if redis.get("ok") else "DOWN"
     out = [
@@ -45,20 +61,7 @@ def render_status(status: dict) -> str:
         f"index {status['index']['entries']} entries   Redis {redis_text}",
         "",
     ]
-    rows = [
-        [
-            rid,
-            f"{100 * r.get('kv_usage', 0):.1f}%",
-            f"{100 * r.get('prefix_hit_rate', 0):.1f}%",
-            *_host_tier(r),
-            str(r.get("num_running", "?")),
-            str(r.get("num_waiting", "?")),
-            str(r.get("num_preemptions", "?")),
-            f"{100 * r.get('prefill_busy', 0):.0f}%",
-            str(r.get("index_entries", "?")),
-        ]
-        for rid, r in sorted(status["replicas"].items())
-    ]
+    rows = [_row(rid, ReplicaStatus.from_dict(r)) for rid, r in sorted(status["replicas"].items())]
     headers = ["REPLICA", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
     out += format_table([*headers, "PREFILL BUSY", "INDEXED"], rows)
     if not rows:

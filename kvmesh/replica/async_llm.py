@@ -12,10 +12,10 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
-from kvmesh.replica.telemetry import EngineStats
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.errors import RequestFailed
 from kvmesh.shared.hashing import BlockHash
@@ -24,12 +24,30 @@ from kvmesh.shared.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True, kw_only=True)
+class _Add:
+    """Queue a new request with the engine (unless its caller left first)."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams | None
+    cache_salt: str | None
+    block_hashes: list[BlockHash] | None
+
+
+@dataclass(slots=True, kw_only=True)
+class _Abort:
+    """Drop a request from the engine and free its blocks."""
+
+    request_id: str
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-engine")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple] = []
+        self._pending: list[_Add | _Abort] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -56,7 +74,9 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending.append(("add", request_id, prompt, params, cache_salt, block_hashes))
+        self._pending.append(
+            _Add(request_id=request_id, prompt=prompt, params=params, cache_salt=cache_salt, block_hashes=block_hashes)
+        )
         self._ensure_loop()
         finished = False
         try:
@@ -75,11 +95,8 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._pending.append(("abort", request_id))
+        self._pending.append(_Abort(request_id=request_id))
         self._ensure_loop()
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
 
     def _ensure_loop(self) -> None:
         self._wake.set()
@@ -89,16 +106,15 @@ class AsyncLLM:
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
         for op in pending:
-            if op[0] == "abort":
-                self.engine.abort_request(op[1])
-                continue
-            _, rid, prompt, params, salt, hashes = op
-            if rid not in self._queues:  # the client left before the request was queued
-                continue
-            try:
-                self.engine.add_request(prompt, params, rid, cache_salt=salt, block_hashes=hashes)
-            except ValueError as exc:
-                self._queues[rid].put_nowait(exc)
+            if isinstance(op, _Abort):
+                self.engine.abort_request(op.request_id)
+            elif op.request_id in self._queues:  # else the client left before the request was queued
+                try:
+                    self.engine.add_request(
+                        op.prompt, op.params, op.request_id, cache_salt=op.cache_salt, block_hashes=op.block_hashes
+                    )
+                except ValueError as exc:
+                    self._queues[op.request_id].put_nowait(exc)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ queue lock guarantees.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -29,6 +30,7 @@ from redis.exceptions import RedisError
 
 from kvmesh.router.index_schema import DEFAULT_HEARTBEAT_TTL_S, block_key, index_prefix, script_source
 from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.messages import ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class KVIndexPublisher:
         max_queued_steps: int = 4096,
         redis_timeout_s: float = 1.0,
         unique_name: bool = False,
-        status: Callable[[], dict] | None = None,
+        status: Callable[[], ReplicaStatus] | None = None,
         host_snapshot: Callable[[], list[BlockHash]] | None = None,
     ) -> None:
         self.prefix = index_prefix(deployment, model)
@@ -196,13 +198,15 @@ class KVIndexPublisher:
                 self._busy = False
 
     def _status_json(self) -> str:
+        """The replica's ``ReplicaStatus`` with this heartbeat's index size and time, as JSON for Redis."""
         if self._status is None:
             return ""
         try:
             report = self._status()
         except Exception as exc:  # a status bug must never stop the heartbeat
-            report = {"status_error": repr(exc)}
-        return json.dumps({**report, "index_entries": self._live, "reported_at": time.time()})
+            report = ReplicaStatus(error=repr(exc))
+        report = dataclasses.replace(report, index_entries=self._live, reported_at=time.time())
+        return json.dumps(report.as_dict())
 
     def _apply(self, ops: bytes) -> None:
         if self._scripts["publish"](args=[self.prefix, self.replica_id, self.slot, ops]) != 1:

@@ -42,7 +42,7 @@ class RouteRequest:
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(LoadReport))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReplicaLoad(LoadReport):
     """What the router knows of one replica: its last ``LoadReport`` plus what it routed there since.
 

@@ -23,6 +23,7 @@ from kvmesh.router.index_schema import block_key, chain_arg, index_prefix, scrip
 from kvmesh.router.sessions import SESSION_DECAY_S, decayed
 from kvmesh.shared.defaults import PREDICT_TTL_S
 from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.messages import ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class PrefixIndex:
         except (TimeoutError, RedisError, OSError) as exc:
             log.debug("prediction not recorded: %r", exc)
 
-    async def replica_reports(self) -> dict[str, dict]:
+    async def replica_reports(self) -> dict[str, ReplicaStatus]:
         """The latest status report of every registered replica with a live heartbeat (for metrics, status).
 
         Reports are JSON written by the replicas' publishers; nothing read here is evaluated or unpickled.
@@ -164,7 +165,7 @@ class PrefixIndex:
         if not ids:
             return {}
         raw = await self.client.mget([f"{self.prefix}st:{rid}" for rid in ids])
-        return {rid: json.loads(r) for rid, r in zip(ids, raw, strict=True) if r is not None}
+        return {rid: ReplicaStatus.from_dict(json.loads(r)) for rid, r in zip(ids, raw, strict=True) if r is not None}
 
     async def health(self) -> dict:
         """Redis reachability, round-trip time and memory, for ``kvmesh status``."""

@@ -136,7 +136,11 @@ class KVAwareRequestRouter(RequestRouter):
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         report = LoadReport.from_dict(replica.routing_stats)
-        load = ReplicaLoad.from_report(report) if report is not None else ReplicaLoad(replica.replica_id.unique_id)
+        load = (
+            ReplicaLoad.from_report(report)
+            if report is not None
+            else ReplicaLoad(index_id=replica.replica_id.unique_id)
+        )
         load.routed_requests, load.pending_prefill_tokens, load.routed_prefill_tokens = self._queued(
             replica.replica_id,
             report.reported_at if report is not None else 0.0,

@@ -22,7 +22,7 @@ LOGIT_BIAS_RANGE = 100.0
 MAX_ID_CHARS = 256
 """``session_id``, ``user``, ``cache_salt`` and request ids: routers keep session ids in memory."""
 MAX_MESSAGES = 4096
-"""Chat messages per request; their combined size is bounded by the context (``prompt_char_limit``)."""
+"""Chat messages per request; their combined size is bounded by the context (``prompt_byte_limit``)."""
 SEED_RANGE = (-(2**63), 2**64)
 """Seeds are taken modulo 2**64, so a signed or unsigned 64-bit seed keeps its meaning; nothing wider."""
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -80,14 +80,15 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> 
         raise InvalidRequest(f"prompt contains token ids outside the vocabulary (0..{vocab_size - 1})", param)
 
 
-def prompt_char_limit(max_model_len: int, max_token_bytes: int) -> int:
+def prompt_byte_limit(max_model_len: int, max_token_bytes: int) -> int:
     """UTF-8 bytes of text that cannot fit ``max_model_len`` tokens when no token spans more than
-    ``max_token_bytes`` bytes: text over it is refused before it is tokenized. Doubled for normalisers
-    that shrink text before splitting it."""
+    ``max_token_bytes`` bytes: text over it is refused before it is tokenized (its bytes are counted, not its
+    characters: one character may be four bytes). Doubled for normalisers that shrink text before splitting
+    it."""
     return 2 * max_model_len * max(1, max_token_bytes)
 
 
 def request_body_limit(max_model_len: int, max_token_bytes: int) -> int:
     """Default HTTP/gRPC body limit: the largest prompt that could fit the context, JSON-escaped (up to
     6 bytes per byte of text), plus room for everything else in the body."""
-    return 6 * prompt_char_limit(max_model_len, max_token_bytes) + (256 << 10)
+    return 6 * prompt_byte_limit(max_model_len, max_token_bytes) + (256 << 10)

@@ -6,8 +6,13 @@
   its ``Usage``, which is how the stream's end is known.
 - ``LoadReport``: engine replica -> routers (Ray Serve's ``record_routing_stats``, which travels as a dict:
   ``as_dict`` / ``from_dict`` at that boundary only).
+- ``KVPressure``: engine replica -> the autoscaling policy on Ray's controller (``record_autoscaling_stats``,
+  a dict of numbers).
+- ``ReplicaStatus``: engine replica -> Redis (JSON beside its heartbeat) -> ingress (metrics, ``/status``)
+  -> ``kvmesh status`` (HTTP JSON).
 
-Torch-free: the ingress and the routers import it.
+Every message is keyword-only: fields are named where a message is built, so adding one cannot shift
+another. Torch-free: the ingress, the routers and the autoscaler import it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.shared.hashing import BlockHash
+from kvmesh.shared.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerateCall:
     request_id: str
     prompt_token_ids: list[int]
@@ -27,8 +33,8 @@ class GenerateCall:
     """The prompt's full blocks, hashed once by the ingress (``kvmesh/shared/hashing.py``); the replica checks
     that they are its own before using them."""
     block_size: int
-    params: dict[str, Any] = field(default_factory=dict)
-    """``SamplingParams`` fields (the replica builds, and so validates, the object)."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """Validated when built; the replica checks them again (a call may come from any handle user)."""
     session_id: str | None = None
     cache_salt: str | None = None
 
@@ -37,7 +43,7 @@ class GenerateCall:
         return len(self.prompt_token_ids)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Usage:
     prompt_tokens: int
     """Counted once, whatever ``n``."""
@@ -47,7 +53,7 @@ class Usage:
     """Prompt tokens served from the replica's prefix cache."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TokenLogprob:
     """A token's log-probability under the model (raw logits: before ``logit_bias``, temperature and every
     cut, as vLLM reports them) and the ``top`` most likely alternatives, most likely first. None for a
@@ -58,7 +64,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class GenerateChunk:
     index: int
     """Which of the request's ``n`` sequences this continues."""
@@ -81,7 +87,7 @@ BUSY_WINDOW_S = 10.0
 """Time constant of a replica's moving average of how busy its prefill is (``LoadReport.prefill_busy``)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class LoadReport:
     """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time)."""
 
@@ -120,5 +126,89 @@ class LoadReport:
         """The report a replica sent, or None if it has not reported (or reported something else)."""
         if not values or "index_id" not in values:
             return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+@dataclass(slots=True, kw_only=True)
+class KVPressure:
+    """A replica's KV demand for the autoscaling policy (``kvmesh/cluster/autoscaling.py``), in blocks.
+
+    Sent through Ray's ``record_autoscaling_stats`` (a dict of numbers: ``as_dict``); Ray averages each field
+    per replica over its look-back window and hands the policy one dict per field (``per_replica``)."""
+
+    kv_used_blocks: float
+    """Blocks pinned by requests (evictable cached blocks are free capacity, not demand)."""
+    kv_waiting_blocks: float
+    """Blocks the waiting requests' prompts will need."""
+    kv_total_blocks: float
+    num_running: float
+    num_waiting: float
+    preemptions: float
+    """Preemptions since the replica's previous report."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, float]) -> KVPressure | None:
+        """The pressure a replica reported, or None if a field is missing (it reported something else)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if any(name not in values for name in names):
+            return None
+        return cls(**{name: values[name] for name in names})
+
+    @classmethod
+    def per_replica(cls, aggregated: dict[str, dict[Any, float]]) -> list[KVPressure]:
+        """Each replica's pressure from Ray's aggregated metrics (field -> replica -> value)."""
+        replicas = {replica for values in aggregated.values() for replica in values}
+        reports = (cls.from_dict({k: v[r] for k, v in aggregated.items() if r in v}) for r in replicas)
+        return [report for report in reports if report is not None]
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplicaStatus:
+    """A replica's state for metrics and ``kvmesh status``: its engine's counters (``EngineStats``,
+    ``kvmesh/replica/telemetry.py``), its process and what its publisher adds at each heartbeat.
+
+    Stored in Redis as JSON beside the heartbeat and served by the ingress's ``/status``: ``as_dict`` /
+    ``from_dict`` at those edges. Fields a report lacks (an older replica's) read as their defaults."""
+
+    kv_usage: float = 0.0
+    """Share of KV blocks pinned by requests."""
+    prefix_hit_rate: float = 0.0
+    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_swapped_out: int = 0
+    num_recomputed_tokens: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    requests_admitted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    cached_prompt_tokens_host: int = 0
+    """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
+    host_hit_rate: float = 0.0
+    host_cache_blocks: int = 0
+    """Host-tier capacity for evicted prefix blocks (0: no host prefix tier)."""
+    host_cached_blocks: int = 0
+    prefill_busy: float = 0.0
+    """Share of the last ``BUSY_WINDOW_S`` spent prefilling."""
+    pid: int | None = None
+    index_entries: int = 0
+    """Blocks the replica has published to the index (set by its publisher)."""
+    reported_at: float = 0.0
+    """Unix time of the heartbeat that stored it (set by its publisher)."""
+    error: str | None = None
+    """Why the replica could not read its engine's state; its counters are then unknown, not zero."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ReplicaStatus:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})

@@ -1,4 +1,4 @@
-"""The OpenAI API as kvmesh speaks it: request models, their translation to engine calls, errors, responses.
+"""The OpenAI API's request bodies as kvmesh takes them, and their translation to ``SamplingParams``.
 
 Request models check types (FastAPI publishes them as the OpenAPI schema); value ranges are checked once,
 by ``SamplingParams``, whose message becomes the 400's message. Unknown fields are ignored, as OpenAI and
@@ -9,65 +9,24 @@ frequency penalties, ``response_format`` (JSON object or schema, by constrained 
 ``tool_choice`` (``kvmesh/cluster/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
-its sequences share its KV blocks. Choices carry their ``index``, in whole responses and stream chunks alike;
-``usage`` counts the prompt once and the completion tokens of all choices.
+its sequences share its KV blocks.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.shared.errors import InvalidRequest
+from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.api_params import sampling_params
+from kvmesh.cluster.chat_messages import ChatRole, HistoryToolCall, template_message
 from kvmesh.shared.limits import MAX_ID_CHARS
-from kvmesh.shared.messages import TokenLogprob, Usage
 from kvmesh.shared.sampling_params import JSON_OBJECT_SCHEMA, MAX_LOGPROBS, MAX_N, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
 """Completions' ``logprobs`` bound (OpenAI's)."""
-
-
-class APIError(Exception):
-    """An error the client caused or must handle, rendered in OpenAI's error format."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
-            status, "invalid_request_error" if status < 500 else "server_error"
-        )
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def sampling_params(top_k: int | None = None, stop: str | list[str] | None = None, **fields) -> SamplingParams:
-    """``SamplingParams`` from API fields (HTTP and gRPC alike): fields left out or None keep their defaults
-    (except ``max_tokens=None``: no limit), ``top_k`` -1 means off (vLLM's convention), and an out-of-range
-    value becomes a 400 naming the field."""
-    fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
-    try:
-        return SamplingParams(
-            **fields,
-            top_k=0 if top_k in (None, -1) else top_k,
-            stop=[stop] if isinstance(stop, str) else list(stop or []),
-        )
-    except InvalidRequest as exc:
-        raise APIError(str(exc), param=exc.param) from exc
 
 
 class _Request(BaseModel):
@@ -78,6 +37,9 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = Field(
+        default=None, description="Drop tokens less likely than min_p x the most likely one, 0 to 1 (0: off)."
+    )
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, description=f"Choices to generate from the prompt, 1 to {MAX_N}.")
@@ -144,6 +106,7 @@ class _Request(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
@@ -180,10 +143,6 @@ class TextPart(BaseModel):
     text: str
 
 
-ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
-CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
-
-
 class FunctionCall(BaseModel):
     name: str = Field(max_length=MAX_ID_CHARS)
     arguments: str = ""
@@ -213,16 +172,15 @@ class ChatMessage(BaseModel):
         return self
 
     def render(self) -> dict:
-        """The message as chat templates take it (tool calls and ids kept for templates that render them)."""
-        content = self.content if isinstance(self.content, str) or self.content is None else ""
+        """The message as chat templates take it (``kvmesh/cluster/chat_messages.py``); text parts joined."""
+        content = self.content if isinstance(self.content, str) else ""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+        calls = [
+            HistoryToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in self.tool_calls or []
+        ]
+        return template_message(role=self.role, content=content, tool_calls=calls, tool_call_id=self.tool_call_id)
 
 
 class ChatCompletionRequest(_Request):
@@ -334,109 +292,3 @@ class DetokenizeRequest(BaseModel):
 
 
 _Request.model_rebuild()
-
-
-def usage_dict(u: Usage) -> dict:
-    """A request's ``Usage`` as OpenAI reports it."""
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-class ResponseShape:
-    """Builds the response objects of one request, chat or text completion, whole or as stream chunks, for
-    its ``n`` choices (``index`` 0..n-1). ``token_text`` renders a token id as text, for log-probabilities
-    (OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions': parallel
-    ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists)."""
-
-    def __init__(self, chat: bool, model: str, n: int = 1, token_text: Callable[[int], str] = str) -> None:
-        self.chat, self.model, self.n = chat, model, n
-        self.token_text = token_text
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict], usage_: dict | None) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage_,
-        }
-
-    def logprobs(self, items: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
-        """``items`` in the API's shape; ``offset``: characters of the choice's text before them."""
-        if items is None:
-            return None
-        text = self.token_text
-        if self.chat:
-
-            def entry(token_id: int, logprob: float) -> dict:
-                token = text(token_id)
-                return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-            return {
-                "content": [
-                    {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in items
-                ]
-            }
-        tokens = [text(lp.token_id) for lp in items]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [None if lp.logprob is None else {text(i): v for i, v in lp.top} for lp in items],
-            "text_offset": offsets,
-        }
-
-    def whole(
-        self,
-        texts: list[str],
-        finish_reasons: list[str | None],
-        usage_: dict,
-        logprobs: list[list[TokenLogprob] | None] | None = None,
-        tool_calls: list[list[dict]] | None = None,
-    ) -> dict:
-        """The whole response; ``tool_calls``: each choice's calls (``ToolCall.as_dict``), for chat with tools."""
-        choices = []
-        for index, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True)):
-            calls = tool_calls[index] if tool_calls else None
-            message = {"role": "assistant", "content": text or (None if calls else text)}
-            if calls:
-                message["tool_calls"] = calls
-            body = {"message": message} if self.chat else {"text": text}
-            lps = self.logprobs(logprobs[index]) if logprobs else None
-            choices.append({"index": index, **body, "finish_reason": reason, "logprobs": lps})
-        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage_)
-
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None = None,
-        first: bool = False,
-        index: int = 0,
-        logprobs: list[TokenLogprob] | None = None,
-        offset: int = 0,
-        tool_calls: list[dict] | None = None,
-    ) -> dict:
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": text or ""} if first else {}
-            if text and not first:
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": text or ""}
-        choice |= {"finish_reason": finish_reason, "logprobs": self.logprobs(logprobs, offset)}
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], None)
-
-    def usage_chunk(self, usage_: dict) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage_)
