@@ -25,7 +25,7 @@ def run(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
     return tokens, cached
 
 
-def make(model: str, host_cache_blocks: int, device_blocks: int = 24) -> LLMEngine:
+def make(model: str, host_tier_blocks: int, device_blocks: int = 24) -> LLMEngine:
     probe = LLMEngine(EngineConfig(model=model, block_size=BLOCK, num_kv_blocks=1, swap_space_bytes=0))
     per_block = probe.bytes_per_block
     return LLMEngine(
@@ -34,7 +34,7 @@ def make(model: str, host_cache_blocks: int, device_blocks: int = 24) -> LLMEngi
             block_size=BLOCK,
             num_kv_blocks=device_blocks,
             swap_space_bytes=0,
-            host_cache_bytes=host_cache_blocks * per_block,
+            host_cache_bytes=host_tier_blocks * per_block,
             max_num_batched_tokens=512,
         )
     )
@@ -59,7 +59,7 @@ def test_a_prefix_evicted_from_the_device_is_served_from_the_host_tier(engines):
     on_device = [tiered.pool.lookup(h) for h in hash_blocks(history, BLOCK, tiered.hash_seed)]
     assert not any(on_device), "the other conversations were meant to evict the whole history"
     before = tiered.stats()
-    assert before.host_cached_blocks >= 10 and before.host_cache_blocks == 64
+    assert before.host_tier_used_blocks >= 10 and before.host_tier_blocks == 64
 
     tokens, cached = run(tiered, follow_up)
     assert tokens == reference, "a prefix loaded from the host tier must give the tokens computing it gives"
@@ -80,9 +80,9 @@ def test_without_a_host_tier_the_evicted_prefix_is_recomputed(engines):
 
 
 def test_the_host_tier_is_bounded_and_keeps_the_most_recent_blocks(tiny_llama_dir):
-    engine = make(str(tiny_llama_dir), host_cache_blocks=8)
+    engine = make(str(tiny_llama_dir), host_tier_blocks=8)
     for k in range(6):
         run(engine, [20_000 + 400 * k + i for i in range(15 * BLOCK)])
-    assert engine.stats().host_cached_blocks == 8
+    assert engine.stats().host_tier_used_blocks == 8
     engine.check_integrity()
-    assert engine.reset_prefix_cache() and engine.stats().host_cached_blocks == 0
+    assert engine.reset_prefix_cache() and engine.stats().host_tier_used_blocks == 0

@@ -627,6 +627,7 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
 
     from kvmesh.cluster import metrics
     from kvmesh.cluster.http_api import app
+    from kvmesh.shared.messages import ReplicaStatus
 
     app_monitor = one(overlay, "PodMonitor", "kvmesh")
     (endpoint,) = app_monitor["spec"]["podMetricsEndpoints"]
@@ -639,15 +640,9 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
         ports = {p["name"]: p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
         assert ports[ray_endpoint["port"]] == int(group["rayStartParams"]["metrics-export-port"])
 
-    report = {
-        "kv_usage": 0.5,
-        "prefix_hit_rate": 0.5,
-        "num_running": 1,
-        "num_waiting": 0,
-        "num_cached_blocks": 1,
-        "index_entries": 1,
-        "num_preemptions": 0,
-    }
+    report = ReplicaStatus(
+        kv_usage=0.5, prefix_hit_rate=0.5, num_running=1, num_cached_blocks=1, index_entries=1, host_tier_blocks=8
+    )
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     exported = {
         family.name + suffix

@@ -26,7 +26,7 @@ from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.shared.hashing import first_block_extra, hash_block
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, ReplicaStatus, Usage
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +120,9 @@ class EngineReplica:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
         preemptions since the last report."""
-        kv = self.engine.snapshot().kv_pressure()
-        total = kv["num_preemptions"]
-        pressure = KVPressure(
-            kv_used_blocks=kv["kv_used_blocks"],
-            kv_waiting_blocks=kv["kv_waiting_blocks"],
-            kv_total_blocks=kv["kv_total_blocks"],
-            num_running=kv["num_running"],
-            num_waiting=kv["num_waiting"],
-            preemptions=total - self._preemptions_seen,
-        )
-        self._preemptions_seen = total
+        snapshot = self.engine.snapshot()
+        pressure = snapshot.kv_pressure(self._preemptions_seen)
+        self._preemptions_seen = snapshot.num_preemptions
         return pressure.as_dict()
 
     def record_routing_stats(self) -> dict:

@@ -93,14 +93,14 @@ class Generation:
 
     def __init__(
         self,
-        engine: DeploymentHandle,
+        engine_handle: DeploymentHandle,
         tokenizer,
         model: str,
         block_size: int,
         limits: ModelLimits,
         share_prefix_cache: bool = False,
     ) -> None:
-        self.engine = engine.options(method_name="generate", stream=True)
+        self.handle = engine_handle.options(method_name="generate", stream=True)
         self.tokenizer = tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.block_size = block_size
@@ -276,7 +276,7 @@ class Generation:
                 # Each attempt is a new engine request: a replica still running the first must not see the
                 # same id again, and the first is cancelled before the retry goes out.
                 call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
-                stream = self.engine.remote(call)
+                stream = self.handle.remote(call)
                 try:
                     async for chunk in stream:
                         now, previous = time.perf_counter(), last_of_choice.get(chunk.index)

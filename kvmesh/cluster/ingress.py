@@ -61,7 +61,7 @@ class IngressSettings:
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress(HttpApi, GrpcApi):
-    def __init__(self, engine: DeploymentHandle, settings: dict) -> None:
+    def __init__(self, engine_handle: DeploymentHandle, settings: dict) -> None:
         self.settings = s = IngressSettings(**settings)
         model_dir = resolve_model_dir(s.model, weights=False)  # tokenizer and config only
         tokenizer = load_tokenizer(model_dir)
@@ -75,7 +75,7 @@ class Ingress(HttpApi, GrpcApi):
             max_prompt_bytes=prompt_byte_limit(max_model_len, token_bytes),
             max_n=s.max_n,
         )
-        self.generation = Generation(engine, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache)
+        self.generation = Generation(engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache)
         body_limit = s.max_request_bytes or request_body_limit(max_model_len, token_bytes)
         self.admission = Admission(
             s.api_key_digests,

@@ -63,11 +63,15 @@ _GAUGES: tuple[tuple[str, str, Callable[[ReplicaStatus], float]], ...] = (
         "Prompt tokens loaded from the host prefix tier / admitted.",
         lambda s: s.host_hit_rate,
     ),
-    ("kvmesh_replica_host_cached_blocks", "Host-tier blocks holding evicted prefixes.", lambda s: s.host_cached_blocks),
     (
-        "kvmesh_replica_host_cache_blocks",
+        "kvmesh_replica_host_tier_used_blocks",
+        "Host-tier blocks holding evicted prefixes.",
+        lambda s: s.host_tier_used_blocks,
+    ),
+    (
+        "kvmesh_replica_host_tier_blocks",
         "Host-tier capacity for evicted prefixes, in blocks.",
-        lambda s: s.host_cache_blocks,
+        lambda s: s.host_tier_blocks,
     ),
     (
         "kvmesh_replica_prefill_busy_ratio",

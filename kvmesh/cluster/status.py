@@ -33,9 +33,9 @@ def format_table(headers: list[str], rows: list[list[str]], rule: bool = False) 
 
 def _host_tier(report: ReplicaStatus) -> list[str]:
     """The host prefix tier's hit rate and ``<blocks used>/<capacity>``; ``off`` without one."""
-    if not report.host_cache_blocks:
+    if not report.host_tier_blocks:
         return ["off", "off"]
-    return [f"{100 * report.host_hit_rate:.1f}%", f"{report.host_cached_blocks}/{report.host_cache_blocks}"]
+    return [f"{100 * report.host_hit_rate:.1f}%", f"{report.host_tier_used_blocks}/{report.host_tier_blocks}"]
 
 
 def _row(replica: str, r: ReplicaStatus) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvmesh.router.sessions import decayed
 from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_S
-from kvmesh.shared.messages import BUSY_WINDOW_S, LoadReport
+from kvmesh.shared.messages import BUSY_WINDOW_S, KVPressure, LoadReport
 
 
 @dataclass
@@ -40,9 +40,9 @@ class EngineStats:
     """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
     host_hit_rate: float = 0.0
     """Prompt tokens loaded from the host tier / admitted (included in ``prefix_hit_rate``)."""
-    host_cache_blocks: int = 0
+    host_tier_blocks: int = 0
     """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
-    host_cached_blocks: int = 0
+    host_tier_used_blocks: int = 0
     prefill_busy: float = 0.0
     """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
 
@@ -69,8 +69,8 @@ class EngineSnapshot:
     prompt_tokens: int
     cached_prompt_tokens: int
     cached_prompt_tokens_host: int
-    host_cache_blocks: int
-    host_cached_blocks: int
+    host_tier_blocks: int
+    host_tier_used_blocks: int
     host_load_tok_s: float | None
     """Prompt tokens per second loaded back from the host tier (None: no host prefix tier)."""
     prefill_tok_s: float | None
@@ -104,18 +104,18 @@ class EngineSnapshot:
             max_num_seqs=self.max_num_seqs,
         )
 
-    def kv_pressure(self) -> dict[str, int]:
+    def kv_pressure(self, preemptions_seen: int = 0) -> KVPressure:
         """For the autoscaler (``kvmesh/cluster/autoscaling.py``): blocks pinned by requests (evictable cached ones
         are free capacity, not demand), blocks the waiting prompts will need, the pool, the queue, and the
-        preemption counter."""
-        return {
-            "kv_used_blocks": self.num_blocks - self.num_free_blocks,
-            "kv_waiting_blocks": self.waiting_blocks,
-            "kv_total_blocks": self.num_blocks,
-            "num_waiting": self.num_waiting,
-            "num_running": self.num_running,
-            "num_preemptions": self.num_preemptions,
-        }
+        preemptions since the count ``preemptions_seen``."""
+        return KVPressure(
+            kv_used_blocks=self.num_blocks - self.num_free_blocks,
+            kv_waiting_blocks=self.waiting_blocks,
+            kv_total_blocks=self.num_blocks,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            preemptions=self.num_preemptions - preemptions_seen,
+        )
 
     def stats(self) -> EngineStats:
         """For ``kvmesh status`` and the metrics."""
@@ -135,8 +135,8 @@ class EngineSnapshot:
             cached_prompt_tokens=self.cached_prompt_tokens,
             cached_prompt_tokens_host=self.cached_prompt_tokens_host,
             host_hit_rate=self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0,
-            host_cache_blocks=self.host_cache_blocks,
-            host_cached_blocks=self.host_cached_blocks,
+            host_tier_blocks=self.host_tier_blocks,
+            host_tier_used_blocks=self.host_tier_used_blocks,
             prefill_busy=self.prefill_busy,
         )
 

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_STEP_S
 from kvmesh.shared.hashing import BlockHash
 from kvmesh.shared.sampling_params import SamplingParams
 
@@ -114,8 +115,8 @@ class LoadReport:
     bandwidth over the KV bytes per token); None without a host tier."""
     prefill_busy: float | None = None
     """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average); None until measured."""
-    step_s: float = 0.02
-    mean_output_tokens: float = 128.0
+    step_s: float = DEFAULT_STEP_S
+    mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     max_num_seqs: int = 256
 
     def as_dict(self) -> dict[str, Any]:
@@ -192,9 +193,9 @@ class ReplicaStatus:
     cached_prompt_tokens_host: int = 0
     """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
     host_hit_rate: float = 0.0
-    host_cache_blocks: int = 0
+    host_tier_blocks: int = 0
     """Host-tier capacity for evicted prefix blocks (0: no host prefix tier)."""
-    host_cached_blocks: int = 0
+    host_tier_used_blocks: int = 0
     prefill_busy: float = 0.0
     """Share of the last ``BUSY_WINDOW_S`` spent prefilling."""
     pid: int | None = None
