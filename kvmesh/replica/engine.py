@@ -39,12 +39,12 @@ from kvmesh.replica.scheduler import ScheduledRequest, Scheduler
 from kvmesh.replica.step_plan import LaunchedStep, PrepareFailed, PromptRows, StepPlan, prompt_rows
 from kvmesh.replica.structured import GrammarCompiler, GrammarRows
 from kvmesh.replica.swap import SwapSpace
-from kvmesh.replica.telemetry import EngineSnapshot, EngineStats, StepRates
+from kvmesh.replica.telemetry import EngineSnapshot, StepRates
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.errors import InvalidRequest
 from kvmesh.shared.hashing import BlockHash, first_block_extra, model_seed
 from kvmesh.shared.limits import check_for_model, check_prompt_ids, check_request_fields
-from kvmesh.shared.messages import TokenLogprob
+from kvmesh.shared.messages import EngineStats, TokenLogprob
 from kvmesh.shared.model_files import apply_chat_template
 from kvmesh.shared.sampling_params import SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
-from kvmesh.replica.telemetry import EngineStats
 from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.messages import EngineStats
 from kvmesh.shared.model_files import DEFAULT_MODEL
 from kvmesh.shared.sampling_params import SamplingParams
 

@@ -11,40 +11,7 @@ from dataclasses import dataclass
 
 from kvmesh.router.sessions import decayed
 from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_S
-from kvmesh.shared.messages import BUSY_WINDOW_S, KVPressure, LoadReport
-
-
-@dataclass
-class EngineStats:
-    kv_usage: float
-    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
-    prefix_hit_rate: float
-    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_swapped_out: int
-    """Preemptions that swapped the sequence to host memory instead of dropping its KV."""
-    num_recomputed_tokens: int
-    """Computed tokens thrown away by preemptions that recompute."""
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    requests_admitted: int
-    """Requests admitted since start (each counted once, however often it was preempted)."""
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens
-    over any window is the ratio of their increments."""
-    cached_prompt_tokens_host: int = 0
-    """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
-    host_hit_rate: float = 0.0
-    """Prompt tokens loaded from the host tier / admitted (included in ``prefix_hit_rate``)."""
-    host_tier_blocks: int = 0
-    """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
-    host_tier_used_blocks: int = 0
-    prefill_busy: float = 0.0
-    """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
+from kvmesh.shared.messages import BUSY_WINDOW_S, EngineStats, KVPressure, LoadReport
 
 
 @dataclass

@@ -168,36 +168,48 @@ class KVPressure:
 
 
 @dataclass(slots=True, kw_only=True)
-class ReplicaStatus:
-    """A replica's state for metrics and ``kvmesh status``: its engine's counters (``EngineStats``,
-    ``kvmesh/replica/telemetry.py``), its process and what its publisher adds at each heartbeat.
-
-    Stored in Redis as JSON beside the heartbeat and served by the ingress's ``/status``: ``as_dict`` /
-    ``from_dict`` at those edges. Fields a report lacks (an older replica's) read as their defaults."""
+class EngineStats:
+    """An engine's counters (``LLMEngine.stats``): what ``kvmesh status`` and the metrics show of it."""
 
     kv_usage: float = 0.0
-    """Share of KV blocks pinned by requests."""
+    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
     prefix_hit_rate: float = 0.0
     """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
     num_swapped_out: int = 0
+    """Preemptions that swapped the sequence to host memory instead of dropping its KV."""
     num_recomputed_tokens: int = 0
+    """Computed tokens thrown away by preemptions that recompute."""
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
     requests_admitted: int = 0
+    """Requests admitted since start (each counted once, however often it was preempted)."""
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens
+    over any window is the ratio of their increments."""
     cached_prompt_tokens_host: int = 0
     """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
     host_hit_rate: float = 0.0
+    """Prompt tokens loaded from the host tier / admitted (included in ``prefix_hit_rate``)."""
     host_tier_blocks: int = 0
-    """Host-tier capacity for evicted prefix blocks (0: no host prefix tier)."""
+    """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
     host_tier_used_blocks: int = 0
     prefill_busy: float = 0.0
-    """Share of the last ``BUSY_WINDOW_S`` spent prefilling."""
+    """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplicaStatus(EngineStats):
+    """A replica's state for metrics and ``kvmesh status``: its engine's counters, its process and what its
+    publisher adds at each heartbeat.
+
+    Stored in Redis as JSON beside the heartbeat and served by the ingress's ``/status``: ``as_dict`` /
+    ``from_dict`` at those edges. Fields a report lacks (an older replica's) read as their defaults."""
+
     pid: int | None = None
     index_entries: int = 0
     """Blocks the replica has published to the index (set by its publisher)."""
