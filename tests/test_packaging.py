@@ -31,3 +31,24 @@ def test_the_wheel_installs_only_the_kvmesh_package_and_its_command(tmp_path):
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "kvmesh = kvmesh.cluster.cli:main" in text
+
+    # Installed into a fresh virtualenv (its dependencies seen from this environment): one package, the
+    # command, and the command runs from the installed copy.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv], check=True)
+    python = venv / "bin" / "python"
+    install = [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    (site,) = venv.glob("lib/python*/site-packages")
+    assert {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")} == {"kvmesh"}
+    where = subprocess.run(
+        [python, "-c", "import kvmesh.cluster.cli, kvmesh; print(kvmesh.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert Path(where.stdout.strip()).is_relative_to(site)
+    help_text = subprocess.run([venv / "bin" / "kvmesh", "--help"], capture_output=True, text=True, timeout=120)
+    assert help_text.returncode == 0 and "serve" in help_text.stdout
