@@ -39,4 +39,4 @@ def query(url: str, deployment: str, model: str, chain, ids, **kw) -> IndexAnswe
 
 
 def lookup(url: str, deployment: str, model: str, chain, ids, **kw) -> dict[str, int] | None:
-    return query(url, deployment, model, chain, ids, **kw).hits
+    return query(url, deployment, model, chain, ids, **kw).device_hits

@@ -68,7 +68,7 @@ def test_a_history_evicted_to_the_host_tier_is_routed_home_and_loaded(tiered):
                     await asyncio.gather(*(call(handle, model, filler, max_tokens=2) for filler in fillers))
                     await asyncio.sleep(0.3)  # the replica's KV events reach Redis
                     answer = await index.query(greedy_call(model, history, 1).block_hashes, [home])
-                    if answer.hits.get(home, 0) < 8 and answer.host.get(home, 0) >= 20:
+                    if answer.device_hits.get(home, 0) < 8 and answer.host_hits.get(home, 0) >= 20:
                         break
                 else:
                     pytest.fail(f"history not evicted to the host tier: {answer}")

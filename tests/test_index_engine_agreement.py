@@ -77,7 +77,7 @@ def test_index_mirrors_engine(wired, redis_server, ops):
         got = query(redis_server.url, "agree", engine.model_id, chain, [pub.replica_id])
         on_device = leading(chain, lambda h: engine.pool.lookup(h) is not None)
         in_host = leading(chain[on_device:], hosted.__contains__)
-        assert got.hits == {pub.replica_id: on_device}
-        assert got.host == ({pub.replica_id: in_host} if in_host else {})
+        assert got.device_hits == {pub.replica_id: on_device}
+        assert got.host_hits == ({pub.replica_id: in_host} if in_host else {})
     for rid in list(engine.requests):
         engine.abort_request(rid)

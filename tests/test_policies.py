@@ -44,14 +44,14 @@ def test_on_a_busy_fleet_a_miss_is_charged_the_delay_it_adds_for_others():
     (median queue 0) moving the 0.5 s prefill pays; when every replica is busy, the miss's extra work would
     delay the requests queued behind it, so the request stays on the holder (the busy term; 0: off)."""
     req = request(list(range(1024)))
-    hits = {"r0": 0, "r1": 64, "r2": 0, "r3": 0}
+    device_hits = {"r0": 0, "r1": 64, "r2": 0, "r3": 0}
     reps = replicas(4, cache_fill=0.0)
     reps[1].pending_prefill_tokens = 3000  # 1.5 s on the holder, the rest idle
-    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] != "r1"
+    assert KVAwarePolicy().rank(req, reps, device_hits).ranked[0] != "r1"
     for r, queued in zip(reps, (1000, 3000, 4000, 4000), strict=True):  # everyone busy; r0 1 s shorter
         r.pending_prefill_tokens = queued
-    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] == "r1"
-    assert KVAwarePolicy(busy_weight=0).rank(req, reps, hits).ranked[0] == "r0"
+    assert KVAwarePolicy().rank(req, reps, device_hits).ranked[0] == "r1"
+    assert KVAwarePolicy(busy_weight=0).rank(req, reps, device_hits).ranked[0] == "r0"
     with pytest.raises(ValueError, match="busy_weight"):
         KVAwarePolicy(busy_weight=-1)
 
@@ -81,8 +81,8 @@ def route_hot_prefix(rounds_busy: int, n: int = 300) -> Counter:
             busy.remove(done)
             reps[done[1]].routed_requests -= 1
         req = request(list(range(512)) + [100_000 + i] * 32)
-        hits = {rid: (32 if rid in holders else 0) for rid in reps}
-        rid = policy.rank(req, list(reps.values()), hits).ranked[0]
+        device_hits = {rid: (32 if rid in holders else 0) for rid in reps}
+        rid = policy.rank(req, list(reps.values()), device_hits).ranked[0]
         chosen[rid] += 1
         holders.add(rid)
         reps[rid].routed_requests += 1
@@ -171,15 +171,15 @@ def test_kv_aware_spreads_new_conversations_while_caches_have_room():
     req = request(list(range(480)))  # 30 blocks; the first 8 are the shared system prompt
     reps = replicas(4, decode_s_per_seq=0.01, mean_output_tokens=32)
     reps[0].num_running = 4  # the holder already runs four conversations
-    hits = {"r0": 8, "r1": 0, "r2": 0, "r3": 0}
+    device_hits = {"r0": 8, "r1": 0, "r2": 0, "r3": 0}
     for r in reps:
         r.cache_fill = 0.1
-    assert policy.rank(req, reps, hits).ranked[0] != "r0"
-    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] == "r0"  # the default optimises TTFT alone
+    assert policy.rank(req, reps, device_hits).ranked[0] != "r0"
+    assert KVAwarePolicy().rank(req, reps, device_hits).ranked[0] == "r0"  # the default optimises TTFT alone
     for r in reps:
         r.cache_fill = 1.0
         r.decode_s_per_seq = 0.0  # decode steps that do not grow with the batch (a GPU below saturation)
-    assert policy.rank(req, reps, hits).ranked[0] == "r0"
+    assert policy.rank(req, reps, device_hits).ranked[0] == "r0"
 
 
 def test_kv_aware_keeps_a_conversation_with_its_history_despite_a_busier_replica():
@@ -247,12 +247,12 @@ def test_churn_is_cheap_on_an_idle_fleet_and_dear_on_a_busy_one():
     On a busy fleet that recompute later delays everyone (stay, behind a queue); on an idle one it costs
     only its own prefill (do not wait 0.5 s behind the holder's queue for a 0.16 s recompute)."""
     req = request(list(range(320)))  # 20 blocks, 16 held by r0, which has 0.5 s of prefill queued
-    hits = {"r0": 16, "r1": 0, "r2": 0, "r3": 0}
+    device_hits = {"r0": 16, "r1": 0, "r2": 0, "r3": 0}
 
     def chosen(busy):
         reps = replicas(4, prefill_busy=busy)
         reps[0].pending_prefill_tokens = 1000
-        return KVAwarePolicy().rank(req, reps, hits).ranked[0]
+        return KVAwarePolicy().rank(req, reps, device_hits).ranked[0]
 
     assert chosen(None) == "r0"  # unreported: priced as on a busy fleet
     assert chosen(0.9) == "r0"
@@ -433,18 +433,18 @@ def test_host_tier_hits_are_priced_by_the_load_rate_each_replica_reports():
     evictions at full price (with a host tier they are reloaded, not recomputed)."""
     req = request(list(range(1024)))
     reps = replicas(3, cache_fill=0.5, host_load_tok_s=20_000)
-    hits, host = {"r0": 60, "r1": 0, "r2": 0}, {"r1": 60}
-    d = KVAwarePolicy().rank(req, reps, hits, None, host)
+    device_hits, host = {"r0": 60, "r1": 0, "r2": 0}, {"r1": 60}
+    d = KVAwarePolicy().rank(req, reps, device_hits, None, host)
     assert d.ranked == ["r0", "r1", "r2"] and d.reason == "hit"
     assert d.costs["r0"] < d.costs["r1"] < d.costs["r2"]
     reps[0].pending_prefill_tokens = 4000
-    d = KVAwarePolicy().rank(req, reps, hits, None, host)
+    d = KVAwarePolicy().rank(req, reps, device_hits, None, host)
     assert d.ranked[0] == "r1" and d.reason == "host_hit" and d.matched_blocks == 60
-    blind = KVAwarePolicy(host_tier=False).rank(req, reps, hits, None, host)
+    blind = KVAwarePolicy(host_tier=False).rank(req, reps, device_hits, None, host)
     assert blind.costs["r1"] == pytest.approx(blind.costs["r2"]) and blind.costs["r2"] > d.costs["r2"]
     # A tier slower to load than to recompute (as the engine would decide) is not counted either.
     reps[1].host_load_tok_s = 1000
-    assert KVAwarePolicy().rank(req, reps, hits, None, host).costs["r1"] == pytest.approx(blind.costs["r1"])
+    assert KVAwarePolicy().rank(req, reps, device_hits, None, host).costs["r1"] == pytest.approx(blind.costs["r1"])
 
 
 def test_a_host_tier_continuing_a_device_hit_adds_to_it():
@@ -459,10 +459,10 @@ def _route_with_index(policy, held, tokens):
     """Route one prompt with an index that answers each replica's leading blocks from ``held`` (the blocks
     it caches), then cache the prompt where it went, as its replica would."""
     req = request(tokens)
-    hits = {}
+    device_hits = {}
     for rid, blocks in held.items():
-        hits[rid] = next((i for i, h in enumerate(req.block_hashes) if h not in blocks), len(req.block_hashes))
-    d = policy.rank(req, replicas(len(held)), hits)
+        device_hits[rid] = next((i for i, h in enumerate(req.block_hashes) if h not in blocks), len(req.block_hashes))
+    d = policy.rank(req, replicas(len(held)), device_hits)
     policy.on_routed(req, d.ranked[0], d)
     held[d.ranked[0]].update(req.block_hashes)
     return d

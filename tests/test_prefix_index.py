@@ -133,16 +133,16 @@ def test_host_tier_entries_are_looked_up_per_tier_resynced_and_purged(redis_serv
     pub.publish(device.remove(moved) + [BlockStored(h, None, "host") for h in moved])
     assert pub.wait_synced(5)
     got = query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id])
-    assert got.hits == {pub.replica_id: 10} and got.host == {pub.replica_id: 20}
+    assert got.device_hits == {pub.replica_id: 10} and got.host_hits == {pub.replica_id: 20}
     host.remove(CHAINS[0][25:30])
     pub.publish([BlockRemoved(h, "host") for h in CHAINS[0][25:30]])  # the tier dropped its oldest 5
     assert pub.wait_synced(5)
-    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host == {pub.replica_id: 15}
+    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host_hits == {pub.replica_id: 15}
     old = pub.slot
     pub.publish([AllBlocksCleared()])  # forces a resync from both snapshots (none of it is cleared here)
     assert pub.wait_synced(5) and pub.slot != old
     assert len(entries_of_slot(redis_server.url, prefix, host_tag(pub.slot))) == 15
-    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host == {pub.replica_id: 15}
+    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).host_hits == {pub.replica_id: 15}
     assert entries_of_slot(redis_server.url, prefix, host_tag(old)) == set()
     pub.close()
     assert entries_of_slot(redis_server.url, prefix, host_tag(pub.slot)) == set()
@@ -300,7 +300,7 @@ def test_nothing_from_redis_or_the_network_is_unpickled_or_evaluated():
     risky = re.compile(
         r"\b(pickle|cPickle|marshal|dill|shelve)\.loads?\b|(?<![.\w])(eval|exec)\(|yaml\.load\(|yaml\.unsafe_load"
     )
-    hits = [
+    device_hits = [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
         for package in ("kvmesh", "benchmarks")
         for path in (root / package).rglob("*.py")
@@ -308,7 +308,7 @@ def test_nothing_from_redis_or_the_network_is_unpickled_or_evaluated():
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if risky.search(line)
     ]
-    assert not hits, hits
+    assert not device_hits, device_hits
 
 
 def test_conversation_starts_are_shared_decay_and_go_with_the_replica(redis_server, request):
@@ -329,8 +329,8 @@ def test_conversation_starts_are_shared_decay_and_go_with_the_replica(redis_serv
                 assert await router_1.start_session(a.replica_id)
             assert await router_2.start_session(a.replica_id)
             answer = await router_2.query(CHAINS[0], ids)
-            hits, starts = answer.hits, answer.starts
-            assert hits == {a.replica_id: 0, b.replica_id: 0}
+            device_hits, starts = answer.device_hits, answer.starts
+            assert device_hits == {a.replica_id: 0, b.replica_id: 0}
             assert starts[a.replica_id] == pytest.approx(4.0, abs=0.05) and starts[b.replica_id] == 0.0
             await asyncio.sleep(1.4)  # 0.7 time constants: exp(-0.7) = 0.50
             assert (await router_1.query(CHAINS[0], ids)).starts[a.replica_id] == pytest.approx(2.0, abs=0.3)

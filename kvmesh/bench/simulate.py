@@ -83,7 +83,7 @@ class Req:
     arrival: float
     chain: list[bytes]
     output: int
-    hits: int = 0
+    reused_blocks: int = 0
     """Leading blocks it did not compute: device hits plus those loaded from the host tier."""
     host_hits: int = 0
     queued: int = 0
@@ -247,8 +247,8 @@ def simulate(
         r = reqs[i]
         device = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
         r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
-        r.hits = device + r.host_hits
-        uncached = r.tokens - r.hits * BLOCK_TOKENS
+        r.reused_blocks = device + r.host_hits
+        uncached = r.tokens - r.reused_blocks * BLOCK_TOKENS
         rep.prefill_busy = True
         done = now + uncached / costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / costs.host_load_tok_s
         rep.busy.add(now, done - now)
@@ -260,19 +260,19 @@ def simulate(
         if kind == "arrive":
             policy = routers[i % processes]
             req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
-            hits, host = None, {}
+            device_hits, host = None, {}
             if uses_index:
-                hits = {rep.rid: rep.leading_hits(r.chain) for rep in replicas}
+                device_hits = {rep.rid: rep.leading_hits(r.chain) for rep in replicas}
                 if host_capacity:
-                    host = {rep.rid: rep.host_hits(r.chain, hits[rep.rid]) for rep in replicas}
-                known = max(hits.values())  # as the lookup script: predictions only extend the index
+                    host = {rep.rid: rep.host_hits(r.chain, device_hits[rep.rid]) for rep in replicas}
+                known = max(device_hits.values())  # as the lookup script: predictions only extend the index
                 for owner, k in predicted_hits(predicted, r.chain, now, ttl_s, landed).items():
                     if k > known:
-                        hits[owner] = max(hits[owner], k)
+                        device_hits[owner] = max(device_hits[owner], k)
             loads = [rep.load(now) for rep in replicas]
             clock[0] = now
             shared = {load.index_id: starts.get(load.index_id) for load in loads} if uses_index else None
-            decision = policy.rank(req, loads, hits, shared, host)
+            decision = policy.rank(req, loads, device_hits, shared, host)
             rid = decision.ranked[0]
             policy.on_routed(req, rid, decision)
             if uses_index:
@@ -284,7 +284,7 @@ def simulate(
             r.replica = int(rid[1:])
             # What the router believes the replica must prefill, never below the last token: a prediction can
             # deepen the device hits past where the host tier's blocks were counted from.
-            believed = ((hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+            believed = ((device_hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
             r.queued = r.tokens - min(believed, r.tokens - 1)
             rep.queued_tokens += r.queued
             if rep.running < costs.slots:
@@ -314,7 +314,7 @@ def simulate(
     served = [rep.served for rep in replicas]
     blocks = sum(len(r.chain) for r in reqs)
     return {
-        "hit_rate": sum(r.hits for r in reqs) / blocks,
+        "hit_rate": sum(r.reused_blocks for r in reqs) / blocks,
         "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": ttfts[len(ttfts) // 2],

@@ -124,13 +124,13 @@ class RoutingPolicy(Protocol):
         self,
         req: RouteRequest,
         replicas: list[ReplicaLoad],
-        hits: dict[str, int] | None,
+        device_hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
     ) -> Decision:
-        """Candidates best first. ``hits``: leading blocks each holds on its device (None: the index did not
+        """Candidates best first. ``device_hits``: leading blocks each holds on its device (None: the index did not
         answer); ``shared_starts``: recent conversation starts per replica across routers (the index's
-        counts); ``host_hits``: blocks past ``hits`` each replica's host tier holds."""
+        counts); ``host_hits``: blocks past ``device_hits`` each replica's host tier holds."""
         ...
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None: ...
@@ -220,7 +220,7 @@ class KVAwarePolicy:
         self,
         req: RouteRequest,
         replicas: list[ReplicaLoad],
-        hits: dict[str, int] | None,
+        device_hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
     ) -> Decision:
@@ -230,10 +230,10 @@ class KVAwarePolicy:
         if not replicas:
             raise ValueError("no replicas to route to")
         fill_unmeasured_rates(replicas)
-        reason_prefix = "index_unavailable_" if hits is None else ""
-        hits, known = self._merged_hits(req, [r.index_id for r in replicas], hits)
-        depth = self._depths(req, replicas, hits, host_hits)
-        costs, own_prefill_s, own_s = self._price(req, replicas, hits, depth)
+        reason_prefix = "index_unavailable_" if device_hits is None else ""
+        device_hits, known = self._merged_hits(req, [r.index_id for r in replicas], device_hits)
+        depth = self._depths(req, replicas, device_hits, host_hits)
+        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth)
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
@@ -252,7 +252,7 @@ class KVAwarePolicy:
             ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
         best_hit, chosen_hit = max(depth.values(), default=0), depth[ranked[0]]
         reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
-        if reason == "hit" and hits.get(ranked[0], 0) < chosen_hit:
+        if reason == "hit" and device_hits.get(ranked[0], 0) < chosen_hit:
             reason = "host_hit"  # served in part from its host tier
         tied = self._ties(ranked, capped, depth, costs, own_prefill_s, replicas)
         home = self.sessions.home(req.session_id)
@@ -261,32 +261,32 @@ class KVAwarePolicy:
         return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
 
     def _merged_hits(
-        self, req: RouteRequest, ids: list[str], hits: dict[str, int] | None
+        self, req: RouteRequest, ids: list[str], device_hits: dict[str, int] | None
     ) -> tuple[dict[str, int], int]:
         """Leading blocks each replica holds, by the index and by this router's recent decisions, and how
-        many of the request's blocks this router knows it routed. Without the index (``hits`` None), memory
+        many of the request's blocks this router knows it routed. Without the index (``device_hits`` None), memory
         alone answers."""
-        if hits is None:
+        if device_hits is None:
             return self._recent.match(req.block_hashes, ids)
         # What we just routed may not have reached the index yet: recent decisions extend its answer, never
         # contradict it. A candidate it has no answer for (no live heartbeat: its publisher stalled or lost
         # Redis for a moment) is answered from memory, as when the whole index is down.
-        unknown = [rid for rid in ids if rid not in hits]
+        unknown = [rid for rid in ids if rid not in device_hits]
         remembered = self._recent.match(req.block_hashes, unknown)[0] if unknown else {}
         predicted, known = self._recent.match(req.block_hashes, ids, self.predict_ttl_s)
         if self.predict_ttl_s <= 0:
             predicted = dict.fromkeys(ids, 0)
-        indexed = max((hits.get(rid, 0) for rid in ids), default=0)
+        indexed = max((device_hits.get(rid, 0) for rid in ids), default=0)
         merged = {
             rid: remembered[rid]
             if rid in remembered
-            else max(hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
+            else max(device_hits[rid], predicted[rid] if predicted[rid] > indexed else 0)
             for rid in ids
         }
         return merged, known
 
     def _price(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], depth: dict[str, int]
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits: dict[str, int], depth: dict[str, int]
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
         (load from the host tier included) and its own wait (queue, KV room, prefill)."""
@@ -303,7 +303,7 @@ class KVAwarePolicy:
         most = max(req.num_tokens - 1, 0)  # the last token is always computed
         for r in replicas:
             rid = r.index_id
-            cached = min(hits.get(rid, 0) * req.block_size, most)
+            cached = min(device_hits.get(rid, 0) * req.block_size, most)
             hosted = min(depth[rid] * req.block_size, most) - cached
             uncached = req.num_tokens - cached - hosted
             fill = min(max(r.cache_fill, 0.0), 1.0)
@@ -374,11 +374,11 @@ class KVAwarePolicy:
         return min(max(busy[len(busy) // 2], 0.0) / FULL_PRESSURE_BUSY, 1.0) ** 2
 
     def _depths(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], hits: dict[str, int], host: dict[str, int] | None
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits: dict[str, int], host: dict[str, int] | None
     ) -> dict[str, int]:
         """Per replica, the leading blocks it can serve without recomputing: its device hits, continued by
         its host tier where the policy counts that tier and loading beats recomputing on that replica."""
-        depth = {r.index_id: hits.get(r.index_id, 0) for r in replicas}
+        depth = {r.index_id: device_hits.get(r.index_id, 0) for r in replicas}
         for r in replicas:
             if host and self._tiered(r):
                 depth[r.index_id] += host.get(r.index_id, 0)

@@ -38,10 +38,10 @@ class IndexAnswer:
     """One lookup: per live candidate, the request's leading blocks on its device and, past them, in its
     host tier; plus the candidates' decayed counts of recent conversation starts."""
 
-    hits: dict[str, int] | None
+    device_hits: dict[str, int] | None
     """Leading blocks on each live candidate's device; None when the index could not answer in time.
     Candidates with no live heartbeat are left out."""
-    host: dict[str, int] = field(default_factory=dict)
+    host_hits: dict[str, int] = field(default_factory=dict)
     """Blocks following the device hits that the candidate's host tier holds (absent: none)."""
     starts: dict[str, float] = field(default_factory=dict)
 
@@ -78,18 +78,18 @@ class PrefixIndex:
         Replicas missing from the result have no live heartbeat in the index. ``None`` means the index
         could not answer in time; it is never an exception.
         """
-        return (await self.query(block_hashes, replica_ids)).hits
+        return (await self.query(block_hashes, replica_ids)).device_hits
 
     async def query(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> IndexAnswer:
         """``lookup``'s answer, the host-tier depths past it and each candidate's decayed count of
-        conversation starts (``start_session``), in one round trip; ``hits`` None when the index could not
+        conversation starts (``start_session``), in one round trip; ``device_hits`` None when the index could not
         answer."""
         if not replica_ids:
             return IndexAnswer({})
         if time.monotonic() < self._down_until:
             return IndexAnswer(None)
         try:
-            hits, missing, dead, starts, now = await asyncio.wait_for(
+            raw, missing, dead, starts, now = await asyncio.wait_for(
                 self._lookup(args=[self.prefix, chain_arg(block_hashes), *replica_ids]), self.timeout_s
             )
         except (TimeoutError, RedisError, OSError) as exc:
@@ -101,11 +101,11 @@ class PrefixIndex:
         out, host = dict.fromkeys(replica_ids, 0), {}
         for k in missing:
             out.pop(replica_ids[k - 1], None)
-        for i in range(0, len(hits), 3):
-            rid = replica_ids[hits[i] - 1]
-            out[rid] = hits[i + 1]
-            if hits[i + 2] > hits[i + 1]:
-                host[rid] = hits[i + 2] - hits[i + 1]
+        for i in range(0, len(raw), 3):
+            rid = replica_ids[raw[i] - 1]
+            out[rid] = raw[i + 1]
+            if raw[i + 2] > raw[i + 1]:
+                host[rid] = raw[i + 2] - raw[i + 1]
         return IndexAnswer(out, host, self._decayed_starts(replica_ids, starts, float(now)))
 
     def _decayed_starts(self, replica_ids: list[str], raw: list[bytes | None], now: float) -> dict[str, float]:

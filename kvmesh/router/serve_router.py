@@ -52,17 +52,23 @@ def route_request(pending: PendingRequest | None) -> RouteRequest | None:
 class _Planned:
     """A decision made for a request Ray has not sent yet."""
 
-    __slots__ = ("at", "decision", "hits", "index_ids", "request")
+    __slots__ = ("at", "decision", "device_hits", "index_ids", "request")
 
     def __init__(
         self,
         at: float,
         request: RouteRequest,
-        hits: dict[str, int],
+        device_hits: dict[str, int],
         index_ids: dict[ReplicaID, str],
         decision: Decision,
     ) -> None:
-        self.at, self.request, self.hits, self.index_ids, self.decision = at, request, hits, index_ids, decision
+        self.at, self.request, self.device_hits, self.index_ids, self.decision = (
+            at,
+            request,
+            device_hits,
+            index_ids,
+            decision,
+        )
 
 
 class KVAwareRequestRouter(RequestRouter):
@@ -182,18 +188,18 @@ class KVAwareRequestRouter(RequestRouter):
             elif req.block_hashes:
                 with router_metrics.INDEX_LOOKUP_SECONDS.time():
                     answer = await self.index.query(req.block_hashes, list(by_id))
-        hits = answer.hits
+        device_hits = answer.device_hits
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         loads = [self._load(r) for r in candidate_replicas]
-        decision = self.policy.rank(req, loads, hits, answer.starts, answer.host)
+        decision = self.policy.rank(req, loads, device_hits, answer.starts, answer.host_hits)
         ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
             index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
-            self._plan(rid, _Planned(time.monotonic(), req, hits or {}, index_ids, decision))
+            self._plan(rid, _Planned(time.monotonic(), req, device_hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
-            self._track(rid, by_id[ranked[0]].replica_id, req, hits or {}, ranked[0])
+            self._track(rid, by_id[ranked[0]].replica_id, req, device_hits or {}, ranked[0])
         # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
         # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours.
         return [[by_id[rid] for rid in ranked[:tied]], *([by_id[rid]] for rid in ranked[tied:])]
@@ -209,11 +215,13 @@ class KVAwareRequestRouter(RequestRouter):
         task.add_done_callback(self._tasks.discard)
         return True
 
-    def _track(self, rid: str, replica_id: ReplicaID, req: RouteRequest, hits: dict[str, int], index_id: str) -> None:
+    def _track(
+        self, rid: str, replica_id: ReplicaID, req: RouteRequest, device_hits: dict[str, int], index_id: str
+    ) -> None:
         previous = self._routed.get(rid)  # re-tracked when Ray fell back to a later choice
         if previous is not None:
             self._recent_routes.get(previous, {}).pop(rid, None)
-        prefill = max(req.num_tokens - hits.get(index_id, 0) * req.block_size, 1)
+        prefill = max(req.num_tokens - device_hits.get(index_id, 0) * req.block_size, 1)
         self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
         self._routed[rid] = replica_id
         if len(self._routed) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
@@ -232,12 +240,12 @@ class KVAwareRequestRouter(RequestRouter):
         planned = self._planned.pop(rid, None)
         if planned is None or replica_id not in planned.index_ids:
             return
-        req, hits = planned.request, planned.hits
+        req, device_hits = planned.request, planned.device_hits
         index_id = planned.index_ids[replica_id]
         if self._routed.get(rid) != replica_id:  # Ray fell back to a later choice
-            self._track(rid, replica_id, req, hits, index_id)
+            self._track(rid, replica_id, req, device_hits, index_id)
         self.policy.on_routed(req, index_id, planned.decision)
-        if self.index is not None and req.block_hashes and hits.get(index_id, 0) < len(req.block_hashes):
+        if self.index is not None and req.block_hashes and device_hits.get(index_id, 0) < len(req.block_hashes):
             self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))
         if (
             self.index is not None
