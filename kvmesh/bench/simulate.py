@@ -269,10 +269,10 @@ def simulate(
                 for owner, k in predicted_hits(predicted, r.chain, now, ttl_s, landed).items():
                     if k > known:
                         device_hits[owner] = max(device_hits[owner], k)
-            loads = [rep.load(now) for rep in replicas]
+            candidates = [rep.load(now) for rep in replicas]
             clock[0] = now
-            shared = {load.index_id: starts.get(load.index_id) for load in loads} if uses_index else None
-            decision = policy.rank(req, loads, device_hits, shared, host)
+            shared = {load.index_id: starts.get(load.index_id) for load in candidates} if uses_index else None
+            decision = policy.rank(req, candidates, device_hits, shared, host)
             rid = decision.ranked[0]
             policy.on_routed(req, rid, decision)
             if uses_index:

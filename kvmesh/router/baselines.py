@@ -51,7 +51,7 @@ class PowerOfTwoPolicy:
         self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
     ) -> Decision:
         pair = self._rng.sample(replicas, min(2, len(replicas)))
-        pair.sort(key=lambda r: (r.load, r.index_id))
+        pair.sort(key=lambda r: (r.num_requests, r.index_id))
         first = [r.index_id for r in pair]
         rest = [rid for rid in least_loaded(replicas) if rid not in first]
         return Decision(first + rest, "pow2")
@@ -78,9 +78,9 @@ class SessionHashPolicy:
         else:
             return Decision(least_loaded(replicas), "no_key")
         order = sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.index_id.encode()), reverse=True)
-        bound = (1 + self.epsilon) * (sum(r.load for r in replicas) + 1) / len(replicas)
-        within = [r.index_id for r in order if r.load + 1 <= bound]
-        over = [r.index_id for r in order if r.load + 1 > bound]
+        bound = (1 + self.epsilon) * (sum(r.num_requests for r in replicas) + 1) / len(replicas)
+        within = [r.index_id for r in order if r.num_requests + 1 <= bound]
+        over = [r.index_id for r in order if r.num_requests + 1 > bound]
         reason = "hash" if within and within[0] == order[0].index_id else "bounded_load"
         return Decision(within + over, reason)
 
@@ -112,20 +112,19 @@ class ApproxTreePolicy:
     def rank(
         self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
     ) -> Decision:
-        loads = [r.load for r in replicas]
-        imbalanced = max(loads) - min(loads) > self.balance_abs_threshold and max(
-            loads
-        ) > self.balance_rel_threshold * min(loads)
+        counts = [r.num_requests for r in replicas]
+        spread = max(counts) - min(counts)
+        imbalanced = spread > self.balance_abs_threshold and max(counts) > self.balance_rel_threshold * min(counts)
         if imbalanced:
             return Decision(least_loaded(replicas), "imbalanced")
         matches = {r.index_id: self._match(r.index_id, req.block_hashes) for r in replicas}
-        best = max(replicas, key=lambda r: (matches[r.index_id], -r.load))
+        best = max(replicas, key=lambda r: (matches[r.index_id], -r.num_requests))
         rate = matches[best.index_id] / max(len(req.block_hashes), 1)
         if rate > self.cache_threshold:
             rest = [rid for rid in least_loaded(replicas) if rid != best.index_id]
             return Decision([best.index_id, *rest], "tree_match", matches[best.index_id])
         # Low match: the replica with the smallest tree, i.e. the most free cache.
-        order = sorted(replicas, key=lambda r: (len(self._trees.get(r.index_id, ())), r.load, r.index_id))
+        order = sorted(replicas, key=lambda r: (len(self._trees.get(r.index_id, ())), r.num_requests, r.index_id))
         return Decision([r.index_id for r in order], "smallest_tree")
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:

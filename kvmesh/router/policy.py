@@ -68,8 +68,8 @@ class ReplicaLoad(LoadReport):
         sequence, plus the wait for a free batch slot once the replica already holds ``max_num_seqs``."""
         prefill_rate = self.prefill_tok_s or DEFAULT_PREFILL_TOK_S
         prefill = (self.pending_prefill_tokens + self.routed_prefill_tokens) / max(prefill_rate, 1e-6)
-        running = min(self.load, self.max_num_seqs)
-        excess = max(0, self.load + 1 - self.max_num_seqs)
+        running = min(self.num_requests, self.max_num_seqs)
+        excess = max(0, self.num_requests + 1 - self.max_num_seqs)
         slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
         return prefill + running * (self.decode_s_per_seq or DEFAULT_DECODE_S_PER_SEQ) + slot_wait
 
@@ -93,7 +93,8 @@ class ReplicaLoad(LoadReport):
         return max(min(shortfall / pinned, 1.0) * self.mean_output_tokens * self.step_s - self.report_age_s, 0.0)
 
     @property
-    def load(self) -> int:
+    def num_requests(self) -> int:
+        """Requests it holds or will: running, waiting, and routed by this router since its report."""
         return self.num_running + self.num_waiting + self.routed_requests
 
 
@@ -315,7 +316,7 @@ class KVAwarePolicy:
                 evictions *= rates[rid] / r.host_load_tok_s
             churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
             prefill_s += churn * uncached / median_rate
-            decode_s = self.decode_weight * r.mean_output_tokens * r.load * (r.decode_s_per_seq or 0.0)
+            decode_s = self.decode_weight * r.mean_output_tokens * r.num_requests * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
             costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
@@ -465,4 +466,4 @@ def fill_unmeasured_rates(replicas: list[ReplicaLoad]) -> None:
 
 
 def least_loaded(replicas: list[ReplicaLoad]) -> list[str]:
-    return [r.index_id for r in sorted(replicas, key=lambda r: (r.queue_s, r.load, r.index_id))]
+    return [r.index_id for r in sorted(replicas, key=lambda r: (r.queue_s, r.num_requests, r.index_id))]

@@ -179,8 +179,8 @@ class KVAwareRequestRouter(RequestRouter):
         by_id = {self._index_id(r): r for r in candidate_replicas}
         if req is None:
             self.decisions["no_routing_info"] += 1
-            loads = [self._load(r) for r in candidate_replicas]
-            return [[by_id[ld.index_id]] for ld in sorted(loads, key=lambda ld: (ld.queue_s, ld.load))]
+            candidates = [self._load(r) for r in candidate_replicas]
+            return [[by_id[ld.index_id]] for ld in sorted(candidates, key=lambda ld: (ld.queue_s, ld.num_requests))]
         answer = IndexAnswer({})
         if self.policy.uses_index:
             if self.index is None:
@@ -190,8 +190,8 @@ class KVAwareRequestRouter(RequestRouter):
                     answer = await self.index.query(req.block_hashes, list(by_id))
         device_hits = answer.device_hits
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
-        loads = [self._load(r) for r in candidate_replicas]
-        decision = self.policy.rank(req, loads, device_hits, answer.starts, answer.host_hits)
+        candidates = [self._load(r) for r in candidate_replicas]
+        decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits)
         ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
         if pending_request is not None:
