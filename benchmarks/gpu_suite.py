@@ -339,7 +339,6 @@ def timed_generate(llm, prompts, olens) -> dict:
 
 def decode_step(suite: Suite, llm) -> dict:
     """Wall time of a decode step at ``step_batch`` running sequences against the graph replay alone."""
-    import torch
 
     from kvmesh.replica import SamplingParams
 
@@ -365,7 +364,7 @@ def decode_step(suite: Suite, llm) -> dict:
         result["step_over_replay"] = step_ms / result["graph_replay_ms"]
     while engine.has_unfinished:
         engine.step()
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    sync()
     return result
 
 

@@ -8,7 +8,6 @@ here. Shapes are larger than the interpreter's (contexts up to 2k tokens, batche
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -22,7 +21,7 @@ from transformers import AutoTokenizer
 from benchmarks.kv_quant import teacher_forced_logprobs
 from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference
 from kvmesh.kernels.triton_attention import paged_attention_triton, store_kv_triton
-from kvmesh.replica import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvmesh.replica import LLM, SamplingParams
 from tests.conftest import real_smollm_weights
 from tests.kernel_cases import (
     check_against_reference,
@@ -32,7 +31,7 @@ from tests.kernel_cases import (
     to_device,
 )
 from tests.test_engine_vs_hf import PROMPTS, hf_greedy
-from tests.test_host_tier import BLOCK, run
+from tests.test_host_tier import BLOCK, make, run
 
 BIG = {"max_len": 2000, "max_batch": 16}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -188,14 +187,10 @@ def test_engine_on_cuda_bf16_prefix_hits_and_the_serving_default(smollm_dir, smo
 
 def test_host_tier_on_cuda_loads_pinned_copies_that_give_the_computed_tokens(tiny_llama_dir):
     """The host prefix tier on a GPU: its blocks live in pinned host memory, evicted device blocks are copied
-    out asynchronously, and a prefix loaded back from it gives the tokens that computing it gives."""
+    out to it, and a prefix loaded back from it gives the tokens that computing it gives."""
 
-    def engine(host_blocks: int) -> LLMEngine:  # fp32: the loaded and the computed prefix must agree exactly
-        config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=24, swap_space_bytes=0)
-        probe = LLMEngine(dataclasses.replace(config, num_kv_blocks=1))
-        return LLMEngine(dataclasses.replace(config, host_cache_bytes=host_blocks * probe.bytes_per_block))
-
-    blind, tiered = engine(0), engine(64)
+    model = str(tiny_llama_dir)  # fp32: the loaded and the computed prefix must agree exactly
+    blind, tiered = make(model, 0, dtype="float32"), make(model, 64, dtype="float32")
     assert tiered.runner.device.type == "cuda" and tiered.swap._host[0][0].is_pinned()
     history = [100 + i for i in range(10 * BLOCK)]
     follow_up = [*history, 7, 8, 9]

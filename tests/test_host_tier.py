@@ -25,8 +25,8 @@ def run(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
     return tokens, cached
 
 
-def make(model: str, host_tier_blocks: int, device_blocks: int = 24) -> LLMEngine:
-    probe = LLMEngine(EngineConfig(model=model, block_size=BLOCK, num_kv_blocks=1, swap_space_bytes=0))
+def make(model: str, host_tier_blocks: int, device_blocks: int = 24, dtype: str | None = None) -> LLMEngine:
+    probe = LLMEngine(EngineConfig(model=model, block_size=BLOCK, num_kv_blocks=1, swap_space_bytes=0, dtype=dtype))
     per_block = probe.bytes_per_block
     return LLMEngine(
         EngineConfig(
@@ -36,6 +36,7 @@ def make(model: str, host_tier_blocks: int, device_blocks: int = 24) -> LLMEngin
             swap_space_bytes=0,
             host_cache_bytes=host_tier_blocks * per_block,
             max_num_batched_tokens=512,
+            dtype=dtype,
         )
     )
 

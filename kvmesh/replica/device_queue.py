@@ -96,10 +96,6 @@ class DeviceQueue:
             handle._host = tokens
         return handle
 
-    def run(self, work: Callable[[], StepResult]) -> tuple[list[int], dict[int, Exception], HostLogprobs]:
-        """Submit and wait: for the engine's synchronous paths (isolating a failed step)."""
-        return self.submit(work).result()
-
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)

@@ -146,8 +146,8 @@ class LLMEngine(StepRecovery):
         swap_blocks, cache_blocks = host_blocks(config, device, self.num_blocks, self.bytes_per_block)
         self.swap = None
         if swap_blocks + cache_blocks >= 1:
-            prefill_rate = lambda: self.rates.prefill_tok_s  # noqa: E731 (read when a load is priced)
-            self.swap = SwapSpace(self.runner.kv_caches, swap_blocks + cache_blocks, prefill_rate, cache_blocks)
+            blocks, rate = swap_blocks + cache_blocks, lambda: self.rates.prefill_tok_s  # read when a load is priced
+            self.swap = SwapSpace(self.runner.kv_caches, blocks, rate, cache_blocks)
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(
@@ -296,15 +296,11 @@ class LLMEngine(StepRecovery):
             prepared = self.runner.prepare(batch, self.kv.tables.array, prompt.rows if prompt else None)
         except Exception as exc:  # a request's data does not fit the step's buffers; nothing has changed yet
             raise PrepareFailed(batch) from exc
-        plan = StepPlan(
-            prepared=prepared,
-            copies=self.kv.take_copies(),
-            swaps=self.swap.take() if self.swap is not None else None,
-            sampling=GREEDY,
-            prompt=prompt,
-        )
+        copies, swaps = self.kv.take_copies(), self.swap.take() if self.swap is not None else None
         advanced = self._advance(batch)
-        failures = self._plan_logits(plan, advanced)
+        sampling, failures = self._sampling_tensors(advanced.seqs, advanced.positions)
+        plan = StepPlan(prepared=prepared, copies=copies, swaps=swaps, sampling=sampling, prompt=prompt)
+        self._plan_logits(plan, advanced)
         handle = self.device.submit(lambda: self.device_step(plan))
         launched = LaunchedStep(
             batch=batch,
@@ -356,11 +352,10 @@ class LLMEngine(StepRecovery):
                 advanced.logits_rows += 1
         return advanced
 
-    def _plan_logits(self, plan: StepPlan, advanced: _Advanced) -> dict[int, Exception]:
-        """Fill in the plan's sampling settings and logit work (biases, grammar, penalties, log-probabilities)
-        for the sampled sequences; the rows whose settings cannot run, by row."""
+    def _plan_logits(self, plan: StepPlan, advanced: _Advanced) -> None:
+        """Fill in the plan's logit work for the sampled sequences: forks' shared rows, biases, grammar masks,
+        penalties and log-probabilities."""
         seqs = advanced.seqs
-        plan.sampling, failures = self._sampling_tensors(seqs, advanced.positions)
         if len(advanced.rows) > advanced.logits_rows:
             plan.expand = torch.tensor(advanced.rows)
         special = [i for i, seq in enumerate(seqs) if seq.logit_work]  # one scan; most steps find none
@@ -377,7 +372,6 @@ class LLMEngine(StepRecovery):
             slots = [seqs[i].penalty_row for i in penalised]
             presence, frequency = [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]
             plan.penalties = self.penalties.step(penalised, slots, presence, frequency)
-        return failures
 
     def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
         """The step's sampling settings; a row whose settings cannot be turned into tensors is sampled
