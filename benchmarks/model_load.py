@@ -19,7 +19,7 @@ import time
 from kvmesh.bench.report import median, print_table, write_json
 
 CHILD = (
-    "import time; t0 = time.perf_counter(); from replica import LLM; t1 = time.perf_counter(); "
+    "import time; t0 = time.perf_counter(); from kvmesh.replica import LLM; t1 = time.perf_counter(); "
     "LLM({model!r}); print('ENGINE', time.perf_counter() - t1)"
 )
 

@@ -3,11 +3,13 @@ and the ingress's promises (no torch; hashes the replica accepts only when they 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,7 +247,7 @@ def test_config_layers_defaults_file_and_flags(tmp_path: Path):
     assert build_config().replicas == ClusterConfig().replicas
 
 
-def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
+def test_autoscaling_settings_from_file_and_flags(tmp_path: Path):
     file = tmp_path / "cluster.yaml"
     file.write_text("replicas: 2\nmax_replicas: 6\nautoscaling:\n  downscale_delay_s: 120\n  upscale_delay_s: 9\n")
     config = build_config(file, {"target_kv_util": 0.5, "autoscaling": {"upscale_delay_s": 2}})
@@ -253,16 +255,23 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path, monkeypatch):
     assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (1, 6, 2)
     assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 120)
     assert scaling["policy"]["policy_kwargs"] == {"target_kv_util": 0.5}
-    # Threads are shared among the most replicas there can be, so a scaled-out machine is not oversubscribed.
-    monkeypatch.setattr("kvmesh.cluster.config.available_cpus", lambda: 12)
-    assert config.engine_settings()["torch_threads"] == 2
+    # Threads are shared among the most replicas a node may hold, so a scaled-out node is not oversubscribed;
+    # each replica counts its own node's cores (a 12-core node here), unless it claimed CPUs from Ray.
+    from kvmesh.cluster.nodes import replica_threads
+
+    assert "torch_threads" not in config.engine_settings()
+    assert (config.replicas_per_node(1), config.replicas_per_node(2), config.replicas_per_node(4)) == (6, 3, 2)
+    assert replica_threads(config.replicas_per_node(1), None, cores=12) == 2
+    assert replica_threads(config.replicas_per_node(2), 0.0, cores=12) == 4
+    assert replica_threads(6, 3.0, cores=12) == 3  # what it claimed
+    assert replica_threads(6, None, cores=2) == 1
     assert build_config().autoscaling_config() is None  # no max_replicas: a fixed size
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
         build_config(overrides={"min_replicas": 3, "max_replicas": 2})
 
 
 def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Path):
-    from kvmesh.cluster.config import available_cpus
+    from kvmesh.cluster.nodes import available_cpus
 
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("250000 100000\n")  # a pod limited to 2.5 CPUs
@@ -321,6 +330,7 @@ def test_status_table_lists_replicas_and_decisions():
                 "num_waiting": 1,
                 "num_preemptions": 0,
                 "index_entries": 12,
+                "node": "198.18.0.2",
             },
             "r2": {
                 "kv_usage": 0.75,
@@ -338,11 +348,17 @@ def test_status_table_lists_replicas_and_decisions():
         "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
     }
     rows = [line.split() for line in render_status(status).splitlines()]
-    assert ["r1", "50.0%", "25.0%", "off", "off", "2", "1", "0", "0%", "12"] in rows
-    assert ["r2", "75.0%", "50.0%", "12.5%", "30/200", "1", "0", "3", "62%", "40"] in rows
+    assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "2", "1", "0", "0%", "12"] in rows
+    assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "1", "0", "3", "62%", "40"] in rows
     assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
-    down = render_status({**status, "replicas": {}, "decisions": [], "redis": {"ok": False}})
+    down = render_status({**status, "replicas": {}, "decisions": [], "redis": {"ok": False}, "live_replicas": 0})
     assert "Redis DOWN" in down and "no replica reports" in down and "no routing decisions" in down
+    assert "no live engine replica" in down
+    # A replica that lost the index still reports through Ray: status names it beside "Redis ok".
+    cut = {"r3": {"node": "198.18.0.3", "error": "ConnectionError('refused') at 198.18.0.1:6390"}}
+    text = render_status({**status, "index_unreachable": cut})
+    assert "(not from 1 replica(s))" in text.splitlines()[0]
+    assert "replica r3 on 198.18.0.3 cannot reach the index: ConnectionError('refused') at 198.18.0.1:6390" in text
 
 
 def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
@@ -662,3 +678,30 @@ def test_prompt_size_is_bounded_in_utf8_bytes_not_characters(generation):
         assert (err.value.code, err.value.param) == ("context_length_exceeded", param)
     with pytest.raises(APIError, match="lone surrogate"):
         ids("a\ud800b")
+
+
+def test_a_request_waits_for_a_live_replica_only_within_the_bound():
+    """No engine replica alive for the bound: ``NoLiveReplica`` (the ingress answers 503); a slow first chunk
+    while replicas live (a queue), or before the router knows (None), is waited for; chunks pass unchanged."""
+    from kvmesh.cluster.generation import NoLiveReplica, first_then_rest
+
+    async def slow(delay: float, items: list[int]):
+        await asyncio.sleep(delay)
+        for item in items:
+            yield item
+
+    async def collect(delay: float, live, bound: float = 0.5) -> tuple[list[int], float]:
+        start = time.monotonic()
+        out = [x async for x in first_then_rest(slow(delay, [1, 2, 3]), bound, live)]
+        return out, time.monotonic() - start
+
+    assert asyncio.run(collect(1.0, lambda: 2))[0] == [1, 2, 3]  # queued behind busy replicas: it waits
+    assert asyncio.run(collect(1.0, lambda: None))[0] == [1, 2, 3]  # not known yet: it waits
+    assert asyncio.run(collect(0.0, lambda: 0))[0] == [1, 2, 3]  # an answer in time is taken
+    start = time.monotonic()
+    with pytest.raises(NoLiveReplica):
+        asyncio.run(collect(30.0, lambda: 0))
+    assert 0.5 <= time.monotonic() - start < 5.0
+    # Replicas that come back reset the clock: dead for two polls, alive, dead for two more (a 1 s span).
+    states = iter([0, 0, 2, 0, 0] + [2] * 100)
+    assert asyncio.run(collect(2.0, lambda: next(states), bound=0.75))[0] == [1, 2, 3]

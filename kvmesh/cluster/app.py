@@ -21,10 +21,22 @@ from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url
 from kvmesh.shared.sampling_params import MAX_N
 
 
-def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Application:
-    """The application. ``config.redis_url`` None: every process reads ``$KVMESH_REDIS_URL``. ``serve_grpc``:
-    the ingress listens for gRPC on ``config.host:config.grpc_port`` itself (``kvmesh serve``; under a Serve
-    config file Ray's gRPC proxy serves it instead)."""
+def with_env(actor_options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """``actor_options`` with ``env`` added to its runtime environment's variables (a copy)."""
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
+    return {**actor_options, "runtime_env": runtime_env}
+
+
+def build_app(
+    config: ClusterConfig, serve_grpc: bool = False, env: dict[str, str] | None = None, engine_nodes: int = 1
+) -> serve.Application:
+    """The application. ``config.redis_url`` None: every process reads ``$KVMESH_REDIS_URL`` (``env`` sets
+    variables in every replica's environment: how ``kvmesh serve`` hands them the embedded Redis's URL).
+    ``serve_grpc``: the ingress listens for gRPC on ``config.host:config.grpc_port`` itself (``kvmesh serve``;
+    under a Serve config file Ray's gRPC proxy serves it instead). ``engine_nodes``: how many nodes can hold
+    engine replicas (each CPU replica takes its share of its node's cores)."""
+    env = env or {}
     engine_cfg = config.engine_config()
     engine = engine_deployment(
         config.engine_settings(),
@@ -36,9 +48,10 @@ def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Applicat
         stats_period_s=config.stats_period_s,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
-        ray_actor_options=config.engine_actor_options,
+        ray_actor_options=with_env(config.engine_actor_options, env),
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
+        replicas_per_node=config.replicas_per_node(engine_nodes),
     )
     settings = IngressSettings(
         model=config.model,
@@ -56,11 +69,12 @@ def build_app(config: ClusterConfig, serve_grpc: bool = False) -> serve.Applicat
         grpc_port=config.grpc_port if serve_grpc and config.grpc_port else None,
         share_prefix_cache=config.share_prefix_cache,
         enable_docs=config.enable_docs,
+        no_replica_timeout_s=config.no_replica_timeout_s,
     )
     # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
     ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
     deadline = {PROBE_DEADLINE_ENV: os.environ.get(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)}
-    actor = {"num_cpus": 0, "runtime_env": {"env_vars": deadline}}
+    actor = with_env(config.ingress_actor_options, {**deadline, **env})
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing, ray_actor_options=actor
     ).bind(engine, dataclasses.asdict(settings))

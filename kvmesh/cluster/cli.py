@@ -96,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         "scaling_policy": args.scaling_policy,
         "target_kv_util": args.target_kv_util,
         "drain_timeout_s": args.drain_timeout_s,
+        "no_replica_timeout_s": args.no_replica_timeout_s,
         "engine": {k: v for k, v in engine.items() if v is not None},
         "autoscaling": {k: v for k, v in autoscaling.items() if v is not None},
     }
@@ -171,9 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
     srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
     srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
+    srv.add_argument(
+        "--no-replica-timeout-s",
+        type=float,
+        help="a request's wait while no engine replica lives, then 503 (5)",
+    )
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
-    srv.add_argument("--address", help="join this Ray cluster instead of starting one (auto or host:port)")
+    srv.add_argument(
+        "--address",
+        help="join this Ray cluster instead of starting one (auto or host:port); docs/multinode.md",
+    )
     srv.add_argument(
         "--redis-url",
         help="index Redis (default: $KVMESH_REDIS_URL, else an embedded one on loopback with a random password)",

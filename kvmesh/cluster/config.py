@@ -8,7 +8,6 @@ defaults, ``--config FILE`` and the flags a user typed. Engine settings live und
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ Ray Serve reads it when first imported, so it must be in a router process's envi
 (here: torch-free and Ray-free, so test and benchmark launchers can set it before importing Ray)."""
 
 APP_NAME = "kvmesh"
+HEAD = "node:__internal_head__"
+"""The resource Ray gives only its head node."""
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000
 GRPC_SERVICER = "kvmesh.cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
@@ -64,8 +65,13 @@ class ClusterConfig:
     """Ray actor options of each engine replica (``num_cpus``, ``num_gpus``, ``resources``, ...). No CPUs by
     default, so several replicas share a laptop; on a cluster, claim a GPU (or CPUs) per replica so replicas
     land on worker nodes and the Ray autoscaler adds nodes for those that do not fit."""
+    ingress_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0, "resources": {HEAD: 0.001}})
+    """Ray actor options of the ingress: where HTTP's routes, the routers and gRPC run. The head node by
+    default, so the endpoints ``kvmesh serve`` prints are on the machine it runs on; another node by its
+    resource (``resources: {ingress_pool: 1}``) or label."""
     address: str | None = None
-    """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one."""
+    """Join this Ray cluster (``auto`` or ``host:port``) instead of starting a local one. The embedded Redis
+    then listens on this node's address too, so every node reaches it."""
     redis_url: str | None = None
     """The index's Redis; ``None`` takes ``$KVMESH_REDIS_URL``, else starts an embedded one (loopback, random
     password). Every process reads it from its environment: it is never a deployment argument."""
@@ -91,6 +97,8 @@ class ClusterConfig:
     can probe each other's cached prefixes); True shares one cache across keys."""
     enable_docs: bool = False
     """Serve the API's ``/docs``, ``/redoc`` and ``/openapi.json``."""
+    no_replica_timeout_s: float = 5.0
+    """How long a request waits while no engine replica is alive before it is answered 503 with Retry-After."""
     stats_period_s: float = 1.0
     num_cpus: int | None = None
     """CPUs of a locally started Ray (default: this machine's)."""
@@ -113,6 +121,8 @@ class ClusterConfig:
             raise ValueError("max_queued_requests must be >= -1 and max_inflight_requests >= 0")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if not 0 < self.no_replica_timeout_s <= 600:
+            raise ValueError(f"no_replica_timeout_s must be in (0, 600], got {self.no_replica_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
@@ -140,29 +150,14 @@ class ClusterConfig:
         )
 
     def engine_settings(self) -> dict[str, Any]:
-        """Engine settings for each replica. Threads default to an equal share of the cores among the most
-        replicas there can be, so replicas sharing a machine do not oversubscribe it."""
-        settings = {"model": self.model, **self.engine}
-        if settings.get("torch_threads") is None and settings.get("device") in (None, "cpu"):
-            settings["torch_threads"] = max(1, available_cpus() // max(self.replicas, self.max_replicas or 0))
-        return settings
+        """Engine settings for each replica (``torch_threads`` unset: each replica sizes it on its own node,
+        ``kvmesh.cluster.nodes.replica_threads``)."""
+        return {"model": self.model, **self.engine}
 
-
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def available_cpus(cgroup_cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """Cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota. In a Kubernetes pod
-    ``os.cpu_count()`` is the node's core count while the pod's CPU limit is the quota; sizing threads from
-    the node would oversubscribe the pod."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = cgroup_cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
+    def replicas_per_node(self, engine_nodes: int = 1) -> int:
+        """The most engine replicas one node may hold, spread over ``engine_nodes``: replicas sharing a
+        node split its cores among them, so a scaled-out node is not oversubscribed."""
+        return -(-max(self.replicas, self.max_replicas or 0) // max(1, engine_nodes))
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

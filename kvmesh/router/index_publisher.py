@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 CHUNK = 5000
 """Entries per script call during resync and purge: bounds how long one call blocks Redis (~ms)."""
+LOG_EVERY_S = 30.0
+"""While Redis stays unreachable the publisher retries every second but warns once per this period."""
 
 
 class KVEventLike(Protocol):
@@ -87,6 +89,9 @@ class KVIndexPublisher:
         self.client = redis.Redis.from_url(
             redis_url, socket_timeout=redis_timeout_s, socket_connect_timeout=redis_timeout_s
         )
+        kwargs = self.client.connection_pool.connection_kwargs
+        self.address = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        """Where the index Redis is (host:port, no password): what errors name."""
         names = ("publish", "beat", "claim", "switch", "purge")
         self._scripts = {n: self.client.register_script(script_source(n)) for n in names}
         self._meta = {"deployment": deployment, "model": model}
@@ -99,6 +104,9 @@ class KVIndexPublisher:
         self._live = 0
         self._logged = 0
         self._busy = False
+        self.last_error: str | None = None
+        """Why the last write to Redis failed; None once one succeeds (read by the replica's load report)."""
+        self._warned_at = -LOG_EVERY_S
         self.stats = {"events": 0, "batches": 0, "resyncs": 0, "overflows": 0, "errors": 0}
 
     # ------------------------------------------------------------------ engine thread
@@ -187,9 +195,20 @@ class KVIndexPublisher:
                         raise StaleSlotError("heartbeat refused")
                     next_beat = time.monotonic() + self.interval_s
                 backoff = 0.05
+                if self.last_error is not None:
+                    log.warning("index publisher %s: Redis reachable again, index resynchronised", self.replica_id)
+                    self.last_error = None
             except (RedisError, OSError, StaleSlotError) as exc:
                 self.stats["errors"] += 1
-                log.warning("index publisher %s: %r; will resynchronise", self.replica_id, exc)
+                self.last_error = f"{exc!r} at {self.address}"
+                if time.monotonic() - self._warned_at >= LOG_EVERY_S:
+                    self._warned_at = time.monotonic()
+                    log.warning(
+                        "index publisher %s: %s; will resynchronise (retrying every second, warning every %.0f s)",
+                        self.replica_id,
+                        self.last_error,
+                        LOG_EVERY_S,
+                    )
                 with self._cv:
                     self._needs_resync = True
                     self._cv.wait(timeout=backoff)  # let Redis come back; close() still wakes us

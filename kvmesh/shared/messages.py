@@ -118,6 +118,11 @@ class LoadReport:
     step_s: float = DEFAULT_STEP_S
     mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     max_num_seqs: int = 256
+    node: str = ""
+    """The address of the Ray node the replica runs on."""
+    index_error: str | None = None
+    """Why the replica's last write to the index Redis failed (naming its address); None while it works.
+    This report travels through Ray, so it reaches the ingress when Redis does not."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,6 +216,8 @@ class ReplicaStatus(EngineStats):
     ``from_dict`` at those edges. Fields a report lacks (an older replica's) read as their defaults."""
 
     pid: int | None = None
+    node: str = ""
+    """The address of the Ray node the replica runs on."""
     index_entries: int = 0
     """Blocks the replica has published to the index (set by its publisher)."""
     reported_at: float = 0.0
