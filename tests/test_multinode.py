@@ -75,6 +75,15 @@ with grpc.insecure_channel(sys.argv[1]) as channel:
         print(json.dumps({"code": exc.code().name, "details": exc.details(), "seconds": time.time() - start}))
 """
 
+HEALTH = """
+import json, os, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(os.environ["url"] + "/health", timeout=10) as resp:
+        print(resp.status, json.loads(resp.read())["status"])
+except urllib.error.HTTPError as exc:
+    print(exc.code, json.loads(exc.read())["status"])
+"""
+
 LEFT_ON_CLUSTER = """
 import json, ray
 ray.init(logging_level="ERROR")
@@ -213,8 +222,8 @@ def test_a_lost_node_fails_its_streams_then_requests_get_503_until_it_returns(
     grpc = cluster.run("head", [sys.executable, "-c", GRPC_UNARY, "127.0.0.1:9000", long_prompt(0)], timeout=90)
     refused = json.loads(grpc.stdout.strip().splitlines()[-1])
     assert refused["code"] == "UNAVAILABLE" and refused["seconds"] <= 10.0, refused
-    health = cluster.run("head", ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", url + "/health"]).stdout
-    assert health == "503"
+    health = cluster.python("head", HEALTH, url=url)
+    assert health.stdout.strip() == "503 degraded", health.stdout + health.stderr
     assert status(cluster)["live_replicas"] == 0
 
     cluster.start_worker(TORCH_EXTENSIONS_DIR=KERNEL_CACHE)
