@@ -30,24 +30,24 @@ machine's build, so CI compiles them once, not once more for the worker."""
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 
 CLIENT = """
-import json, sys, time, urllib.error, urllib.request
+import json, sys, time, httpx
 url, model, prompt, max_tokens, stream = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
-headers = {"Content-Type": "application/json"}
-request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
 start = time.time()
 try:
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        if not stream:
-            print(json.dumps({"status": resp.status, "body": json.loads(resp.read())}))
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            print(json.dumps({"status": resp.status_code, "retry_after": resp.headers.get("Retry-After"),
+                              "body": resp.text, "seconds": time.time() - start}))
+        elif not stream:
+            print(json.dumps({"status": 200, "body": json.loads(resp.read())}))
         else:
-            for line in resp:
-                line = line.decode().strip()
+            for line in resp.iter_lines():
                 if line:
                     print(json.dumps({"t": time.time(), "line": line}), flush=True)
-except urllib.error.HTTPError as exc:
-    print(json.dumps({"status": exc.code, "retry_after": exc.headers.get("Retry-After"),
-                      "body": exc.read().decode(), "seconds": time.time() - start}))
+except httpx.HTTPError as exc:  # what OpenAI's client (httpx) raises on a response cut mid-body
+    print(json.dumps({"exception": type(exc).__name__}), flush=True)
 """
 
 WATCH_INDEX = """
@@ -160,6 +160,16 @@ def complete(cluster: NetnsCluster, model: str, prompt: str, max_tokens: int = 4
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def start_stream(cluster: NetnsCluster, url: str, model: str, log: Path) -> subprocess.Popen:
+    """A long streamed completion from the head's namespace, returned once its first tokens arrived."""
+    stream = cluster.popen("head", [sys.executable, "-c", CLIENT, url, model, "go on", "900", "1"], log)
+    deadline = time.monotonic() + 60
+    while log.read_text().count('"line"') < 3:
+        assert time.monotonic() < deadline and stream.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.05)
+    return stream
+
+
 def status(cluster: NetnsCluster) -> dict:
     out = cluster.run("head", [KVMESH, "status", "--json"], timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -197,11 +207,7 @@ def test_a_lost_node_fails_its_streams_then_requests_get_503_until_it_returns(
 ):
     model, url = str(tiny_llama_dir), "http://127.0.0.1:8000"
     stream_log = tmp_path / "stream.log"
-    stream = cluster.popen("head", [sys.executable, "-c", CLIENT, url, model, "go on", "900", "1"], stream_log)
-    deadline = time.monotonic() + 60
-    while stream_log.read_text().count('"line"') < 3:
-        assert time.monotonic() < deadline and stream.poll() is None, stream_log.read_text()[-2000:]
-        time.sleep(0.05)
+    stream = start_stream(cluster, url, model, stream_log)
     watch_log = tmp_path / "watch.log"
     watch = cluster.popen("head", [sys.executable, "-c", WATCH_INDEX, url, "30"], watch_log)
     time.sleep(0.5)
@@ -254,6 +260,7 @@ def test_stop_leaves_nothing_and_a_second_start_honours_host_and_placement(clust
         second.wait_ready()
         assert f"ingress      node {WORKER_IP}" in second.text()
         assert f"gRPC         {WORKER_IP}:9000" in second.text()
+        assert f"OpenAI HTTP  http://{WORKER_IP}:8000/v1" in second.text()  # the proxy beside the ingress
         # HTTP on the head's address, reached from the other node: the new --host holds.
         answer = complete(cluster, str(tiny_llama_dir), long_prompt(1), node="worker", url=f"http://{HEAD_IP}:8000")
         assert answer["status"] == 200
@@ -266,5 +273,13 @@ def test_stop_leaves_nothing_and_a_second_start_honours_host_and_placement(clust
             ]
             == 200
         )
+        # The ingress's node lost mid-stream: a client of the printed endpoint (the proxy on that node) sees
+        # its response cut, an error in any HTTP client, never a stream that just ends.
+        stream_log = tmp_path / "stream.log"
+        stream = start_stream(cluster, f"http://{WORKER_IP}:8000", str(tiny_llama_dir), stream_log)
+        cluster.kill_node("worker")
+        stream.wait(120)
+        ending = [json.loads(x) for x in stream_log.read_text().splitlines() if x.strip()][-1]
+        assert "exception" in ending or '"error"' in ending.get("line", ""), ending
     finally:
         assert second.stop() == 0

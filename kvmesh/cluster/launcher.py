@@ -196,16 +196,15 @@ def _wait_for_index(redis_url: str, config: ClusterConfig, timeout_s: float = 30
 
 
 def _endpoints(config: ClusterConfig, ingress_node: str, redis_url: str) -> str:
-    """Where clients reach the cluster: Serve's HTTP proxy (on every node) and the ingress's gRPC (on its node)."""
+    """Where clients reach the cluster: HTTP through Serve's proxy on the ingress's node (a proxy routes to
+    the ingress on its own node, so a client there loses its connection with that node, loudly, instead of
+    seeing a stream end early), gRPC on the ingress itself."""
     here = node_address()
-    wide = config.host == "0.0.0.0"
-    http_host = here if wide else config.host
-    grpc_host = ingress_node if wide else config.host
-    grpc = f"{grpc_host}:{config.grpc_port}  (kvmesh.KVMesh, kvmesh/cluster/proto/kvmesh.proto)"
-    if not wide and ingress_node != here:
-        grpc += f" on node {ingress_node} (the ingress's node)"
+    host = ingress_node if config.host == "0.0.0.0" else config.host
+    where = f" on node {ingress_node} (the ingress's node)" if config.host != "0.0.0.0" and ingress_node != here else ""
+    grpc = f"{host}:{config.grpc_port}{where}  (kvmesh.KVMesh, kvmesh/cluster/proto/kvmesh.proto)"
     return (
-        f"  OpenAI HTTP  http://{http_host}:{config.http_port}/v1  (metrics: /metrics, status: /status)\n"
+        f"  OpenAI HTTP  http://{host}:{config.http_port}/v1{where}  (metrics: /metrics, status: /status)\n"
         f"  gRPC         {grpc if config.grpc_port else 'off'}\n"
         f"  ingress      node {ingress_node}\n"
         f"  Redis index  {redacted(redis_url)}\n"

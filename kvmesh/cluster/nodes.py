@@ -50,12 +50,15 @@ def node_address() -> str:
 
 
 def claimed_cpus() -> float | None:
-    """CPUs Ray assigned to the calling actor or task (None outside Ray)."""
+    """CPUs Ray assigned to the calling actor or task (None outside one: a driver has no assignment)."""
     import ray
 
     if not ray.is_initialized():
         return None
-    return ray.get_runtime_context().get_assigned_resources().get("CPU")
+    try:
+        return ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except AssertionError:  # Ray asserts it is called from a worker, not a driver
+        return None
 
 
 def fits(node: dict[str, Any], actor_options: dict[str, Any]) -> bool:
