@@ -24,6 +24,8 @@ from kvmesh.bench.netns_cluster import HEAD_IP, WORKER_IP, WORKER_RESOURCE, Netn
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 READY_S = 300.0
+URL = "http://127.0.0.1:8000"
+"""Where ``kvmesh serve`` listens, in the head's namespace (its defaults)."""
 KERNEL_CACHE = str(Path.home() / ".cache" / "torch_extensions")
 """The worker's HOME is its own (cold caches, as on a new machine) but its CPU kernels come from this
 machine's build, so CI compiles them once, not once more for the worker."""
@@ -154,7 +156,7 @@ def served(cluster, tiny_llama_dir, tmp_path_factory):
 
 
 def complete(cluster: NetnsCluster, model: str, prompt: str, max_tokens: int = 4, node: str = "head", url=None):
-    url = url or "http://127.0.0.1:8000"
+    url = url or URL
     out = cluster.run(node, [sys.executable, "-c", CLIENT, url, model, prompt, str(max_tokens), "0"], timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -180,7 +182,7 @@ def long_prompt(seed: int) -> str:
     return " ".join(f"word{seed}x{i}" for i in range(120))
 
 
-def test_on_the_defaults_replicas_on_another_node_share_one_index(cluster, served, tiny_llama_dir):
+def test_on_the_defaults_replicas_on_another_node_share_one_index(cluster, served, tiny_llama_dir, tmp_path):
     text = served.text()
     assert f"started embedded Redis at redis://:***@{HEAD_IP}:" in text  # the head's address, password hidden
     assert f"node {WORKER_IP} ready" in text  # the worker was prepared before its replicas started
@@ -189,8 +191,12 @@ def test_on_the_defaults_replicas_on_another_node_share_one_index(cluster, serve
     first, again = complete(cluster, model, long_prompt(0)), complete(cluster, model, long_prompt(0))
     assert first["status"] == again["status"] == 200
     assert again["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10
-    for seed in range(1, 9):  # more prompts, until both replicas hold some
-        complete(cluster, model, long_prompt(seed))
+    for burst in range(3):  # new prompts at once (idle replicas tie one by one), until both replicas hold some
+        clients = []
+        for seed in range(10 * burst + 1, 10 * burst + 7):
+            args = [sys.executable, "-c", CLIENT, URL, model, long_prompt(seed), "4", "0"]
+            clients.append(cluster.popen("head", args, tmp_path / f"burst{seed}.log"))
+        assert all(c.wait(150) == 0 for c in clients)
         replicas = status(cluster)["replicas"]
         if len(replicas) == 2 and all(r["index_entries"] > 0 for r in replicas.values()):
             break
@@ -205,7 +211,7 @@ def test_on_the_defaults_replicas_on_another_node_share_one_index(cluster, serve
 def test_a_lost_node_fails_its_streams_then_requests_get_503_until_it_returns(
     cluster, served, tiny_llama_dir, tmp_path
 ):
-    model, url = str(tiny_llama_dir), "http://127.0.0.1:8000"
+    model, url = str(tiny_llama_dir), URL
     stream_log = tmp_path / "stream.log"
     stream = start_stream(cluster, url, model, stream_log)
     watch_log = tmp_path / "watch.log"
