@@ -705,3 +705,25 @@ def test_a_request_waits_for_a_live_replica_only_within_the_bound():
     # Replicas that come back reset the clock: dead for two polls, alive, dead for two more (a 1 s span).
     states = iter([0, 0, 2, 0, 0] + [2] * 100)
     assert asyncio.run(collect(2.0, lambda: next(states), bound=0.75))[0] == [1, 2, 3]
+
+
+def test_nodes_prepared_are_those_an_engine_replica_fits_and_env_reaches_every_replica():
+    """Per-node preparation visits the nodes with every resource a replica asks for; the index URL reaches
+    replicas through their runtime environment, merged with what the operator set there."""
+    from kvmesh.cluster.app import with_env
+    from kvmesh.cluster.nodes import fits
+
+    head = {"Resources": {"CPU": 4.0, "node:__internal_head__": 1.0}}
+    gpu_worker = {"Resources": {"CPU": 16.0, "GPU": 1.0, "gpu_pool": 1.0}}
+    assert fits(head, {"num_cpus": 0}) and fits(gpu_worker, {"num_cpus": 0})
+    assert not fits(head, {"num_gpus": 1}) and fits(gpu_worker, {"num_gpus": 1})
+    assert not fits(head, {"num_cpus": 0, "resources": {"gpu_pool": 1}})
+    assert fits(gpu_worker, {"num_cpus": 8, "resources": {"gpu_pool": 1}})
+    assert not fits(gpu_worker, {"num_cpus": 32})
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": {"HF_HOME": "/models"}, "pip": ["x"]}}
+    merged = with_env(options, {"KVMESH_REDIS_URL": "redis://:p@10.0.0.1:1/0"})
+    assert merged["runtime_env"] == {
+        "env_vars": {"HF_HOME": "/models", "KVMESH_REDIS_URL": "redis://:p@10.0.0.1:1/0"},
+        "pip": ["x"],
+    }
+    assert options["runtime_env"]["env_vars"] == {"HF_HOME": "/models"}  # the operator's options untouched
