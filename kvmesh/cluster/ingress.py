@@ -22,6 +22,7 @@ from kvmesh.cluster.admission import Admission
 from kvmesh.cluster.generation import Generation, ModelLimits
 from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
 from kvmesh.cluster.http_api import HttpApi, app, set_admission
+from kvmesh.cluster.nodes import node_address
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.limits import prompt_byte_limit, request_body_limit
@@ -100,9 +101,7 @@ class Ingress(HttpApi, GrpcApi):
 
     def node(self) -> str:
         """The address of the node this ingress runs on (its gRPC listens there): what ``kvmesh serve`` prints."""
-        import ray
-
-        return ray.util.get_node_ip_address()
+        return node_address()
 
     def __del__(self) -> None:
         """Ray Serve calls this when the replica stops: close this ingress's gRPC server (if it runs one)."""
