@@ -52,6 +52,7 @@ def build_app(
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
         replicas_per_node=config.replicas_per_node(engine_nodes),
+        kv_events=config.kv_events_config,
     )
     settings = IngressSettings(
         model=config.model,

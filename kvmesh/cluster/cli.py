@@ -54,10 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.config import build_config
-    from kvmesh.cluster.launcher import run_until_signalled
-
+def _engine_settings(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields the engine flags set (``kvmesh serve`` and ``kvmesh engine`` share them)."""
     engine = {
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
@@ -72,6 +70,29 @@ def _serve(args: argparse.Namespace) -> int:
         "torch_threads": args.threads,
         "enforce_eager": args.enforce_eager,
     }
+    return {k: v for k, v in engine.items() if v is not None}
+
+
+def _kv_events(args: argparse.Namespace) -> dict | None:
+    """``--kv-events-config`` checked now (a typo fails before any model loads), as its JSON mapping."""
+    from kvmesh.shared.kv_event_wire import KVEventsConfig
+
+    if args.kv_events_config is None:
+        return None
+    KVEventsConfig.parse(args.kv_events_config)
+    return json.loads(args.kv_events_config)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.engine_server import run_engine_server
+
+    return run_engine_server(args, {"model": args.model, **_engine_settings(args)}, _kv_events(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.config import build_config
+    from kvmesh.cluster.launcher import run_until_signalled
+
     autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
     overrides = {
         "model": args.model,
@@ -97,7 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         "target_kv_util": args.target_kv_util,
         "drain_timeout_s": args.drain_timeout_s,
         "no_replica_timeout_s": args.no_replica_timeout_s,
-        "engine": {k: v for k, v in engine.items() if v is not None},
+        "kv_events_config": _kv_events(args),
+        "engine": _engine_settings(args),
         "autoscaling": {k: v for k, v in autoscaling.items() if v is not None},
     }
     return run_until_signalled(build_config(args.config, overrides))
@@ -137,6 +159,49 @@ def _bench(args: argparse.Namespace) -> int:
 
     importlib.import_module(BENCH_COMMANDS[args.bench]).main(args.rest)
     return 0
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, for ``kvmesh serve`` (each replica) and ``kvmesh engine``."""
+    parser.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
+    parser.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8",
+    )
+    parser.add_argument(
+        "--swap-space-gib",
+        type=float,
+        help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)",
+    )
+    parser.add_argument(
+        "--host-cache-gib",
+        type=float,
+        help="host memory per replica keeping prefix blocks evicted from the KV pool (default: 2x the pool, "
+        "<= 16, on CUDA; off on the CPU; 0: off)",
+    )
+    parser.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute",
+    )
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
+    parser.add_argument(
+        "--kv-events-config",
+        help='publish KV events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (vLLM\'s keys; docs/kv_events.md)',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,41 +288,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve the API's /docs, /redoc and /openapi.json (default: off)",
     )
-    srv.add_argument("--block-size", type=int, help="KV block size in tokens (default 16)")
-    srv.add_argument("--max-num-seqs", type=int, help="running batch size per replica (default 64)")
-    srv.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    srv.add_argument("--num-kv-blocks", type=int, help="exact KV pool size per replica, in blocks")
-    srv.add_argument("--kv-cache-gib", type=float, help="KV pool per replica in GiB (CPU default 1)")
-    srv.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8",
-    )
-    srv.add_argument(
-        "--swap-space-gib",
-        type=float,
-        help="host memory per replica for swapped-out sequences (default: half the KV pool, <= 4; 0: off)",
-    )
-    srv.add_argument(
-        "--host-cache-gib",
-        type=float,
-        help="host memory per replica keeping prefix blocks evicted from the KV pool (default: 2x the pool, "
-        "<= 16, on CUDA; off on the CPU; 0: off)",
-    )
-    srv.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        help="preempted sequences: auto (swap when cheaper than recompute, default), swap, recompute",
-    )
-    srv.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    srv.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="run every engine step eagerly: no CUDA graphs of decode steps (CUDA only)",
-    )
-    srv.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
+    _add_engine_args(srv)
     srv.set_defaults(func=_serve)
+
+    eng = sub.add_parser(
+        "engine",
+        help="one engine as an OpenAI-compatible server (no Ray, no Redis), for any router: like `vllm serve`",
+    )
+    eng.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF model directory, .gguf file or hub id")
+    eng.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    eng.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    eng.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    eng.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
+    eng.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024, 0: no bound)")
+    _add_engine_args(eng)
+    eng.set_defaults(func=_engine)
 
     bench = sub.add_parser(
         "bench",

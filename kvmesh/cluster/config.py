@@ -17,6 +17,7 @@ import yaml
 from kvmesh.cluster.autoscaling import autoscaling_config
 from kvmesh.router.baselines import POLICIES
 from kvmesh.shared.engine_config import EngineConfig
+from kvmesh.shared.kv_event_wire import KVEventsConfig
 from kvmesh.shared.model_files import DEFAULT_MODEL
 
 PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
@@ -99,6 +100,9 @@ class ClusterConfig:
     """Serve the API's ``/docs``, ``/redoc`` and ``/openapi.json``."""
     no_replica_timeout_s: float = 5.0
     """How long a request waits while no engine replica is alive before it is answered 503 with Retry-After."""
+    kv_events_config: dict[str, Any] = field(default_factory=dict)
+    """vLLM's ``--kv-events-config`` (same keys): each engine replica also publishes its KV events on ZMQ, ports
+    offset by its replica rank, for routers that read vLLM's events (``docs/kv_events.md``)."""
     stats_period_s: float = 1.0
     num_cpus: int | None = None
     """CPUs of a locally started Ray (default: this machine's)."""
@@ -116,6 +120,7 @@ class ClusterConfig:
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"port {self.grpc_port} is out of range (0 turns gRPC off)")
         self.engine_config()  # raises ValueError on bad engine settings
+        KVEventsConfig.parse(self.kv_events_config)
         self.autoscaling_config()  # and on bad autoscaling settings
         if self.max_queued_requests < -1 or self.max_inflight_requests < 0:
             raise ValueError("max_queued_requests must be >= -1 and max_inflight_requests >= 0")

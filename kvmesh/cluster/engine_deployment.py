@@ -29,9 +29,11 @@ from ray.serve.exceptions import RayServeException
 
 from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_threads
 from kvmesh.replica import AsyncLLM, EngineConfig
+from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
 from kvmesh.shared.hashing import first_block_extra, hash_block
+from kvmesh.shared.kv_event_wire import KVEventsConfig
 from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,12 @@ class IndexUnreachable(RuntimeError):
 
 class EngineReplica:
     def __init__(
-        self, engine: dict, redis_url: str | None = None, deployment: str = "kvmesh", replicas_per_node: int = 1
+        self,
+        engine: dict,
+        redis_url: str | None = None,
+        deployment: str = "kvmesh",
+        replicas_per_node: int = 1,
+        kv_events: dict | None = None,
     ) -> None:
         self.node = node_address()
         engine = dict(engine)
@@ -60,9 +67,11 @@ class EngineReplica:
         self.engine = self.llm.engine
         self.engine.warm_up()  # measured decode costs for routers from the first request on
         try:  # unique per replica actor, so a restarted replica is a new id; routers match on it
-            name = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            name, rank = context.replica_id.unique_id, context.rank
         except RayServeException:  # outside Serve: unique per process too
-            name = f"engine-{uuid.uuid4().hex[:8]}"
+            name, rank = f"engine-{uuid.uuid4().hex[:8]}", None
+        self.kv_events = self._kv_event_publisher(kv_events, rank)
         self.publisher = None
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         if redis_url:
@@ -87,6 +96,16 @@ class EngineReplica:
             self.engine.kv_event_sinks.append(self.publisher.publish)
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
+
+    def _kv_event_publisher(self, settings: dict | None, rank: object) -> ZmqKVEventPublisher | None:
+        """vLLM-compatible KV events (``--kv-events-config``), ports offset by this replica's rank."""
+        config = KVEventsConfig.parse(settings or {})
+        if not config.enabled:
+            return None
+        number = rank if isinstance(rank, int) else getattr(rank, "rank", 0)
+        publisher = ZmqKVEventPublisher(config.for_rank(number), self.engine.block_size)
+        self.engine.kv_event_sinks.append(publisher.publish)
+        return publisher
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
@@ -161,6 +180,8 @@ class EngineReplica:
     def __del__(self) -> None:
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
 
 
 def engine_deployment(
@@ -177,6 +198,7 @@ def engine_deployment(
     autoscaling: dict | None = None,
     drain_timeout_s: float = 60.0,
     replicas_per_node: int | None = None,
+    kv_events: dict | None = None,
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles.
 
@@ -187,6 +209,7 @@ def engine_deployment(
     A replica being removed (scale-down, redeploy, shutdown) gets ``drain_timeout_s`` to finish its streams:
     Ray stops routing to it at once and waits for them before its destructor clears its index entries.
     ``replicas_per_node`` (default: all of them on one node) sizes each CPU replica's threads on its node.
+    ``kv_events``: vLLM's ``--kv-events-config`` keys; each replica publishes on the ports plus its rank.
     """
     model_id = EngineConfig(**engine).model
     ray_pow2 = policy == "pow2"
@@ -222,4 +245,5 @@ def engine_deployment(
         redis_url,
         deployment,
         replicas_per_node or max(num_replicas, (autoscaling or {}).get("max_replicas", 0)),
+        kv_events,
     )

@@ -61,34 +61,40 @@ class IngressSettings:
     """How long a request waits while no engine replica is alive before its 503."""
 
 
+def front_door(s: IngressSettings, engine_handle) -> tuple[Generation, Admission]:
+    """The ``Generation`` over ``engine_handle`` and the ``Admission`` limits of one served model: what an
+    ingress (here) and a single-engine server (``kvmesh/cluster/engine_server.py``) put in front of engines."""
+    model_dir = resolve_model_dir(s.model, weights=False)  # tokenizer and config only
+    tokenizer = load_tokenizer(model_dir)
+    max_model_len = s.max_model_len or max_context(model_dir)
+    token_bytes = max_token_bytes(tokenizer)
+    limits = ModelLimits(
+        names={s.served_model_name, s.model},
+        served_name=s.served_model_name,
+        vocab_size=vocab_size(model_dir),
+        max_model_len=max_model_len,
+        max_prompt_bytes=prompt_byte_limit(max_model_len, token_bytes),
+        max_n=s.max_n,
+    )
+    generation = Generation(
+        engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache, s.no_replica_timeout_s
+    )
+    admission = Admission(
+        s.api_key_digests,
+        s.max_inflight_requests,
+        s.max_request_bytes or request_body_limit(max_model_len, token_bytes),
+        on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
+        enable_docs=s.enable_docs,
+    )
+    return generation, admission
+
+
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress(HttpApi, GrpcApi):
     def __init__(self, engine_handle: DeploymentHandle, settings: dict) -> None:
         self.settings = s = IngressSettings(**settings)
-        model_dir = resolve_model_dir(s.model, weights=False)  # tokenizer and config only
-        tokenizer = load_tokenizer(model_dir)
-        max_model_len = s.max_model_len or max_context(model_dir)
-        token_bytes = max_token_bytes(tokenizer)
-        limits = ModelLimits(
-            names={s.served_model_name, s.model},
-            served_name=s.served_model_name,
-            vocab_size=vocab_size(model_dir),
-            max_model_len=max_model_len,
-            max_prompt_bytes=prompt_byte_limit(max_model_len, token_bytes),
-            max_n=s.max_n,
-        )
-        self.generation = Generation(
-            engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache, s.no_replica_timeout_s
-        )
-        body_limit = s.max_request_bytes or request_body_limit(max_model_len, token_bytes)
-        self.admission = Admission(
-            s.api_key_digests,
-            s.max_inflight_requests,
-            body_limit,
-            on_refused=lambda reason: metrics.REFUSED.labels(reason).inc(),
-            enable_docs=s.enable_docs,
-        )
+        self.generation, self.admission = front_door(s, engine_handle)
         set_admission(self.admission)
         redis_url = index_redis_url(s.redis_url)
         self.index = PrefixIndex(redis_url, s.deployment, s.model, timeout_s=1.0) if redis_url else None
@@ -96,7 +102,7 @@ class Ingress(HttpApi, GrpcApi):
         self._sweeper = loop.create_task(self.index.sweep_forever()) if self.index else None
         self._grpc_server = None
         if s.grpc_port:
-            self._grpc_server = serve_grpc(self, s.grpc_host or "127.0.0.1", s.grpc_port, body_limit)
+            self._grpc_server = serve_grpc(self, s.grpc_host or "127.0.0.1", s.grpc_port, self.admission.max_body_bytes)
             self._grpc_started = loop.create_task(self._grpc_server.start())
 
     def node(self) -> str:

@@ -17,7 +17,7 @@ both stay in the map, so evicting one copy leaves the other reachable.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -126,8 +126,16 @@ class BlockPool:
         copies = self._by_hash.get(block_hash)
         return next(iter(copies.values())) if copies else None
 
-    def cache_block(self, block: Block, block_hash: BlockHash, parent_hash: BlockHash | None) -> None:
-        """Publish a full, computed block under its hash so later requests can reuse it."""
+    def cache_block(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> None:
+        """Publish a full, computed block under its hash so later requests can reuse it; ``token_ids`` and
+        ``cache_salt`` (block 0's) only travel in its KV event."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
@@ -135,7 +143,7 @@ class BlockPool:
         if not copies:
             if self.on_cache is not None:
                 self.on_cache(block_hash)
-            self._events.append(BlockStored(block_hash, parent_hash))
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids=token_ids, cache_salt=cache_salt))
         copies[block.block_id] = block
 
     def _drop_hash(self, block: Block) -> None:

@@ -217,6 +217,7 @@ class LLMEngine(StepRecovery):
             self.hash_seed,
             first_block_extra(cache_salt),
             block_hashes,
+            cache_salt,
         )
         if params.json_schema is not None:
             req.matcher = self.grammars.matcher(params.json_schema)

@@ -157,7 +157,7 @@ class KVCacheManager:
             self.swap.swap_in(host_ids, [b.block_id for b in loaded])
             first = len(blocks) + len(hits)
             for i, block in enumerate(loaded, start=first):
-                self.pool.cache_block(block, request.block_hashes[i], request.block_hashes[i - 1] if i else None)
+                self._cache(request, block, i)
         self.req_blocks[request] = blocks + hits + new
         if hits or new:
             self.tables.write(request.kv_row, len(blocks), [b.block_id for b in hits + new])
@@ -215,9 +215,19 @@ class KVCacheManager:
         for i in range(start, end):
             if blocks[i] is None:  # released behind a sliding window (after it was cached)
                 continue
-            parent = request.block_hashes[i - 1] if i else None
-            self.pool.cache_block(blocks[i], request.block_hashes[i], parent)
+            self._cache(request, blocks[i], i)
         self._num_cached_blocks[request] = max(start, end)
+
+    def _cache(self, request: Request, block: Block, i: int) -> None:
+        """Publish ``request``'s block ``i`` under its hash, with what its KV event names: parent, tokens, salt."""
+        size = self.block_size
+        self.pool.cache_block(
+            block,
+            request.block_hashes[i],
+            request.block_hashes[i - 1] if i else None,
+            request.all_token_ids[i * size : (i + 1) * size],
+            None if i else request.cache_salt,
+        )
 
     def is_swapped(self, request: Request) -> bool:
         return request in self._swapped

@@ -12,6 +12,7 @@ The index publisher (``kvmesh/router/index_publisher.py``) reads them by their `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +29,10 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     """``None`` for block 0 of a chain, and in host-tier events (the tier keeps no chain links)."""
     medium: str = DEVICE
+    token_ids: Sequence[int] = ()
+    """The block's tokens (device events; vLLM's wire format carries them, ``kvmesh/replica/kv_event_publisher.py``)."""
+    cache_salt: str | None = None
+    """Block 0's tenant salt, if its chain has one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,8 +42,11 @@ class Request:
         hash_seed: BlockHash,
         hash_extra: bytes,
         block_hashes: list[BlockHash] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
+        """The tenant salt in ``hash_extra``, as text: block 0's KV event names it (``extra_keys`` on the wire)."""
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.params = params

@@ -1,0 +1,120 @@
+"""``kvmesh engine``: one kvmesh engine as an OpenAI-compatible HTTP server, without Ray or Redis.
+
+The analogue of ``vllm serve``, so any router (SGLang's ``smg``, ``vllm-router``, Dynamo, llm-d, or kvmesh's own
+``workers:``) can put kvmesh engines behind it: the same routes as the cluster's ingress (chat, completions,
+tokenize, detokenize, models, health, metrics), its KV events on vLLM's wire with ``--kv-events-config``.
+It is the ingress's own front door (``kvmesh.cluster.ingress.front_door``) over an engine in this process:
+``LocalHandle`` stands where the deployment handle would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from kvmesh.cluster.engine_deployment import EngineReplica
+from kvmesh.cluster.http_api import HttpApi, app, set_admission
+from kvmesh.cluster.ingress import IngressSettings, front_door
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus
+from kvmesh.shared.sampling_params import MAX_N
+
+log = logging.getLogger(__name__)
+
+
+class LocalStream:
+    """One call's chunks from the engine in this process, as a handle's response stream is consumed."""
+
+    def __init__(self, chunks: AsyncIterator[GenerateChunk]) -> None:
+        self._chunks = chunks
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        return await anext(self._chunks)
+
+    def cancel(self) -> None:
+        """Stop the engine request (the generator's cleanup aborts it) without waiting for it."""
+        asyncio.get_running_loop().create_task(self._chunks.aclose())
+
+
+class LocalHandle:
+    """What ``Generation`` uses of a deployment handle: ``options(...)`` and ``remote(call)``."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+
+    def options(self, **_: object) -> LocalHandle:
+        return self
+
+    def remote(self, call: GenerateCall) -> LocalStream:
+        return LocalStream(self.replica.generate(call))
+
+
+class EngineServer(HttpApi):
+    """The HTTP routes over one local engine; status and metrics report that engine."""
+
+    def __init__(self, replica: EngineReplica, settings: IngressSettings) -> None:
+        self.replica = replica
+        self.settings = settings
+        self.index = None
+        self.generation, self.admission = front_door(settings, LocalHandle(replica))
+        set_admission(self.admission)
+
+    async def health(self) -> JSONResponse:
+        """``ok`` once the engine is loaded (the server listens only then); no router sits in front here."""
+        return JSONResponse({"status": "ok"})
+
+    async def _replica_reports(self) -> dict[str, ReplicaStatus]:
+        return {self.replica.index_id: self.replica.status()}
+
+
+def _api_routes(routes: list) -> Iterator[APIRoute]:
+    """The API routes declared on ``app``, also where Ray Serve's ``serve.ingress`` moved them into a router."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _api_routes(inner.routes)
+
+
+def build_app(server: EngineServer) -> FastAPI:
+    """A FastAPI app with the ingress's routes, error handlers and admission middleware, bound to ``server``."""
+    engine_app = FastAPI(title="kvmesh engine", docs_url=None, redoc_url=None, openapi_url=None)
+    for route in _api_routes(app.routes):
+        handler = getattr(server, route.endpoint.__name__)
+        engine_app.add_api_route(route.path, handler, methods=sorted(route.methods), name=route.name)
+    engine_app.exception_handlers.update(app.exception_handlers)
+    engine_app.user_middleware = list(app.user_middleware)
+    return engine_app
+
+
+def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | None) -> int:
+    import uvicorn
+
+    replica = EngineReplica(engine, redis_url=None, kv_events=kv_events)
+    config = replica.engine.config
+    digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
+    settings = IngressSettings(
+        model=args.model,
+        served_model_name=args.served_model_name or args.model,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        max_n=min(MAX_N, config.max_num_seqs),
+        api_key_digests=digests,
+        max_inflight_requests=args.max_inflight_requests,
+    )
+    server = EngineServer(replica, settings)
+    events = f", KV events on {replica.kv_events.config.endpoint}" if replica.kv_events else ""
+    print(f"kvmesh engine ready: http://{args.host}:{args.port}/v1 ({settings.served_model_name}{events})", flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    replica.__del__()
+    return 0
