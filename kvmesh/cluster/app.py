@@ -17,6 +17,7 @@ from kvmesh.cluster.admission import key_digests
 from kvmesh.cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
 from kvmesh.cluster.engine_deployment import engine_deployment
 from kvmesh.cluster.ingress import Ingress, IngressSettings
+from kvmesh.cluster.worker_proxy import worker_deployment
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url
 from kvmesh.shared.sampling_params import MAX_N
 
@@ -38,22 +39,7 @@ def build_app(
     engine replicas (each CPU replica takes its share of its node's cores)."""
     env = env or {}
     engine_cfg = config.engine_config()
-    engine = engine_deployment(
-        config.engine_settings(),
-        num_replicas=config.replicas,
-        redis_url=config.redis_url,
-        deployment=APP_NAME,
-        policy=config.policy,
-        policy_kwargs=config.policy_kwargs,
-        stats_period_s=config.stats_period_s,
-        max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
-        ray_actor_options=with_env(config.engine_actor_options, env),
-        autoscaling=config.autoscaling_config(),
-        drain_timeout_s=config.drain_timeout_s,
-        replicas_per_node=config.replicas_per_node(engine_nodes),
-        kv_events=config.kv_events_config,
-    )
+    engine = _engines(config, env, engine_nodes)
     settings = IngressSettings(
         model=config.model,
         served_model_name=config.name,
@@ -79,6 +65,41 @@ def build_app(
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing, ray_actor_options=actor
     ).bind(engine, dataclasses.asdict(settings))
+
+
+def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> serve.Application:
+    """The engine deployment: kvmesh's engines, or one proxy per external worker (``config.workers``)."""
+    if config.workers:
+        return worker_deployment(
+            config.workers,
+            config.model,
+            config.name,
+            config.engine_config().block_size,
+            redis_url=config.redis_url,
+            deployment=APP_NAME,
+            policy=config.policy,
+            policy_kwargs=config.policy_kwargs,
+            stats_period_s=config.stats_period_s,
+            max_ongoing_requests=config.max_ongoing_requests,
+            max_queued_requests=config.max_queued_requests,
+            ray_actor_options=with_env({"num_cpus": 0}, env),
+        )
+    return engine_deployment(
+        config.engine_settings(),
+        num_replicas=config.replicas,
+        redis_url=config.redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+        policy_kwargs=config.policy_kwargs,
+        stats_period_s=config.stats_period_s,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        ray_actor_options=with_env(config.engine_actor_options, env),
+        autoscaling=config.autoscaling_config(),
+        drain_timeout_s=config.drain_timeout_s,
+        replicas_per_node=config.replicas_per_node(engine_nodes),
+        kv_events=config.kv_events_config,
+    )
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -92,12 +92,14 @@ def _engine(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvmesh.cluster.config import build_config
     from kvmesh.cluster.launcher import run_until_signalled
+    from kvmesh.cluster.worker_spec import WorkerSpec
 
     autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
     overrides = {
         "model": args.model,
         "served_model_name": args.served_model_name,
-        "replicas": args.replicas,
+        "replicas": 0 if args.worker and args.replicas is None else args.replicas,
+        "workers": [vars(WorkerSpec.parse(w)) for w in args.worker] if args.worker else None,
         "ingress_replicas": args.ingress_replicas,
         "policy": args.policy,
         "address": args.address,
@@ -229,7 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", help="YAML file of ClusterConfig settings (engine settings under `engine:`)")
     srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
-    srv.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    srv.add_argument("--replicas", type=int, help="engine replicas (default 2; 0 with --worker)")
+    srv.add_argument(
+        "--worker",
+        action="append",
+        help="route an external OpenAI-compatible engine (vLLM, SGLang, kvmesh engine), repeatable: "
+        "URL[,kv_events=tcp://HOST:5557][,replay=tcp://HOST:5558][,topic=T][,model=NAME]",
+    )
     srv.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas (default 1)")
     srv.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas (default: no autoscaling)")
     srv.add_argument("--target-kv-util", type=float, help="autoscaling: KV demand per replica to aim for (0.7)")

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from kvmesh.cluster.autoscaling import autoscaling_config
+from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.baselines import POLICIES
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.kv_event_wire import KVEventsConfig
@@ -43,7 +44,10 @@ class ClusterConfig:
     served_model_name: str | None = None
     """The name clients send as ``model`` (default: ``model``)."""
     replicas: int = 2
-    """Engine replicas (the starting count when autoscaling)."""
+    """Engine replicas (the starting count when autoscaling); 0 with ``workers``."""
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    """External OpenAI-compatible engines to route (vLLM, SGLang, ``kvmesh engine``): ``url`` and, for KV-aware
+    routing, their vLLM-style event endpoints ``kv_events`` and ``replay`` (``kvmesh/cluster/worker_proxy.py``)."""
     min_replicas: int = 1
     max_replicas: int | None = None
     """Autoscale the engine replicas between ``min_replicas`` and this; ``None`` keeps ``replicas`` fixed."""
@@ -109,10 +113,9 @@ class ClusterConfig:
     object_store_memory: int = 256 << 20
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.ingress_replicas < 1:
-            raise ValueError(
-                f"replicas and ingress_replicas must be at least 1, got {self.replicas}, {self.ingress_replicas}"
-            )
+        if self.ingress_replicas < 1:
+            raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
+        self._check_workers()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         if not 0 < self.http_port < 65536:
@@ -130,6 +133,22 @@ class ClusterConfig:
             raise ValueError(f"no_replica_timeout_s must be in (0, 600], got {self.no_replica_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    def _check_workers(self) -> None:
+        for worker in self.workers:
+            WorkerSpec(**worker)  # raises ValueError naming a bad field
+        if self.workers and (self.replicas or self.max_replicas):
+            raise ValueError(
+                "external workers and kvmesh engine replicas cannot be mixed yet: set replicas: 0 and run kvmesh's "
+                "own engines as workers too (`kvmesh engine --kv-events-config ...`)"
+            )
+        if not self.workers and self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1 (or 0 with workers), got {self.replicas}")
+
+    @property
+    def engine_replicas(self) -> int:
+        """Replicas of the engine deployment: kvmesh's own engines, or one per external worker."""
+        return len(self.workers) or self.replicas
 
     @property
     def name(self) -> str:

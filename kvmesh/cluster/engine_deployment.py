@@ -184,6 +184,33 @@ class EngineReplica:
             self.kv_events.close()
 
 
+def router_config(
+    policy: str,
+    redis_url: str | None,
+    deployment: str,
+    model_id: str,
+    policy_kwargs: dict | None = None,
+    stats_period_s: float = 1.0,
+) -> RequestRouterConfig:
+    """The engine deployment's router: kvmesh's KV-aware router (or a baseline policy), or Ray's own for pow2."""
+    ray_pow2 = policy == "pow2"
+    return RequestRouterConfig(
+        request_router_class=RAY_POW2_CLASS if ray_pow2 else ROUTER_CLASS,
+        request_router_kwargs={}
+        if ray_pow2
+        else {
+            "redis_url": redis_url,
+            "deployment": deployment,
+            "model": model_id,
+            "policy": policy,
+            "policy_kwargs": policy_kwargs or {},
+            "report_period_s": stats_period_s,
+        },
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=max(stats_period_s, 1.0),
+    )
+
+
 def engine_deployment(
     engine: dict,
     num_replicas: int = 1,
@@ -212,22 +239,7 @@ def engine_deployment(
     ``kv_events``: vLLM's ``--kv-events-config`` keys; each replica publishes on the ports plus its rank.
     """
     model_id = EngineConfig(**engine).model
-    ray_pow2 = policy == "pow2"
-    router = RequestRouterConfig(
-        request_router_class=RAY_POW2_CLASS if ray_pow2 else ROUTER_CLASS,
-        request_router_kwargs={}
-        if ray_pow2
-        else {
-            "redis_url": redis_url,
-            "deployment": deployment,
-            "model": model_id,
-            "policy": policy,
-            "policy_kwargs": policy_kwargs or {},
-            "report_period_s": stats_period_s,
-        },
-        request_routing_stats_period_s=stats_period_s,
-        request_routing_stats_timeout_s=max(stats_period_s, 1.0),
-    )
+    router = router_config(policy, redis_url, deployment, model_id, policy_kwargs, stats_period_s)
     sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     return serve.deployment(
         EngineReplica,

@@ -120,15 +120,19 @@ def serve_cluster(
                 f"a {APP_NAME} application already runs on this cluster; stop its `kvmesh serve` first "
                 f"(or `serve delete {APP_NAME}`)"
             )
-        prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
-        _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
+        if config.workers:
+            prepared = []
+            _say(f"routing {len(config.workers)} external worker(s) of {config.name} (policy {config.policy}) ...")
+        else:
+            prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
+            _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
         deployed = threading.Event()
         watcher = threading.Thread(target=_watch_deployments, args=(deployed, t0), daemon=True)
         watcher.start()
         try:
             # Every replica reads the index's URL (and its password) from its environment, never from its
             # deployment's arguments.
-            app = build_app(config, serve_grpc=True, env={REDIS_URL_ENV: redis_url}, engine_nodes=len(prepared))
+            app = build_app(config, serve_grpc=True, env={REDIS_URL_ENV: redis_url}, engine_nodes=max(1, len(prepared)))
             deployed_app = True
             handle = serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"})
         finally:
@@ -186,11 +190,11 @@ def _wait_for_index(redis_url: str, config: ClusterConfig, timeout_s: float = 30
     deadline, seen = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
         seen = asyncio.run(reporting())
-        if seen >= config.replicas:
+        if seen >= config.engine_replicas:
             return
         time.sleep(0.25)
     raise ClusterConflict(
-        f"only {seen} of {config.replicas} engine replicas report through the index at {redacted(redis_url)} "
+        f"only {seen} of {config.engine_replicas} engine replicas report through the index at {redacted(redis_url)} "
         f"after {timeout_s:.0f} s; see `kvmesh status` for the ones that cannot reach it"
     )
 

@@ -55,12 +55,18 @@ class KVEventSubscriber:
         """Seconds from the engine's timestamp of the last batch to its application here."""
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
+        self._rebuild = threading.Event()
+        self._replay_failing = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> KVEventSubscriber:
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{self.name}", daemon=True)
         self._thread.start()
         return self
+
+    def request_rebuild(self) -> None:
+        """Drop what is held and replay the engine's buffer from 0 (its consumer lost track of it)."""
+        self._rebuild.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -78,6 +84,9 @@ class KVEventSubscriber:
             self._replay(0)
             quiet_since = time.monotonic()
             while not self._stop.is_set():
+                if self._rebuild.is_set():
+                    self._rebuild.clear()
+                    self._restart()
                 if not sub.poll(100):
                     if time.monotonic() - quiet_since > IDLE_REPLAY_S:
                         self._replay(0 if self.last_seq is None else self.last_seq + 1)
@@ -154,10 +163,13 @@ class KVEventSubscriber:
                     continue
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == END_SEQ:
+                    self._replay_failing = False
                     return
                 if self.last_seq is None or seq > self.last_seq:
                     self.stats["replayed"] += 1
                     self._apply(seq, frames[-1])
-            log.warning("KV event replay from %s gave no end marker within %.0f s", self.name, REPLAY_TIMEOUT_S)
+            if not self._replay_failing:  # once per outage, not every idle poll
+                log.warning("KV event replay from %s gave no end marker within %.0f s", self.name, REPLAY_TIMEOUT_S)
+            self._replay_failing = True
         finally:
             dealer.close()

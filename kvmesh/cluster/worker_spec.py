@@ -1,0 +1,42 @@
+"""One external worker of a cluster (``workers:`` in the config, ``--worker`` on the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """One external worker: where it serves OpenAI HTTP and, optionally, publishes vLLM-style KV events."""
+
+    url: str
+    kv_events: str | None = None
+    """Its PUB endpoint (``tcp://host:5557``); without it the router sees only its load."""
+    replay: str | None = None
+    topic: str = ""
+    model: str | None = None
+    """The name the worker serves (default: the cluster's ``served_model_name``)."""
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"worker url must start with http:// or https://, got {self.url!r}")
+        for name in ("kv_events", "replay"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"worker {name} must be a ZMQ address (tcp://HOST:PORT), got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        """The CLI's ``URL[,kv_events=tcp://H:P][,replay=tcp://H:P][,topic=T][,model=M]``."""
+        url, *rest = text.split(",")
+        fields = {}
+        for item in rest:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--worker {text!r}: expected key=value after the URL, got {item!r}")
+            fields[key.strip()] = value.strip()
+        try:
+            return cls(url=url.strip(), **fields)
+        except TypeError as exc:
+            raise ValueError(f"--worker {text!r}: {exc}") from None

@@ -1,0 +1,159 @@
+"""Integration: kvmesh routes engines it did not start. Two ``kvmesh engine`` servers (real processes, their KV
+events on vLLM's wire) stand behind the engine deployment's router as external workers; the index follows their
+events, a repeated prompt goes to the worker holding it, and a killed worker's entries leave the index."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.worker_proxy import worker_deployment
+from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.shared.hashing import hash_blocks, model_seed
+from tests.serve_helpers import greedy_call
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(model: str, port: int, events: Path, log: Path) -> subprocess.Popen:
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{events}.pub", "replay_endpoint": "ipc://{events}.replay"}}'
+    args = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", model, "--port", str(port)]
+    args += ["--threads", "1", "--num-kv-blocks", "160", "--max-num-seqs", "8", "--kv-events-config", config]
+    return subprocess.Popen(
+        args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "KVMESH_REDIS_URL": ""}
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "kvmesh engine exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
+    model, tmp = str(tiny_llama_dir), tmp_path_factory.mktemp("workers")
+    procs, specs = [], []
+    for i in range(2):
+        port = free_port()
+        procs.append(start_engine(model, port, tmp / f"w{i}", tmp / f"w{i}.log"))
+        specs.append(
+            {
+                "url": f"http://127.0.0.1:{port}",
+                "kv_events": f"ipc://{tmp}/w{i}.pub",
+                "replay": f"ipc://{tmp}/w{i}.replay",
+            }
+        )
+    try:
+        for proc, spec in zip(procs, specs, strict=True):
+            wait_healthy(spec["url"], proc)
+        app = worker_deployment(
+            specs, model, model, 16, redis_url=redis_server.url, deployment="ext", stats_period_s=0.5
+        )
+        handle = ray_serve.run(app, name="external-workers", route_prefix=None)
+        time.sleep(1.5)  # first load reports reach the router
+        yield handle.options(method_name="generate", stream=True), model, redis_server.url, procs
+    finally:
+        ray_serve.delete("external-workers")
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+
+
+async def call(handle, model, tokens, max_tokens=4):
+    text, cached, replica, usage = "", 0, None, None
+    async for chunk in handle.remote(greedy_call(model, tokens, max_tokens)):
+        text += chunk.text
+        cached, replica, usage = chunk.num_cached_tokens, chunk.replica, chunk.usage or usage
+    return text, cached, replica, usage
+
+
+def test_external_workers_are_routed_by_their_events_and_purged_when_lost(workers):
+    handle, model, url, procs = workers
+    prompts = [[1000 + 97 * p + i for i in range(200)] for p in range(6)]
+
+    async def main():
+        index = PrefixIndex(url, "ext", model, timeout_s=1.0)
+        try:
+            homes = {}
+            for p, tokens in enumerate(prompts):
+                text, cached, replica, usage = await call(handle, model, tokens)
+                assert usage.prompt_tokens == 200 and usage.completion_tokens == 4 and text
+                homes[p] = replica
+            assert len(set(homes.values())) == 2, homes  # new prompts spread over both workers
+            replicas = sorted(set(homes.values()))
+            await asyncio.sleep(0.5)  # the workers' events reach the index
+            for p, tokens in enumerate(prompts):
+                hits = await index.lookup(hash_blocks(tokens, 16, model_seed(model)), replicas)
+                assert hits[homes[p]] == 12, hits  # every full block, from the holder's own events
+                _, cached, replica, _ = await call(handle, model, tokens)
+                assert replica == homes[p] and cached >= 192
+            lost = homes[0]
+            served = 2 * 200 * sum(1 for r in homes.values() if r == lost)  # two rounds of 200-token prompts
+            victim = procs[0] if prompt_tokens_seen(procs[0]) == served else procs[1]
+            assert prompt_tokens_seen(victim) == served
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10:
+                hits = await index.lookup(hash_blocks(prompts[0], 16, model_seed(model)), replicas)
+                if lost not in hits:
+                    break
+                await asyncio.sleep(0.25)
+            assert lost not in hits, "a lost worker's entries stay in the index"
+            for tokens in prompts[:3]:
+                _, _, replica, usage = await call(handle, model, tokens)
+                assert replica != lost and usage.completion_tokens == 4
+        finally:
+            await index.close()
+
+    asyncio.run(main())
+
+
+def prompt_tokens_seen(proc: subprocess.Popen) -> int:
+    """Prompt tokens the ``kvmesh engine`` process has served (its own ``/status``)."""
+    port = proc.args[proc.args.index("--port") + 1]
+    replicas = httpx.get(f"http://127.0.0.1:{port}/status", timeout=5).json()["replicas"]
+    return sum(r["prompt_tokens"] for r in replicas.values())
+
+
+def test_worker_settings_are_checked():
+    assert WorkerSpec.parse("http://h:8000,kv_events=tcp://h:5557,replay=tcp://h:5558").replay == "tcp://h:5558"
+    with pytest.raises(ValueError, match="http://"):
+        WorkerSpec.parse("h:8000")
+    with pytest.raises(ValueError, match="key=value"):
+        WorkerSpec.parse("http://h:8000,tcp://h:5557")
+    with pytest.raises(ValueError, match="ZMQ address"):
+        WorkerSpec.parse("http://h:8000,kv_events=h:5557")
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        WorkerSpec.parse("http://h:8000,kv_event=tcp://h:5557")
+    assert ClusterConfig(replicas=0, workers=[{"url": "http://h:1"}]).engine_replicas == 1
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        ClusterConfig(replicas=2, workers=[{"url": "http://h:1"}])
+    with pytest.raises(ValueError, match="at least 1"):
+        ClusterConfig(replicas=0)
