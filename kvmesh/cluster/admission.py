@@ -106,7 +106,7 @@ def key_digests(keys: Iterable[str]) -> list[str]:
     return [_digest(k).hex() for k in keys]
 
 
-PROTECTED_PREFIXES = ("/v1/", "/status", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/status", "/tokenize", "/detokenize", "/reset_prefix_cache")
 """Paths that need a key when keys are configured; ``/health`` and ``/metrics`` stay open for probes and
 Prometheus (they reveal no prompt or reply)."""
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")

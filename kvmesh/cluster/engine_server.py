@@ -72,6 +72,13 @@ class EngineServer(HttpApi):
         """``ok`` once the engine is loaded (the server listens only then); no router sits in front here."""
         return JSONResponse({"status": "ok"})
 
+    async def reset_prefix_cache(self) -> JSONResponse:
+        """vLLM's ``POST /reset_prefix_cache``: forget every cached block (its KV events say so); 409 while
+        requests run. For benchmarks that give each router cold caches."""
+        if await self.replica.llm.reset_prefix_cache():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "busy", "reason": "requests hold blocks"}, status_code=409)
+
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         return {self.replica.index_id: self.replica.status()}
 
@@ -92,6 +99,7 @@ def build_app(server: EngineServer) -> FastAPI:
     for route in _api_routes(app.routes):
         handler = getattr(server, route.endpoint.__name__)
         engine_app.add_api_route(route.path, handler, methods=sorted(route.methods), name=route.name)
+    engine_app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
     engine_app.exception_handlers.update(app.exception_handlers)
     engine_app.user_middleware = list(app.user_middleware)
     return engine_app

@@ -42,12 +42,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True, kw_only=True)
+class _Reset:
+    """Forget every cached prefix block (refused while requests hold blocks)."""
+
+    done: asyncio.Future
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-engine")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[_Add | _Abort] = []
+        self._pending: list[_Add | _Abort | _Reset] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -98,6 +105,13 @@ class AsyncLLM:
         self._pending.append(_Abort(request_id=request_id))
         self._ensure_loop()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache between two steps; False (nothing changed) while requests hold blocks."""
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append(_Reset(done=done))
+        self._ensure_loop()
+        return await done
+
     def _ensure_loop(self) -> None:
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
@@ -108,6 +122,8 @@ class AsyncLLM:
         for op in pending:
             if isinstance(op, _Abort):
                 self.engine.abort_request(op.request_id)
+            elif isinstance(op, _Reset):
+                op.done.set_result(self.engine.reset_prefix_cache())
             elif op.request_id in self._queues:  # else the client left before the request was queued
                 try:
                     self.engine.add_request(
