@@ -93,9 +93,31 @@ async def call(handle, model, tokens, max_tokens=4):
     return text, cached, replica, usage
 
 
+def test_kvmesh_engine_serves_openai_clients(workers):
+    """``kvmesh engine`` as any router or client sees it: chat (whole and streamed) through the official client,
+    tokenize, metrics, a prefix-cache reset that its KV events announce."""
+    import openai
+
+    _, model, _, procs = workers
+    url = f"http://127.0.0.1:{procs[1].args[procs[1].args.index('--port') + 1]}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
+    reply = client.chat.completions.create(**chat)
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 5
+    stream = client.chat.completions.create(**chat, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+    assert httpx.post(url + "/tokenize", json={"model": model, "prompt": "hello world"}).json()["count"] >= 2
+    assert "kvmesh_replica_requests_running" in httpx.get(url + "/metrics").text
+    assert httpx.post(url + "/reset_prefix_cache").json() == {"status": "ok"}
+    prompts = httpx.get(url + "/status").json()["replicas"]
+    assert next(iter(prompts.values()))["num_cached_blocks"] == 0
+
+
 def test_external_workers_are_routed_by_their_events_and_purged_when_lost(workers):
     handle, model, url, procs = workers
     prompts = [[1000 + 97 * p + i for i in range(200)] for p in range(6)]
+
+    before = [prompt_tokens_seen(p) for p in procs]
 
     async def main():
         index = PrefixIndex(url, "ext", model, timeout_s=1.0)
@@ -115,8 +137,8 @@ def test_external_workers_are_routed_by_their_events_and_purged_when_lost(worker
                 assert replica == homes[p] and cached >= 192
             lost = homes[0]
             served = 2 * 200 * sum(1 for r in homes.values() if r == lost)  # two rounds of 200-token prompts
-            victim = procs[0] if prompt_tokens_seen(procs[0]) == served else procs[1]
-            assert prompt_tokens_seen(victim) == served
+            seen = [prompt_tokens_seen(p) - b for p, b in zip(procs, before, strict=True)]
+            victim = procs[seen.index(served)]
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             t0 = time.monotonic()

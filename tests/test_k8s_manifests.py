@@ -324,7 +324,7 @@ def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
 
     from kvmesh.cluster.autoscaling import POLICY_PATH
     from kvmesh.cluster.config import APP_NAME, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, GRPC_SERVICER
-    from kvmesh.cluster.engine_deployment import ROUTER_CLASS
+    from kvmesh.cluster.router_config import ROUTER_CLASS
 
     config = serve_config(overlay)
     ServeDeploySchema.model_validate(config)

@@ -264,7 +264,7 @@ def test_redis_holds_only_hashes_and_ids(redis_server, request):
     client = redis.Redis.from_url(redis_server.url)
     prefix = index_prefix(dep, MODEL).encode()
     kinds = {k[len(prefix) :].split(b":")[0] for k in client.scan_iter(match=prefix + b"*")}
-    assert kinds <= {b"b", b"log", b"hb", b"reg", b"slots", b"meta", b"p"}
+    assert kinds <= {b"b", b"log", b"seq", b"hb", b"reg", b"slots", b"meta", b"p"}
     for key in client.scan_iter(match=prefix + b"b:*"):
         assert len(key) == len(prefix) + 4 and all(len(f) == 6 for f in client.hkeys(key))
     assert set(client.hgetall(prefix + b"meta")) == {b"deployment", b"model"}

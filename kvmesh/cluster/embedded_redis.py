@@ -57,6 +57,7 @@ class EmbeddedRedis:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
+        self._restore: bytes | None = None
 
     @property
     def url(self) -> str:
@@ -68,6 +69,9 @@ class EmbeddedRedis:
             raise RuntimeError("already started")
         self.port = self.port or free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
+        if self._restore is not None:
+            Path(self._dir.name, "dump.rdb").write_bytes(self._restore)
+            self._restore = None
         args = [
             redis_server_binary(),
             "-",  # the rest of the configuration (the password) from stdin: not on the command line for ps to show
@@ -129,11 +133,16 @@ class EmbeddedRedis:
             self._dir.cleanup()
             self._dir = None
 
-    def restart(self) -> None:
-        """Stop and start again on the same port, with no data (what a crashed, non-persistent Redis does)."""
-        port = self.port
+    def restart(self, from_snapshot: bool = False) -> None:
+        """Stop and start again on the same port, with no data (what a crashed, non-persistent Redis does), or
+        ``from_snapshot``: with the data of the last ``SAVE`` (what a persistent Redis that lost its last
+        writes, or a lagging replica promoted, comes back with)."""
+        port, dump = self.port, None
+        if from_snapshot and self._dir is not None:
+            dump = Path(self._dir.name, "dump.rdb").read_bytes()
         self.stop()
         self.port = port
+        self._restore = dump
         self.start()
 
     def __enter__(self) -> EmbeddedRedis:

@@ -24,10 +24,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_threads
+from kvmesh.cluster.router_config import router_config
 from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.router.index_publisher import KVIndexPublisher
@@ -38,9 +38,6 @@ from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, U
 
 log = logging.getLogger(__name__)
 
-ROUTER_CLASS = "kvmesh.router.serve_router:KVAwareRequestRouter"
-RAY_POW2_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
-"""``policy="pow2"`` deploys Ray Serve's own default router, the baseline users would otherwise get."""
 INDEX_CONNECT_TIMEOUT_S = 15.0
 """How long a starting replica tries to publish its (empty) cache to the index before it gives up."""
 
@@ -182,33 +179,6 @@ class EngineReplica:
             self.publisher.close()
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
-
-
-def router_config(
-    policy: str,
-    redis_url: str | None,
-    deployment: str,
-    model_id: str,
-    policy_kwargs: dict | None = None,
-    stats_period_s: float = 1.0,
-) -> RequestRouterConfig:
-    """The engine deployment's router: kvmesh's KV-aware router (or a baseline policy), or Ray's own for pow2."""
-    ray_pow2 = policy == "pow2"
-    return RequestRouterConfig(
-        request_router_class=RAY_POW2_CLASS if ray_pow2 else ROUTER_CLASS,
-        request_router_kwargs={}
-        if ray_pow2
-        else {
-            "redis_url": redis_url,
-            "deployment": deployment,
-            "model": model_id,
-            "policy": policy,
-            "policy_kwargs": policy_kwargs or {},
-            "report_period_s": stats_period_s,
-        },
-        request_routing_stats_period_s=stats_period_s,
-        request_routing_stats_timeout_s=max(stats_period_s, 1.0),
-    )
 
 
 def engine_deployment(

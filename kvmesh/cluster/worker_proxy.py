@@ -25,8 +25,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from kvmesh.cluster.engine_deployment import router_config
 from kvmesh.cluster.nodes import node_address
+from kvmesh.cluster.router_config import router_config
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url

@@ -5,7 +5,10 @@ and never touches the network). A background thread drains the queue into one pi
 batch, beats the heartbeat, and resynchronises when its view may be stale: at start, after a queue
 overflow, a Redis error or restart, a prefix-cache reset, or when the slot's purge log has grown far past
 the live set. A resync publishes the engine's whole cached set under a fresh slot and switches to it
-atomically, then purges the old slot, so lookups always see one complete state.
+atomically, then purges the old slot, so lookups always see one complete state. Batches are numbered
+under their slot and Redis keeps the last number it applied: one that comes back holding an older state
+(restored from a snapshot, a lagging replica promoted) answers a gap, and the publisher sends the batches
+it lost again from the last ``REPLAY_BATCHES`` it keeps, instead of the whole cached set.
 
 Why a snapshot may be taken while the engine runs: events are idempotent set updates (add / remove a
 hash), so replaying events that the snapshot already reflects leaves exactly the state after the last of
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 
 CHUNK = 5000
 """Entries per script call during resync and purge: bounds how long one call blocks Redis (~ms)."""
+REPLAY_BATCHES = 4096
+"""Batches kept after they are applied, numbered under the slot: when Redis comes back without the last of
+them (a restart from an older snapshot, a lagging replica promoted), they are sent again instead of the
+whole cached set."""
 LOG_EVERY_S = 30.0
 """While Redis stays unreachable the publisher retries every second but warns once per this period."""
 
@@ -107,7 +114,9 @@ class KVIndexPublisher:
         self.last_error: str | None = None
         """Why the last write to Redis failed; None once one succeeds (read by the replica's load report)."""
         self._warned_at = -LOG_EVERY_S
-        self.stats = {"events": 0, "batches": 0, "resyncs": 0, "overflows": 0, "errors": 0}
+        self._seq = 0
+        self._sent: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
+        self.stats = {"events": 0, "batches": 0, "resyncs": 0, "overflows": 0, "errors": 0, "replayed": 0}
 
     # ------------------------------------------------------------------ engine thread
     def publish(self, events: list[KVEventLike]) -> None:
@@ -196,7 +205,7 @@ class KVIndexPublisher:
                     next_beat = time.monotonic() + self.interval_s
                 backoff = 0.05
                 if self.last_error is not None:
-                    log.warning("index publisher %s: Redis reachable again, index resynchronised", self.replica_id)
+                    log.warning("index publisher %s: Redis reachable again, index caught up", self.replica_id)
                     self.last_error = None
             except (RedisError, OSError, StaleSlotError) as exc:
                 self.stats["errors"] += 1
@@ -204,13 +213,16 @@ class KVIndexPublisher:
                 if time.monotonic() - self._warned_at >= LOG_EVERY_S:
                     self._warned_at = time.monotonic()
                     log.warning(
-                        "index publisher %s: %s; will resynchronise (retrying every second, warning every %.0f s)",
+                        "index publisher %s: %s; retrying every second (warning every %.0f s)",
                         self.replica_id,
                         self.last_error,
                         LOG_EVERY_S,
                     )
                 with self._cv:
-                    self._needs_resync = True
+                    if resync or isinstance(exc, StaleSlotError):
+                        self._needs_resync = True
+                    elif batch:  # sent again under its number: Redis's answer says what it still holds
+                        self._queue.appendleft(batch)
                     self._cv.wait(timeout=backoff)  # let Redis come back; close() still wakes us
                 backoff = min(2 * backoff, 1.0)
             finally:
@@ -228,8 +240,17 @@ class KVIndexPublisher:
         return json.dumps(report.as_dict())
 
     def _apply(self, ops: bytes) -> None:
-        if self._scripts["publish"](args=[self.prefix, self.replica_id, self.slot, ops]) != 1:
+        seq = self._seq + 1
+        result = self._publish(ops, seq)
+        if isinstance(result, list) and int(result[1]) == seq:
+            result = 1  # applied before its reply was lost: a retry after a connection error
+        elif isinstance(result, list):  # Redis lost batches it had acknowledged: send them again, then this one
+            self._replay_after(int(result[1]), seq)
+            result = self._publish(ops, seq)
+        if result != 1:
             raise StaleSlotError("publish refused")
+        self._seq = seq
+        self._sent.append((seq, ops))
         n = len(ops) // 9
         self.stats["events"] += n
         self.stats["batches"] += 1
@@ -240,6 +261,21 @@ class KVIndexPublisher:
             with self._cv:  # the purge log is mostly dead weight now: start a fresh slot
                 self._needs_resync = True
 
+    def _publish(self, ops: bytes, seq: int | str):
+        return self._scripts["publish"](args=[self.prefix, self.replica_id, self.slot, ops, seq])
+
+    def _replay_after(self, last: int, seq: int) -> None:
+        """Send again the batches after ``last`` (what Redis holds) and before ``seq``; a resync if they are not
+        all still kept (or Redis is ahead of us: a second writer under our slot)."""
+        missing = [(s, ops) for s, ops in self._sent if last < s < seq]
+        if last >= seq or len(missing) != seq - last - 1:
+            raise StaleSlotError(f"index holds batch {last}, expected {seq - 1}: past the replay buffer")
+        for s, ops in missing:
+            if self._publish(ops, s) != 1:
+                raise StaleSlotError("replay refused")
+        self.stats["replayed"] += len(missing)
+        log.warning("index publisher %s: Redis had lost %d batches; sent them again", self.replica_id, len(missing))
+
     def _resync(self) -> None:
         with self._cv:
             self._needs_resync = False
@@ -249,12 +285,15 @@ class KVIndexPublisher:
                 keys += [b"H" + block_key(h) for h in self._host_snapshot()]
         slot = self._scripts["claim"](args=[self.prefix, self.replica_id])
         for i in range(0, len(keys), CHUNK):
-            if self._scripts["publish"](args=[self.prefix, self.replica_id, slot, b"".join(keys[i : i + CHUNK])]) != 1:
+            chunk = [self.prefix, self.replica_id, slot, b"".join(keys[i : i + CHUNK]), ""]
+            if self._scripts["publish"](args=chunk) != 1:
                 raise StaleSlotError("claim lost during resync")
         old = self._scripts["switch"](args=[self.prefix, self.replica_id, slot, self.ttl_ms])
         if old is None:
             raise StaleSlotError("claim lost before switch")
         self.slot, self._live, self._logged = slot, len(keys), len(keys)
+        self._seq = 0  # switch.lua numbers the new slot's batches from 1
+        self._sent.clear()
         self.client.hset(self.prefix + "meta", mapping=self._meta)
         self.stats["resyncs"] += 1
         if old:

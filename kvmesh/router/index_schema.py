@@ -6,6 +6,7 @@ small enough to stay in Redis' compact listpack/ziplist encoding:
     <prefix>b:<2 bytes>    HASH  field <6 bytes> -> packed 4-byte slots of the replicas holding the block;
                            a slot with its top bit set holds it in that replica's host tier, not its device
     <prefix>log:<slot>     STRING  every 8-byte block key the slot ever added (for purging it)
+    <prefix>seq:<slot>     STRING  the number of the slot's last applied batch (a gap means Redis lost some)
     <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
     <prefix>st:<id>        STRING  the replica's status report (JSON: KV usage, hit rate, queues), same TTL
     <prefix>p:<8 bytes>    STRING  replica id a router just sent this block's request to (short TTL)

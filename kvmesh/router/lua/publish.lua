@@ -1,11 +1,20 @@
 -- Apply one replica's batch of KV events, in order, under its slot.
 -- ARGV[1] prefix, ARGV[2] replica id, ARGV[3] slot (4 bytes), ARGV[4] ops: 9 bytes each, an op then the
 -- 8-byte block key. Ops: '+' / '-' add / remove the block on the replica's device, 'H' / 'h' in its host
--- tier; a host-tier holder is written as the slot with its top bit set (index_schema.py). The slot must be the replica's registered or pending one, otherwise nothing is
--- written and 0 is returned: the replica's view is stale (e.g. Redis lost its data) and it must resync.
-local p, id, slot, ops = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+-- tier; a host-tier holder is written as the slot with its top bit set (index_schema.py). The slot must be
+-- the replica's registered or pending one, otherwise nothing is written and 0 is returned: the replica's
+-- view is stale (e.g. Redis lost its data) and it must resync.
+-- ARGV[5]: the batch's sequence number under the slot ('' for a resync's chunks). seq:<slot> holds the last
+-- applied (switch.lua sets 0); a batch that does not follow it is not applied and {'gap', last} is returned,
+-- so the replica replays what Redis lost (a restart from an older snapshot, a lagging replica promoted).
+local p, id, slot, ops, seq = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5] or ''
 if redis.call('HGET', p .. 'reg', id) ~= slot and redis.call('HGET', p .. 'pending', id) ~= slot then
   return 0
+end
+if seq ~= '' then
+  local last = tonumber(redis.call('GET', p .. 'seq:' .. slot) or '-1')
+  if last ~= tonumber(seq) - 1 then return {'gap', last} end
+  redis.call('SET', p .. 'seq:' .. slot, seq)
 end
 local log = p .. 'log:' .. slot
 local host = string.char(bit.bor(string.byte(slot, 1), 128)) .. string.sub(slot, 2)

@@ -35,7 +35,7 @@ for i = 1, #data, 8 do
   end
 end
 if #data < chunk * 8 then
-  redis.call('DEL', log, cursor_key)
+  redis.call('DEL', log, cursor_key, p .. 'seq:' .. slot)
   if ARGV[3] == '' then
     if forget then redis.call('HDEL', p .. 'reg', id) else redis.call('HDEL', p .. 'pending', id) end
     return 0  -- this slot is done; the caller loops until nothing of <id> is left

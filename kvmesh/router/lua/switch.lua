@@ -6,4 +6,5 @@ local old = redis.call('HGET', p .. 'reg', id) or ''
 redis.call('HSET', p .. 'reg', id, slot)
 redis.call('HDEL', p .. 'pending', id)
 redis.call('SET', p .. 'hb:' .. id, slot, 'PX', ARGV[4])
+redis.call('SET', p .. 'seq:' .. slot, 0)  -- the live batches that follow are numbered from 1 (publish.lua)
 return old

