@@ -7,9 +7,10 @@ Starts ``--engines`` ``kvmesh engine`` servers of SmolLM2 (one torch thread each
 local sockets) once, then for each repeat and each router, in rotating order: empties every engine's prefix
 cache (``POST /reset_prefix_cache``), starts the router in front of all engines, sends a few warm-up
 sessions of another seed, runs the workload open loop, reads the engines' own counters before and after
-(hit rate by tokens as the engines saw it) and stops the router. Routers: kvmesh (``kvmesh serve --worker``,
-its KV-aware policy on the engines' events), SGLang's ``smg --policy cache_aware``, ``vllm-router --policy
-cache_aware``, and round robin (``smg --policy round_robin``). The peers run from their own virtualenvs
+(hit rate by tokens as the engines saw it) and stops the router. Routers: kvmesh's KV-aware policy on the
+engines' events as one process (``kvmesh router``) and inside a Ray cluster (``kvmesh serve --worker``),
+SGLang's ``smg --policy cache_aware``, ``vllm-router --policy cache_aware``, and round robin (``smg --policy
+round_robin``). The peers run from their own virtualenvs
 (never kvmesh dependencies); a router whose binary is not given is left out. Workloads: ``multi_turn`` (chat
 sessions) and ``rag`` (long shared documents, as text completions) of ``kvmesh bench run``.
 Prints a table of medians over the repeats (with each router's CPU seconds: the router process and
@@ -110,13 +111,16 @@ def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child,
     urls = [c.url for c, _ in engines]
     port, metrics = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    if kind == "kvmesh":
-        workers = []
-        for child, ev in engines:
-            workers += ["--worker", f"{child.url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+    workers = []
+    for child, ev in engines:
+        workers += ["--worker", f"{child.url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+    if kind == "kvmesh_serve":
         server = ServeProcess(["--model", MODEL, "--replicas", "0", *workers])
         server.wait_ready()
         return server
+    if kind == "kvmesh_router":
+        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", MODEL, "--port", str(port), *workers]
+        child = Child(kind, cmd, url, "/health")
     if kind in ("smg_cache_aware", "round_robin"):
         policy = "cache_aware" if kind == "smg_cache_aware" else "round_robin"
         cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         cores = sorted(os.sched_getaffinity(0))
         engine_cpus = {cores[-1]}
         os.sched_setaffinity(0, set(cores[:-1]))  # routers started from here inherit it
-    kinds = ["kvmesh"] + (["smg_cache_aware", "round_robin"] if args.smg else [])
+    kinds = ["kvmesh_router", "kvmesh_serve"] + (["smg_cache_aware", "round_robin"] if args.smg else [])
     kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
     names = args.workloads.split(",")
     runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}

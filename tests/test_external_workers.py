@@ -113,6 +113,45 @@ def test_kvmesh_engine_serves_openai_clients(workers):
     assert next(iter(prompts.values()))["num_cached_blocks"] == 0
 
 
+def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
+    """``kvmesh router``: one process, no Ray or Redis, following both workers' events: new prompts spread, each
+    repeated prompt goes back to the worker that holds it and hits its cache."""
+    _, model, _, procs = workers
+    specs = []
+    for proc in procs:
+        port = proc.args[proc.args.index("--port") + 1]
+        events = proc.args[proc.args.index("--kv-events-config") + 1]
+        pub, replay = (events.split(f'"{key}": "')[1].split('"')[0] for key in ("endpoint", "replay_endpoint"))
+        specs += ["--worker", f"http://127.0.0.1:{port},kv_events={pub},replay={replay}"]
+    port, log = free_port(), tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *specs]
+    router = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, router)
+        homes = {}
+        for p in range(6):
+            tokens = [20_000 + 89 * p + i for i in range(200)]
+            for attempt in range(2):
+                r = httpx.post(
+                    url + "/v1/completions", json={"model": model, "prompt": tokens, "max_tokens": 4}, timeout=60
+                )
+                assert r.status_code == 200, r.text
+                if attempt == 0:
+                    homes[p] = r.headers["x-kvmesh-replica"]
+                    time.sleep(0.3)  # the worker's events reach the router
+                else:
+                    assert r.headers["x-kvmesh-replica"] == homes[p]
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
+        assert len(set(homes.values())) == 2, homes
+        status = httpx.get(url + "/status").json()
+        assert set(status["replicas"]) == set(homes.values()) and status["index"]["entries"] >= 6 * 12
+        assert sum(d["count"] for d in status["decisions"]) == 12
+    finally:
+        router.send_signal(signal.SIGINT)
+        assert router.wait(timeout=30) == 0, log.read_text()[-2000:]
+
+
 def test_external_workers_are_routed_by_their_events_and_purged_when_lost(workers):
     handle, model, url, procs = workers
     prompts = [[1000 + 97 * p + i for i in range(200)] for p in range(6)]

@@ -89,6 +89,12 @@ def _engine(args: argparse.Namespace) -> int:
     return run_engine_server(args, {"model": args.model, **_engine_settings(args)}, _kv_events(args))
 
 
+def _router(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.router_server import run_router_server
+
+    return run_router_server(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvmesh.cluster.config import build_config
     from kvmesh.cluster.launcher import run_until_signalled
@@ -311,6 +317,29 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024, 0: no bound)")
     _add_engine_args(eng)
     eng.set_defaults(func=_engine)
+
+    rtr = sub.add_parser(
+        "router",
+        help="kvmesh's KV-aware router in one process (no Ray, no Redis) in front of external workers: like smg",
+        description="Follows each worker's vLLM-style KV events itself; docs/kv_events.md.",
+    )
+    rtr.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        help="an OpenAI-compatible engine, repeatable: URL[,kv_events=tcp://HOST:5557][,replay=tcp://HOST:5558]"
+        "[,topic=T][,model=NAME]",
+    )
+    rtr.add_argument("--model", default=DEFAULT_MODEL, help="the workers' model: its tokenizer and chat template")
+    rtr.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
+    rtr.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    rtr.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    rtr.add_argument("--policy", default="kv_aware", help="kv_aware (default), round_robin, session_hash, ...")
+    rtr.add_argument("--block-size", type=int, default=16, help="the index's block size in tokens (default 16)")
+    rtr.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    rtr.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
+    rtr.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024)")
+    rtr.set_defaults(func=_router)
 
     bench = sub.add_parser(
         "bench",

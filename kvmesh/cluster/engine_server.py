@@ -13,14 +13,13 @@ import argparse
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from kvmesh.cluster.engine_deployment import EngineReplica
-from kvmesh.cluster.http_api import HttpApi, app, set_admission
+from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
 from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus
 from kvmesh.shared.sampling_params import MAX_N
@@ -83,25 +82,10 @@ class EngineServer(HttpApi):
         return {self.replica.index_id: self.replica.status()}
 
 
-def _api_routes(routes: list) -> Iterator[APIRoute]:
-    """The API routes declared on ``app``, also where Ray Serve's ``serve.ingress`` moved them into a router."""
-    for route in routes:
-        if isinstance(route, APIRoute):
-            yield route
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from _api_routes(inner.routes)
-
-
 def build_app(server: EngineServer) -> FastAPI:
-    """A FastAPI app with the ingress's routes, error handlers and admission middleware, bound to ``server``."""
-    engine_app = FastAPI(title="kvmesh engine", docs_url=None, redoc_url=None, openapi_url=None)
-    for route in _api_routes(app.routes):
-        handler = getattr(server, route.endpoint.__name__)
-        engine_app.add_api_route(route.path, handler, methods=sorted(route.methods), name=route.name)
+    """The front door's routes bound to ``server``, and vLLM's ``POST /reset_prefix_cache``."""
+    engine_app = bound_app(server, "kvmesh engine")
     engine_app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
-    engine_app.exception_handlers.update(app.exception_handlers)
-    engine_app.user_middleware = list(app.user_middleware)
     return engine_app
 
 

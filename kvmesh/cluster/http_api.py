@@ -12,11 +12,12 @@ classes on the methods that Ray Serve rebinds, or it takes the bodies for query 
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -296,3 +297,25 @@ class HttpApi:
             "index_unreachable": {rid: v for rid, v in sorted(cut_off.items()) if v["error"]},
             "live_replicas": router_metrics.live_replicas(),
         }
+
+
+def _api_routes(routes: list) -> Iterator[APIRoute]:
+    """The API routes declared on ``app``, also where Ray Serve's ``serve.ingress`` moved them into a router."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _api_routes(inner.routes)
+
+
+def bound_app(server: HttpApi, title: str) -> FastAPI:
+    """A FastAPI app of ``app``'s routes, error handlers and admission middleware, bound to ``server``: the
+    front door of a process without Ray Serve (``kvmesh engine``, ``kvmesh router``)."""
+    bound = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    for route in _api_routes(app.routes):
+        handler = getattr(server, route.endpoint.__name__)
+        bound.add_api_route(route.path, handler, methods=sorted(route.methods), name=route.name)
+    bound.exception_handlers.update(app.exception_handlers)
+    bound.user_middleware = list(app.user_middleware)
+    return bound

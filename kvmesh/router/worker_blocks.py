@@ -86,6 +86,17 @@ class WorkerBlocks:
             self._clear()
         return [IndexEvent("cleared")]
 
+    def leading(self, block_hashes: list[BlockHash], medium: str = DEVICE, start: int = 0) -> int:
+        """How many of ``block_hashes`` from ``start`` on this worker holds in a row in ``medium`` (a lookup in
+        this process, as the index answers one)."""
+        refs, n = self._refs[medium], 0
+        with self._lock:
+            for h in block_hashes[start:]:
+                if h not in refs:
+                    break
+                n += 1
+        return n
+
     def snapshot(self, medium: str = DEVICE) -> list[BlockHash]:
         with self._lock:
             return list(self._refs[medium])

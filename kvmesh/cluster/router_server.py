@@ -1,0 +1,166 @@
+"""``kvmesh router``: kvmesh's KV-aware router in one process, without Ray or Redis, in front of external workers.
+
+The analogue of SGLang's ``smg`` and ``vllm-router``: the cluster ingress's front door (chat template,
+tokenize once, hash the prompt's blocks once) and the same routing policy (``kvmesh/router/policy.py``), but
+each worker's cache is followed here, from its KV events (``Worker``, ``kvmesh/cluster/worker_client.py``),
+and its load is what this router has in flight there: requests still before their first token, with the
+prompt tokens they must prefill, and those decoding. No Ray hop per request and no background stack, so
+the router's own CPU stays off the engines' cores. Several routers each follow every worker's events, as
+Dynamo's and SGLang's do; ``kvmesh serve --worker`` is the same routing inside a Ray cluster, shared
+through Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from kvmesh.cluster.engine_server import LocalStream
+from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
+from kvmesh.cluster.ingress import IngressSettings, front_door
+from kvmesh.cluster.worker_client import Worker
+from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.router import metrics as router_metrics
+from kvmesh.router.baselines import make_policy
+from kvmesh.router.policy import ReplicaLoad, RouteRequest
+from kvmesh.router.worker_blocks import HOST
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus
+
+log = logging.getLogger(__name__)
+
+
+class LocalRouter:
+    """Routes each call to one of ``workers`` (by their URLs) with a kvmesh policy, on what this process sees."""
+
+    def __init__(self, workers: list[Worker], policy: str = "kv_aware", policy_kwargs: dict | None = None) -> None:
+        self.workers = {w.spec.url: w for w in workers}
+        self.policy = make_policy(policy, **(policy_kwargs or {}))
+        self.policy_name = policy
+        self.decisions: Counter[str] = Counter()
+        self._waiting: dict[str, dict[str, int]] = {url: {} for url in self.workers}
+        """Per worker, the requests sent there still before their first chunk: their tokens to prefill."""
+        router_metrics.register_router(self)
+
+    @property
+    def curr_replicas(self) -> dict[str, Worker]:
+        """The workers answering (what ``/health`` and a request's wait for a live one count)."""
+        return {url: w for url, w in self.workers.items() if not w.down}
+
+    def choose(self, call: GenerateCall) -> tuple[str, int]:
+        """The worker for ``call`` and the leading blocks it holds."""
+        req = RouteRequest(call.block_hashes, call.num_tokens, call.block_size, call.session_id)
+        live = list(self.curr_replicas) or list(self.workers)
+        device = {url: self.workers[url].blocks.leading(req.block_hashes) for url in live}
+        host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
+        decision = self.policy.rank(req, [self._load(url) for url in live], device, None, host)
+        self.decisions[decision.reason] += 1
+        tied = decision.ranked[: decision.tied]
+        chosen = min(tied, key=lambda url: self.workers[url].in_flight)  # the freshest view of a near-tie
+        self.policy.on_routed(req, chosen, decision)
+        return chosen, device[chosen]
+
+    def _load(self, url: str) -> ReplicaLoad:
+        worker, waiting = self.workers[url], self._waiting[url]
+        return ReplicaLoad(
+            index_id=url,
+            reported_at=time.time(),
+            num_running=worker.in_flight - len(waiting),
+            num_waiting=len(waiting),
+            routed_prefill_tokens=sum(waiting.values()),
+            kv_usage=worker.gauges.get("kv_usage", 0.0),
+        )
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        url, hits = self.choose(call)
+        waiting = self._waiting[url]
+        waiting[call.request_id] = max(call.num_tokens - hits * call.block_size, 1)
+        try:
+            async for chunk in self.workers[url].generate(call, url):
+                waiting.pop(call.request_id, None)
+                yield chunk
+        finally:
+            waiting.pop(call.request_id, None)
+
+
+class RouterHandle:
+    """What ``Generation`` uses of a deployment handle, over the local router."""
+
+    def __init__(self, router: LocalRouter) -> None:
+        self.router = router
+
+    def options(self, **_: object) -> RouterHandle:
+        return self
+
+    def remote(self, call: GenerateCall) -> LocalStream:
+        return LocalStream(self.router.generate(call))
+
+
+class RouterServer(HttpApi):
+    """The HTTP routes over the local router; status and metrics report its workers."""
+
+    def __init__(self, router: LocalRouter, settings: IngressSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self.index = None
+        self.generation, self.admission = front_door(settings, RouterHandle(router))
+        set_admission(self.admission)
+
+    async def _replica_reports(self) -> dict[str, ReplicaStatus]:
+        return {url: w.status() for url, w in self.router.workers.items()}
+
+    async def status(self) -> dict:
+        reports = await self._replica_reports()
+        policy = self.router.policy_name
+        return {
+            "model": self.generation.limits.served_name,
+            "policy": self.settings.policy,
+            "replicas": {url: report.as_dict() for url, report in reports.items()},
+            "decisions": [{"policy": policy, "reason": r, "count": n} for r, n in self.router.decisions.items()],
+            "index": {"entries": sum(len(w.blocks.snapshot()) for w in self.router.workers.values())},
+            "live_replicas": len(self.router.curr_replicas),
+        }
+
+    async def health(self) -> JSONResponse:
+        live = len(self.router.curr_replicas)
+        if not live:
+            return JSONResponse({"status": "degraded", "reason": "no worker answers"}, status_code=503)
+        return JSONResponse({"status": "ok", "engine_replicas": live})
+
+
+def run_router_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvmesh.shared.model_files import resolve_model_dir
+
+    resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
+    served = args.served_model_name or args.model
+    workers = [Worker(WorkerSpec.parse(w), args.model, served, args.block_size) for w in args.worker]
+    digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
+    settings = IngressSettings(
+        model=args.model,
+        served_model_name=served,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        policy=args.policy,
+        api_key_digests=digests,
+        max_inflight_requests=args.max_inflight_requests,
+    )
+    server = RouterServer(LocalRouter(workers, args.policy), settings)
+    app = bound_app(server, "kvmesh router")
+
+    async def start_workers() -> None:
+        for worker in workers:
+            worker.start()
+
+    app.router.on_startup.append(start_workers)
+    print(f"kvmesh router ready: http://{args.host}:{args.port}/v1 ({served}, {len(workers)} worker(s))", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    for worker in workers:
+        worker.close()
+    return 0

@@ -1,0 +1,278 @@
+"""One external OpenAI-compatible worker (vLLM, SGLang, ``kvmesh engine``) as kvmesh's routers use it, with no
+Ray: requests forwarded to its ``/v1/completions`` as token ids (the ingress tokenized with the served model's
+tokenizer, so the router's block hashes are the worker's prompt), streaming, with the tenant's ``cache_salt``;
+chunks, usage and its cached-token count back, errors as it said them. Its cache in kvmesh's hashes from its
+KV events (``kvmesh/router/kv_event_subscriber.py``, ``kvmesh/router/worker_blocks.py``); its load from what
+was sent to it and its ``/metrics`` gauges, read every second; after two unanswered reads it is down (its
+cache forgotten) until it answers again (its cache then rebuilt from its event stream).
+
+Ray Serve's ``WorkerProxy`` (``kvmesh/cluster/worker_proxy.py``) and the Ray-free ``kvmesh router``
+(``kvmesh/cluster/router_server.py``) both drive workers through ``Worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.router.kv_event_subscriber import KVEventSubscriber
+from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
+from kvmesh.shared.errors import InvalidRequest, RequestFailed
+from kvmesh.shared.hashing import model_seed
+from kvmesh.shared.kv_event_wire import EventBatch
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
+from kvmesh.shared.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+METRICS_PERIOD_S = 1.0
+DOWN_AFTER = 2
+"""Consecutive unanswered polls (one a second) after which a worker counts as down."""
+START_TIMEOUT_S = 10.0
+"""How long a start waits for the worker's ``/health``."""
+
+
+class WorkerUnreachable(RuntimeError):
+    """The worker did not answer ``/health`` (the message names its URL)."""
+
+
+def wait_for_worker(url: str, headers: dict[str, str], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Return once ``url/health`` answers below 500; raise ``WorkerUnreachable`` after ``timeout_s``."""
+    deadline, error = time.monotonic() + timeout_s, "no answer"
+    with httpx.Client(base_url=url, headers=headers, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                status = client.get("/health").status_code
+                if status < 500:
+                    return
+                error = f"HTTP {status}"
+            except httpx.HTTPError as exc:
+                error = repr(exc)
+            time.sleep(0.5)
+    raise WorkerUnreachable(f"worker {url} does not answer /health ({error}) after {timeout_s:.0f} s")
+
+
+def completion_body(call: GenerateCall, model: str) -> dict:
+    """The worker's ``/v1/completions`` request for ``call``: its token ids and every sampling setting the
+    OpenAI API (and vLLM's extensions) can say."""
+    p: SamplingParams = call.params
+    body = {
+        "model": model,
+        "prompt": call.prompt_token_ids,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "n": p.n,
+        "return_token_ids": True,
+    }
+    extras = {
+        "top_k": p.top_k or None,
+        "min_p": p.min_p or None,
+        "seed": p.seed,
+        "stop": p.stop or None,
+        "stop_token_ids": p.stop_token_ids or None,
+        "ignore_eos": p.ignore_eos or None,
+        "logit_bias": {str(k): v for k, v in p.logit_bias.items()} or None,
+        "presence_penalty": p.presence_penalty or None,
+        "frequency_penalty": p.frequency_penalty or None,
+        "min_tokens": p.min_tokens or None,
+        "cache_salt": call.cache_salt,
+    }
+    if p.logprobs is not None or p.prompt_logprobs is not None or p.json_schema is not None:
+        raise InvalidRequest("logprobs and response_format are not forwarded to external workers yet", "logprobs")
+    return body | {k: v for k, v in extras.items() if v is not None}
+
+
+def prometheus_gauges(text: str) -> dict[str, float]:
+    """A worker's load gauges from its ``/metrics`` page (vLLM's, SGLang's or ``kvmesh engine``'s names), summed
+    over label sets: running and waiting requests, KV usage (0-1)."""
+    wanted = {
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:gpu_cache_usage_perc": "kv_usage",
+        "sglang:num_running_reqs": "running",
+        "sglang:num_queue_reqs": "waiting",
+        "sglang:token_usage": "kv_usage",
+        "kvmesh_replica_requests_running": "running",
+        "kvmesh_replica_requests_waiting": "waiting",
+        "kvmesh_replica_kv_usage_ratio": "kv_usage",
+    }
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            key = wanted.get(family.name)
+            if key is not None:
+                out[key] = sum(sample.value for sample in family.samples)
+    except ValueError:  # not a Prometheus page: no gauges
+        return {}
+    return out
+
+
+def _worker_error(status: int, text: str) -> Exception:
+    """The worker's refusal as the ingress reports engine errors: 4xx as the client's (400), else a failure."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text[:500]
+    if 400 <= status < 500:
+        return InvalidRequest(f"worker refused the request: {message}", "prompt")
+    return RequestFailed(f"worker answered {status}: {message}")
+
+
+class Worker:
+    """One worker's connection, cache view and load. ``on_changes`` hears every change to its cache view (the
+    index publisher of a Ray proxy); call ``start`` on a running event loop, ``close`` at the end."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        model: str,
+        served_name: str,
+        block_size: int,
+        on_changes: Callable[[list[IndexEvent]], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.model = spec.model or served_name
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        self.headers = headers
+        self.client = httpx.AsyncClient(base_url=spec.url, headers=headers, timeout=httpx.Timeout(None, connect=5))
+        self.blocks = WorkerBlocks(model_seed(model), block_size)
+        self.on_changes = on_changes
+        self.in_flight = 0
+        self.down = False
+        self.gauges: dict[str, float] = {}
+        self.prompt_tokens = self.cached_tokens = 0
+        self.subscriber: KVEventSubscriber | None = None
+        self._poller: asyncio.Task | None = None
+
+    def start(self) -> Worker:
+        if self.spec.kv_events:
+            self.subscriber = KVEventSubscriber(
+                self.spec.kv_events, self.spec.replay, self._on_batch, self.forget, self.spec.topic, self.spec.url
+            ).start()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_metrics())
+        return self
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def _on_batch(self, batch: EventBatch) -> None:
+        changes = self.blocks.apply(batch)
+        if self.on_changes is not None and changes:
+            self.on_changes(changes)
+
+    def forget(self) -> None:
+        """Drop the cache view (the worker restarted or stopped answering)."""
+        changes = self.blocks.clear()
+        if self.on_changes is not None:
+            self.on_changes(changes)
+
+    async def generate(self, call: GenerateCall, replica: str) -> AsyncIterator[GenerateChunk]:
+        """Stream the worker's answer to ``call`` as kvmesh chunks naming ``replica``; the last carries ``Usage``."""
+        body = completion_body(call, self.model)
+        if self.down:
+            raise RequestFailed(f"worker {self.spec.url} does not answer")
+        self.in_flight += 1
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise _worker_error(response.status_code, (await response.aread()).decode(errors="replace"))
+                async for chunk in self._chunks(response, call, replica):
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise RequestFailed(f"worker {self.spec.url} failed: {exc!r}") from exc
+        finally:
+            self.in_flight -= 1
+
+    async def _chunks(self, response: httpx.Response, call: GenerateCall, replica: str) -> AsyncIterator[GenerateChunk]:
+        usage = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RequestFailed(f"worker {self.spec.url}: {event['error'].get('message', event['error'])}")
+            for choice in event.get("choices") or []:
+                # Workers that do not return ids (only vLLM does, on request) count one token per text chunk.
+                ids = choice.get("token_ids") or ([0] if choice.get("text") else [])
+                yield GenerateChunk(
+                    index=choice.get("index", 0),
+                    text=choice.get("text") or "",
+                    token_ids=list(ids),
+                    finish_reason=choice.get("finish_reason"),
+                    num_cached_tokens=0,
+                    replica=replica,
+                )
+            if event.get("usage"):
+                usage = event["usage"]
+        if usage is None:
+            raise RequestFailed(f"worker {self.spec.url} ended the stream without usage")
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        self.prompt_tokens += usage.get("prompt_tokens", call.num_tokens)
+        self.cached_tokens += cached
+        yield GenerateChunk(
+            index=0,
+            text="",
+            token_ids=[],
+            finish_reason=None,
+            num_cached_tokens=cached,
+            replica=replica,
+            usage=Usage(
+                prompt_tokens=usage.get("prompt_tokens", call.num_tokens),
+                completion_tokens=usage.get("completion_tokens", 0),
+                cached_tokens=cached,
+            ),
+        )
+
+    async def _poll_metrics(self) -> None:
+        """Read the worker's gauges every second; after ``DOWN_AFTER`` unanswered polls it is down: its cache view
+        goes at once and routers rank it last, until it answers again (its cache is then rebuilt from its event
+        stream)."""
+        failures = 0
+        while True:
+            try:
+                response = await self.client.get("/metrics", timeout=2.0)
+                answered = response.status_code < 500
+                if response.status_code == 200:
+                    self.gauges = prometheus_gauges(response.text)
+            except httpx.HTTPError:
+                answered = False
+            failures = 0 if answered else failures + 1
+            if failures == DOWN_AFTER:
+                log.warning("worker %s stopped answering: its index entries are removed", self.spec.url)
+                self.down = True
+                self.forget()
+            elif answered and self.down:
+                log.warning("worker %s answers again: rebuilding its cache from its events", self.spec.url)
+                self.down = False
+                if self.subscriber is not None:
+                    self.subscriber.request_rebuild()
+            await asyncio.sleep(METRICS_PERIOD_S)
+
+    def status(self, node: str = "") -> ReplicaStatus:
+        """What ``kvmesh status`` shows of the worker: its gauges, and the prefix hits of what this proxy sent."""
+        return ReplicaStatus(
+            node=node,
+            num_running=max(self.in_flight, int(self.gauges.get("running", 0))),
+            num_waiting=int(self.gauges.get("waiting", 0)),
+            kv_usage=self.gauges.get("kv_usage", 0.0),
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached_tokens,
+            prefix_hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        )
