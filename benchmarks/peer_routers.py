@@ -121,7 +121,7 @@ def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child,
     if kind == "kvmesh_router":
         cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", MODEL, "--port", str(port), *workers]
         child = Child(kind, cmd, url, "/health")
-    if kind in ("smg_cache_aware", "round_robin"):
+    elif kind in ("smg_cache_aware", "round_robin"):
         policy = "cache_aware" if kind == "smg_cache_aware" else "round_robin"
         cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
         cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]

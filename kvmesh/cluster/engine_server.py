@@ -10,38 +10,20 @@ It is the ingress's own front door (``kvmesh.cluster.ingress.front_door``) over 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from kvmesh.cluster.engine_deployment import EngineReplica
+from kvmesh.cluster.generation import LocalStream
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus
+from kvmesh.shared.messages import GenerateCall, ReplicaStatus
 from kvmesh.shared.sampling_params import MAX_N
 
 log = logging.getLogger(__name__)
-
-
-class LocalStream:
-    """One call's chunks from the engine in this process, as a handle's response stream is consumed."""
-
-    def __init__(self, chunks: AsyncIterator[GenerateChunk]) -> None:
-        self._chunks = chunks
-
-    def __aiter__(self) -> LocalStream:
-        return self
-
-    async def __anext__(self) -> GenerateChunk:
-        return await anext(self._chunks)
-
-    def cancel(self) -> None:
-        """Stop the engine request (the generator's cleanup aborts it) without waiting for it."""
-        asyncio.get_running_loop().create_task(self._chunks.aclose())
 
 
 class LocalHandle:

@@ -89,6 +89,24 @@ async def first_then_rest(
         yield chunk
 
 
+class LocalStream:
+    """One call's chunks from a generator in this process (``kvmesh engine``'s engine, ``kvmesh router``'s
+    workers), consumed as a deployment handle's response stream is."""
+
+    def __init__(self, chunks: AsyncIterator[GenerateChunk]) -> None:
+        self._chunks = chunks
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        return await anext(self._chunks)
+
+    def cancel(self) -> None:
+        """Stop the engine request (the generator's cleanup aborts it) without waiting for it."""
+        asyncio.get_running_loop().create_task(self._chunks.aclose())
+
+
 def new_request_id(chat: bool) -> str:
     """A new request's id: the engine's request id and the response's id, over HTTP and gRPC alike (with
     OpenAI's prefixes, which its clients show)."""

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from kvmesh.cluster.engine_server import LocalStream
+from kvmesh.cluster.generation import LocalStream
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
 from kvmesh.cluster.worker_client import Worker
