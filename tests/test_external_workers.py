@@ -54,6 +54,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise TimeoutError(url)
 
 
+def until(ready, timeout: float = 10.0) -> None:
+    """Wait for ``ready()`` (at most ``timeout``; the assertion after it says what was expected)."""
+    deadline = time.monotonic() + timeout
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def indexed_at_least(url: str, entries: int):
+    """A check that ``kvmesh router`` at ``url`` holds ``entries`` blocks of its workers."""
+    return lambda: httpx.get(url + "/status").json()["index"]["entries"] >= entries
+
+
 @pytest.fixture(scope="module")
 def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
     model, tmp = str(tiny_llama_dir), tmp_path_factory.mktemp("workers")
@@ -139,7 +151,7 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
                 assert r.status_code == 200, r.text
                 if attempt == 0:
                     homes[p] = r.headers["x-kvmesh-replica"]
-                    time.sleep(0.3)  # the worker's events reach the router
+                    until(indexed_at_least(url, 12 * (p + 1)))  # the worker's events reach the router
                 else:
                     assert r.headers["x-kvmesh-replica"] == homes[p]
                     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
@@ -168,9 +180,11 @@ def test_external_workers_are_routed_by_their_events_and_purged_when_lost(worker
                 homes[p] = replica
             assert len(set(homes.values())) == 2, homes  # new prompts spread over both workers
             replicas = sorted(set(homes.values()))
-            await asyncio.sleep(0.5)  # the workers' events reach the index
             for p, tokens in enumerate(prompts):
-                hits = await index.lookup(hash_blocks(tokens, 16, model_seed(model)), replicas)
+                chain = hash_blocks(tokens, 16, model_seed(model))
+                deadline = time.monotonic() + 10
+                while (hits := await index.lookup(chain, replicas)).get(homes[p]) != 12 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)  # the workers' events reach the index
                 assert hits[homes[p]] == 12, hits  # every full block, from the holder's own events
                 _, cached, replica, _ = await call(handle, model, tokens)
                 assert replica == homes[p] and cached >= 192

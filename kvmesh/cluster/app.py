@@ -68,37 +68,32 @@ def build_app(
 
 
 def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> serve.Application:
-    """The engine deployment: kvmesh's engines, or one proxy per external worker (``config.workers``)."""
+    """The engine deployment: kvmesh's engines, or one proxy per external worker (``config.workers``), both
+    behind the same router settings."""
+    routing = {
+        "redis_url": config.redis_url,
+        "deployment": APP_NAME,
+        "policy": config.policy,
+        "policy_kwargs": config.policy_kwargs,
+        "stats_period_s": config.stats_period_s,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
+    }
     if config.workers:
+        block_size = config.engine_config().block_size
+        actor = with_env({"num_cpus": 0}, env)
         return worker_deployment(
-            config.workers,
-            config.model,
-            config.name,
-            config.engine_config().block_size,
-            redis_url=config.redis_url,
-            deployment=APP_NAME,
-            policy=config.policy,
-            policy_kwargs=config.policy_kwargs,
-            stats_period_s=config.stats_period_s,
-            max_ongoing_requests=config.max_ongoing_requests,
-            max_queued_requests=config.max_queued_requests,
-            ray_actor_options=with_env({"num_cpus": 0}, env),
+            config.workers, config.model, config.name, block_size, ray_actor_options=actor, **routing
         )
     return engine_deployment(
         config.engine_settings(),
         num_replicas=config.replicas,
-        redis_url=config.redis_url,
-        deployment=APP_NAME,
-        policy=config.policy,
-        policy_kwargs=config.policy_kwargs,
-        stats_period_s=config.stats_period_s,
-        max_ongoing_requests=config.max_ongoing_requests,
-        max_queued_requests=config.max_queued_requests,
         ray_actor_options=with_env(config.engine_actor_options, env),
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
         replicas_per_node=config.replicas_per_node(engine_nodes),
         kv_events=config.kv_events_config,
+        **routing,
     )
 
 

@@ -17,26 +17,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from kvmesh.cluster.engine_deployment import EngineReplica
-from kvmesh.cluster.generation import LocalStream
+from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
-from kvmesh.shared.messages import GenerateCall, ReplicaStatus
+from kvmesh.shared.messages import ReplicaStatus
 from kvmesh.shared.sampling_params import MAX_N
 
 log = logging.getLogger(__name__)
-
-
-class LocalHandle:
-    """What ``Generation`` uses of a deployment handle: ``options(...)`` and ``remote(call)``."""
-
-    def __init__(self, replica: EngineReplica) -> None:
-        self.replica = replica
-
-    def options(self, **_: object) -> LocalHandle:
-        return self
-
-    def remote(self, call: GenerateCall) -> LocalStream:
-        return LocalStream(self.replica.generate(call))
 
 
 class EngineServer(HttpApi):
@@ -46,7 +33,7 @@ class EngineServer(HttpApi):
         self.replica = replica
         self.settings = settings
         self.index = None
-        self.generation, self.admission = front_door(settings, LocalHandle(replica))
+        self.generation, self.admission = front_door(settings, LocalHandle(replica.generate))
         set_admission(self.admission)
 
     async def health(self) -> JSONResponse:

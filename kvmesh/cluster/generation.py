@@ -107,6 +107,20 @@ class LocalStream:
         asyncio.get_running_loop().create_task(self._chunks.aclose())
 
 
+class LocalHandle:
+    """What ``Generation`` uses of a deployment handle (``options``, ``remote``) over a generate function in
+    this process: an engine's (``kvmesh engine``) or a router's over its workers (``kvmesh router``)."""
+
+    def __init__(self, generate: Callable[[GenerateCall], AsyncIterator[GenerateChunk]]) -> None:
+        self._generate = generate
+
+    def options(self, **_: object) -> LocalHandle:
+        return self
+
+    def remote(self, call: GenerateCall) -> LocalStream:
+        return LocalStream(self._generate(call))
+
+
 def new_request_id(chat: bool) -> str:
     """A new request's id: the engine's request id and the response's id, over HTTP and gRPC alike (with
     OpenAI's prefixes, which its clients show)."""

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from kvmesh.cluster.generation import LocalStream
+from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
 from kvmesh.cluster.worker_client import Worker
@@ -88,19 +88,6 @@ class LocalRouter:
             waiting.pop(call.request_id, None)
 
 
-class RouterHandle:
-    """What ``Generation`` uses of a deployment handle, over the local router."""
-
-    def __init__(self, router: LocalRouter) -> None:
-        self.router = router
-
-    def options(self, **_: object) -> RouterHandle:
-        return self
-
-    def remote(self, call: GenerateCall) -> LocalStream:
-        return LocalStream(self.router.generate(call))
-
-
 class RouterServer(HttpApi):
     """The HTTP routes over the local router; status and metrics report its workers."""
 
@@ -108,7 +95,7 @@ class RouterServer(HttpApi):
         self.router = router
         self.settings = settings
         self.index = None
-        self.generation, self.admission = front_door(settings, RouterHandle(router))
+        self.generation, self.admission = front_door(settings, LocalHandle(router.generate))
         set_admission(self.admission)
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
