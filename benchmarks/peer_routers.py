@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -107,6 +108,32 @@ def start_engines(n: int, tmp: Path, max_num_seqs: int, cpus: set[int] | None = 
     return engines
 
 
+def start_vllm_engines(n: int, tmp: Path, args: argparse.Namespace) -> list[tuple[Child, dict]]:
+    """``n`` vLLM CPU servers (``--vllm-python``, their own virtualenv), each bound to its own core in turn,
+    publishing KV events as ``kvmesh engine`` does; dev mode for ``/reset_prefix_cache``."""
+    from kvmesh.shared.model_files import resolve_model_dir
+
+    engines, cores = [], sorted(os.sched_getaffinity(0))
+    for i in range(n):
+        port = free_port()
+        events = {"kv_events": f"ipc://{tmp}/v{i}.pub", "replay": f"ipc://{tmp}/v{i}.replay"}
+        config = (
+            f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "{events["kv_events"]}", '
+            f'"replay_endpoint": "{events["replay"]}"}}'
+        )
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += ["--model", str(resolve_model_dir(MODEL, weights=True)), "--served-model-name", MODEL]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+        cmd += ["--max-num-seqs", str(args.max_num_seqs), "--seed", "0", "--enable-prompt-tokens-details"]
+        cmd += ["--kv-events-config", config]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[i % len(cores)])
+        engines.append((Child(f"vllm{i}", cmd, f"http://127.0.0.1:{port}", "/health", env), events))
+    for child, _ in engines:
+        child.wait_ready(600)
+    return engines
+
+
 def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]]) -> Child | ServeProcess:
     urls = [c.url for c, _ in engines]
     port, metrics = free_port(), free_port()
@@ -137,7 +164,9 @@ def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child,
 
 def engine_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[int]]:
     """Prompt tokens and cached prompt tokens every engine has served so far, and the requests each admitted
-    (their own ``/status``)."""
+    (their own ``/status``, or vLLM's Prometheus counters)."""
+    if engines[0][0].name.startswith("vllm"):
+        return vllm_counters(engines)
     prompt = cached = 0
     admitted = []
     for child, _ in engines:
@@ -146,6 +175,23 @@ def engine_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[i
             cached += replica["cached_prompt_tokens"]
             admitted.append(replica["requests_admitted"])
     return prompt, cached, admitted
+
+
+def vllm_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[int]]:
+    """The same from vLLM's ``/metrics``: prefix-cache queries and hits (tokens), requests finished."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prompt = cached = 0
+    done = []
+    for child, _ in engines:
+        samples: Counter[str] = Counter()
+        for family in text_string_to_metric_families(httpx.get(child.url + "/metrics", timeout=10).text):
+            for sample in family.samples:
+                samples[sample.name] += sample.value
+        prompt += int(samples.get("vllm:prefix_cache_queries_total", 0))
+        cached += int(samples.get("vllm:prefix_cache_hits_total", 0))
+        done.append(int(samples.get("vllm:request_success_total", 0)))
+    return prompt, cached, done
 
 
 def cpu_seconds(pid: int) -> float:
@@ -216,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
     ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
+    ap.add_argument("--vllm-python", help="route vLLM CPU servers (this python, vllm-cpu's own virtualenv) instead")
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="multi_turn,rag")
@@ -240,12 +287,16 @@ def main(argv: list[str] | None = None) -> None:
         cores = sorted(os.sched_getaffinity(0))
         engine_cpus = {cores[-1]}
         os.sched_setaffinity(0, set(cores[:-1]))  # routers started from here inherit it
-    kinds = ["kvmesh_router", "kvmesh_serve"] + (["smg_cache_aware", "round_robin"] if args.smg else [])
+    kinds = ["kvmesh_router"] + ([] if args.vllm_python else ["kvmesh_serve"])  # Ray's stack: kvmesh engines only
+    kinds += ["smg_cache_aware", "round_robin"] if args.smg else []
     kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
     names = args.workloads.split(",")
     runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}
     with tempfile.TemporaryDirectory(prefix="peer-routers-") as tmp:
-        engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
+        if args.vllm_python:
+            engines = start_vllm_engines(args.engines, Path(tmp), args)
+        else:
+            engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
         try:
             for repeat in range(args.repeats):
                 for name in names:
@@ -275,11 +326,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([name, kind, *ms, f"{100 * s['hit_rate']:.1f}%", s["router_cpu_s"], spread, errors])
             if errors:
                 print(f"{name}/{kind}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
-    print(f"\n{args.engines} x kvmesh engine ({MODEL}, 1 thread each), medians of {args.repeats} repeats")
+    engine = "vLLM CPU server" if args.vllm_python else "kvmesh engine"
+    print(f"\n{args.engines} x {engine} ({MODEL}, 1 thread each), medians of {args.repeats} repeats")
     header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
     print_table(header, rows)
     write_json(
-        "peer_routers",
+        "peer_routers_vllm" if args.vllm_python else "peer_routers",
         {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs},
         args.json,
     )
