@@ -101,11 +101,27 @@ def teacher_forced_logprobs(llm: LLM, tokens: list[int], start: int) -> torch.Te
     return logits.log_softmax(-1)
 
 
-def quality(model: str, max_tokens: int) -> list[dict]:
+def perplexity_text() -> str:
+    """A real English text every Python ships: the documentation topics of ``pydoc`` (``help()``), in order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def perplexity(llm: LLM, chunks: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood of every token after each chunk's first, teacher forced."""
+    nll = [-teacher_forced_logprobs(llm, c, 1).gather(1, torch.tensor(c[1:])[:, None]).mean().item() for c in chunks]
+    return float(np.exp(np.mean(nll)))
+
+
+def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     results, ref_outs, ref_lps = [], [], []
     for kv in KV_CACHE_DTYPES:  # "auto" first: the reference
         llm = LLM(model, kv_cache_dtype=kv)
+        if kv == "auto":
+            ids = llm.engine.tokenizer.encode(perplexity_text())
+            chunks = [ids[i * ppl_tokens : (i + 1) * ppl_tokens] for i in range(ppl_chunks)]
         chats = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
         outs = [o.token_ids for o in llm.generate(chats, params)]
         if kv == "auto":
@@ -129,6 +145,8 @@ def quality(model: str, max_tokens: int) -> list[dict]:
                 "identical_sequences": identical,
                 "mean_abs_logprob_diff": float(np.mean(dlogp)),
                 "teacher_forced_top1": float(np.mean(top1)),
+                "perplexity": perplexity(llm, chunks),
+                "perplexity_tokens": ppl_chunks * (ppl_tokens - 1),
             }
         )
         print(f"  quality {kv}: done", flush=True)
@@ -143,9 +161,12 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=8)
     ap.add_argument("--fit", type=int, default=4, help="sequences the budget holds in the model dtype")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ppl-chunks", type=int, default=8, help="perplexity: chunks of the pydoc topics text")
+    ap.add_argument("--ppl-tokens", type=int, default=1024, help="perplexity: tokens per chunk")
+    ap.add_argument("--skip-concurrency", action="store_true")
     args = ap.parse_args()
     out: dict = {"concurrency": [], "quality": []}
-    for dtype in ("bfloat16", "float32"):
+    for dtype in () if args.skip_concurrency else ("bfloat16", "float32"):
         out["concurrency"] += concurrency(args.model, dtype, args.requests, args.prompt, args.output, args.fit)
     print_table(
         ["model dtype", "KV dtype", "budget MiB", "blocks", "peak running", "vs auto", "preemptions", "s"],
@@ -163,9 +184,10 @@ def main() -> None:
             for r in out["concurrency"]
         ],
     )
-    out["quality"] = quality(args.model, args.max_tokens)
+    out["quality"] = quality(args.model, args.max_tokens, args.ppl_chunks, args.ppl_tokens)
+    ppl0 = out["quality"][0]["perplexity"]
     print_table(
-        ["KV dtype", "greedy prefix agreement", "identical seqs", "mean |dlogp|", "teacher-forced top-1"],
+        ["KV dtype", "greedy prefix agreement", "identical seqs", "mean |dlogp|", "teacher-forced top-1", "perplexity"],
         [
             [
                 r["kv_cache_dtype"],
@@ -173,6 +195,7 @@ def main() -> None:
                 f"{r['identical_sequences']}/{r['prompts']}",
                 f"{r['mean_abs_logprob_diff']:.4f}",
                 f"{100 * r['teacher_forced_top1']:.1f}%",
+                f"{r['perplexity']:.3f} ({100 * (r['perplexity'] / ppl0 - 1):+.2f}%)",
             ]
             for r in out["quality"]
         ],

@@ -105,18 +105,32 @@ def check_against_reference(
 
 
 def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 values of a quantized cache, written out independently of ``kvmesh.kernels.quant``."""
+    """float64 values of a quantized cache, written out independently of ``kvmesh.kernels.quant``: a uint8
+    cache is int4, two values per byte (low nibble first, each ``level + 8``)."""
+    if stored.dtype == torch.uint8:
+        levels = torch.stack((stored.long() % 16, stored.long() // 16), dim=-1).flatten(-2) - 8
+        return levels.double() * scale.double()[..., None]
     return stored.double() * scale.double()[..., None]
 
 
 def check_quantized(
-    store_kv, paged_attention, seed: int, case: int, kv_dtype: str, dtype, tol: float, device: str = "cpu", **shape
+    store_kv,
+    paged_attention,
+    seed: int,
+    case: int,
+    kv_dtype: str,
+    dtype,
+    tol: float,
+    device: str = "cpu",
+    window: int | None = None,
+    **shape,
 ):
     """Store into a quantized cache and attend over it with the implementation under test.
 
-    Each stored value must be within rounding of its input (half a step for int8, half an ulp of the fp8
-    format, relative, above its subnormals), and attention must match the float64 reference over the
-    dequantized cache: quantization error is the format's, never the kernel's.
+    Each stored value must be within rounding of its input (half a step for int8 and int4, half an ulp of
+    the fp8 format, relative, above its subnormals), and attention must match the float64 reference over the
+    dequantized cache: quantization error is the format's, never the kernel's. ``window``: sliding-window
+    attention over the same batch.
     """
     from kvmesh.kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize
     from kvmesh.kernels.reference import paged_attention_reference
@@ -133,24 +147,26 @@ def check_quantized(
         head_scale = fp8_scale_from_amax(c.abs().amax((0, 1, 3)), storage) if storage in FP8_DTYPES else None
         stored, token_scales = quantize(c.view(-1, kvh, head_dim), storage, head_scale)
         scale = head_scale if token_scales is None else token_scales.view(c.shape[:-1]).clone()
-        caches += [stored.view(c.shape).clone(), scale]
+        caches += [stored.view(*c.shape[:-1], -1).clone(), scale]  # int4: half the last dim
     on = [c.to(device) for c in caches]  # k cache, k scales, v cache, v scales where the kernels run
     k_in, v_in, dmeta = k.to(device, dtype), v.to(device, dtype), to_device(meta, device)
     store_kv(k_in, v_in, on[0], on[2], dmeta.slot_mapping, on[1], on[3])
     kc, ks, vc, vs, k_in, v_in = (c.cpu() for c in (*on, k_in, v_in))
     slots = meta.slot_mapping
     for x, cache, scale in ((k_in, kc, ks), (v_in, vc, vs)):
-        stored = cache.view(-1, kvh, head_dim)[slots]
+        stored = cache.view(-1, kvh, cache.shape[-1])[slots]
         s = scale.view(-1, kvh)[slots].double() if scale.dim() == 3 else scale.double().expand(len(slots), kvh)
         err = (_dequantized(stored, s) - x.double()).abs()
-        if storage == torch.int8:
+        if storage in (torch.int8, torch.uint8):
             bound = 0.5001 * s[..., None]
         else:
             info = torch.finfo(storage)
             bound = torch.maximum(x.double().abs() * info.eps / 2, s[..., None] * info.smallest_normal * info.eps)
         assert bool((err <= bound * 1.001 + 1e-12).all()), f"{kv_dtype}: stored value off by more than rounding"
-    expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, head_dim**-0.5)
+    scale = head_dim**-0.5
+    expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, scale, window)
     out = torch.full_like(q, float("nan"), dtype=dtype, device=device)
-    paged_attention(q.to(device, dtype), on[0], on[2], dmeta, head_dim**-0.5, out=out, k_scale=on[1], v_scale=on[3])
+    extra = {"window": window} if window else {}
+    paged_attention(q.to(device, dtype), on[0], on[2], dmeta, scale, out=out, k_scale=on[1], v_scale=on[3], **extra)
     err = relative_error(out, expected)
     assert err <= tol, f"{kv_dtype}: relative error {err:.2e} (block {block_size}, group {group}, head_dim {head_dim})"

@@ -25,8 +25,19 @@ def run(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
     return tokens, cached
 
 
-def make(model: str, host_tier_blocks: int, device_blocks: int = 24, dtype: str | None = None) -> LLMEngine:
-    probe = LLMEngine(EngineConfig(model=model, block_size=BLOCK, num_kv_blocks=1, swap_space_bytes=0, dtype=dtype))
+def make(
+    model: str, host_tier_blocks: int, device_blocks: int = 24, dtype: str | None = None, kv_cache_dtype: str = "auto"
+) -> LLMEngine:
+    probe = LLMEngine(
+        EngineConfig(
+            model=model,
+            block_size=BLOCK,
+            num_kv_blocks=1,
+            swap_space_bytes=0,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    )
     per_block = probe.bytes_per_block
     return LLMEngine(
         EngineConfig(
@@ -37,17 +48,19 @@ def make(model: str, host_tier_blocks: int, device_blocks: int = 24, dtype: str 
             host_cache_bytes=host_tier_blocks * per_block,
             max_num_batched_tokens=512,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["auto", "int4"])
+def engines(tiny_llama_dir, request):
     model = str(tiny_llama_dir)
-    return make(model, 0), make(model, 64)
+    return make(model, 0, kv_cache_dtype=request.param), make(model, 64, kv_cache_dtype=request.param)
 
 
 def test_a_prefix_evicted_from_the_device_is_served_from_the_host_tier(engines):
+    """Also on an int4 cache: the host tier keeps the packed bytes and their scales."""
     blind, tiered = engines
     history = [100 + i for i in range(10 * BLOCK)]  # a conversation's 10 full blocks
     follow_up = [*history, 7, 8, 9]

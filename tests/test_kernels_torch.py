@@ -58,7 +58,7 @@ def test_sliding_window_matches_reference(case, route, monkeypatch):
 
 
 @pytest.mark.parametrize("case", range(4))
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("route", ["kernel", "gather"])
 def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol, route, monkeypatch):
@@ -66,6 +66,18 @@ def test_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, to
         monkeypatch.setattr(kvmesh.kernels.torch_attention, "cpu_op", lambda name: None)
     seed = 31 * case + len(kv_dtype) + (dtype == torch.float16)
     check_quantized(store_kv_torch, paged_attention_torch, seed, case, kv_dtype, dtype, tol)
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("route", ["kernel", "gather"])
+def test_int4_cache_with_windows_and_long_prompts(case, route, monkeypatch):
+    """int4 over contexts up to 900 tokens (prefill chunks and decodes mixed), with sliding windows."""
+    if route == "gather":
+        monkeypatch.setattr(kvmesh.kernels.torch_attention, "cpu_op", lambda name: None)
+    window = [None, 7, 37, 300][case]
+    check_quantized(
+        store_kv_torch, paged_attention_torch, 500 + case, case, "int4", torch.float32, 1e-5, window=window, max_len=900
+    )
 
 
 def test_store_kv_skips_negative_slots():

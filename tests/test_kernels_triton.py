@@ -49,11 +49,17 @@ def test_triton_sliding_window_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", range(2))
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8", "int4"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_triton_quantized_cache_matches_dequantized_reference(case, kv_dtype, dtype, tol):
     seed = 2000 + case * 17 + len(kv_dtype) + (dtype == torch.float16)
     check_quantized(store_kv_triton, paged_attention_triton, seed, case, kv_dtype, dtype, tol, max_len=96, max_batch=3)
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_triton_int4_cache_with_sliding_windows(window):
+    kernels, seed = (store_kv_triton, paged_attention_triton), 2100 + window
+    check_quantized(*kernels, seed, 1, "int4", torch.float32, 1e-5, window=window, max_len=96)
 
 
 def test_store_kv_skips_negative_slots_and_touches_nothing_else():

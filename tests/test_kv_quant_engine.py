@@ -1,4 +1,4 @@
-"""The engine on quantized KV caches (fp8, int8): pool sizing, end-to-end generation, calibrated scales."""
+"""The engine on quantized KV caches (fp8, int8, int4): pool sizing, end-to-end generation, calibrated scales."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvmesh.replica import LLM, SamplingParams
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.kv_dtype import MODEL_DTYPE_BYTES, kv_bytes_per_token
 
-QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
+QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 BUDGET = 1 << 20
 
 
@@ -44,7 +44,7 @@ def test_pool_holds_what_the_dtype_saves(tiny_llama_dir, dtype):
         assert allocated == engine.num_blocks * per_block
         blocks[kv] = engine.num_blocks
     assert blocks["fp8_e4m3"] == blocks["fp8_e5m2"] == (4 if dtype == "float32" else 2) * blocks["auto"]
-    assert blocks["auto"] < blocks["int8"] < blocks["fp8_e4m3"]
+    assert blocks["auto"] < blocks["int8"] < blocks["fp8_e4m3"] < blocks["int4"]
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)
@@ -80,13 +80,13 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
 
 def test_kernels_and_sizing_know_the_same_dtypes():
     """``kvmesh/kernels/quant.py`` (storage) and ``kvmesh/shared/kv_dtype.py`` (bytes) describe one set of formats."""
-    from kvmesh.kernels.quant import KV_CACHE_STORAGE
+    from kvmesh.kernels.quant import KV_CACHE_STORAGE, values_per_element
     from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
 
     assert tuple(KV_CACHE_STORAGE) == KV_CACHE_DTYPES
     for name, storage in KV_CACHE_STORAGE.items():
         if storage is not None:
-            assert KV_LAYOUTS[name].element_bytes == storage.itemsize
+            assert KV_LAYOUTS[name].element_bits == 8 * storage.itemsize // values_per_element(storage)
 
 
 @pytest.mark.parametrize("kv", QUANTIZED)

@@ -54,13 +54,23 @@ def plan_json(capsys, *args: str) -> dict:
 
 # ---------------------------------------------------------------- kv_dtype: the one definition of the bytes
 def test_llama_70b_seed_bytes_per_token():
-    assert KV_CACHE_DTYPES == ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
+    assert KV_CACHE_DTYPES == ("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
     assert kv_bytes_per_token(80, 8, 128, "auto", 2) == 327_680
     assert kv_bytes_per_token(80, 8, 128, "fp8_e4m3", 2) == 163_840
     assert kv_bytes_per_token(80, 8, 128, "fp8_e5m2", 2) == 163_840
     # int8: + one fp16 scale per token, per KV head, for K and V, in every layer
     assert kv_bytes_per_token(80, 8, 128, "int8", 2) == 163_840 + 2 * 2 * 8 * 80
     assert kv_bytes_per_token(80, 8, 128, "auto", 4) == 2 * 327_680
+    # int4: half a byte per value + the same fp16 scale: 64 + 2 bytes per token-head, 3.88x a 16-bit cache
+    assert kv_bytes_per_token(80, 8, 128, "int4", 2) == 2 * 80 * 8 * (64 + 2) == 84_480
+
+
+def test_int4_holds_over_3_5x_a_16_bit_cache_at_common_head_dims():
+    for head_dim in (64, 128):  # SmolLM2 / Llama
+        ratio = kv_bytes_per_token(30, 3, head_dim, "auto", 2) / kv_bytes_per_token(30, 3, head_dim, "int4", 2)
+        assert ratio >= 3.5
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        kv_bytes_per_token(2, 2, 63, "int4", 2)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
@@ -69,7 +79,7 @@ def test_gqa_64_kv_heads_cost_exactly_8x_8_kv_heads(kv_dtype):
 
 
 def test_model_dtype_only_matters_for_auto():
-    for kv_dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
+    for kv_dtype in ("fp8_e4m3", "fp8_e5m2", "int8", "int4"):
         assert kv_bytes_per_token(2, 2, 64, kv_dtype, 2) == kv_bytes_per_token(2, 2, 64, kv_dtype, 4)
 
 

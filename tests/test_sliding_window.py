@@ -104,13 +104,15 @@ def test_cache_stays_bounded_far_past_the_window(mistral_dir, hybrid_dir):
             assert peak == -(-620 // 16)
 
 
-def test_prefix_hits_on_a_windowed_model_replay_exactly(mistral_dir):
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_prefix_hits_on_a_windowed_model_replay_exactly(mistral_dir, kv):
     """A long prompt's blocks are released behind the window but stay cached: a second request with the
-    same prefix hits them and generates exactly what a cold engine generates."""
+    same prefix hits them and generates exactly what a cold engine generates (on either cache)."""
     prompt = list(range(400, 520))
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    cold = LLM(str(mistral_dir), enable_prefix_caching=False).generate([[*prompt, 7, 8, 9]], params)[0].token_ids
-    llm = LLM(str(mistral_dir))
+    cold = LLM(str(mistral_dir), enable_prefix_caching=False, kv_cache_dtype=kv)
+    cold = cold.generate([[*prompt, 7, 8, 9]], params)[0].token_ids
+    llm = LLM(str(mistral_dir), kv_cache_dtype=kv)
     llm.generate([[*prompt, 1, 2, 3]], params)
     warm = llm.generate([[*prompt, 7, 8, 9]], params)[0]
     assert warm.num_cached_tokens >= 112
@@ -130,12 +132,15 @@ def test_forks_on_a_windowed_model(mistral_dir):
     llm.engine.check_integrity()
 
 
-def test_swap_on_a_windowed_model(mistral_dir):
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_swap_on_a_windowed_model(mistral_dir, kv):
     """Swapped-out windowed sequences save only the blocks still in window and resume exactly."""
     prompts = [list(range(300 + 60 * i, 330 + 60 * i)) for i in range(4)]  # 2 blocks each, growing to 3
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(mistral_dir), num_kv_blocks=64).generate(prompts, params)]
-    llm = LLM(str(mistral_dir), num_kv_blocks=9, preemption_mode="swap", swap_space_bytes=1 << 20)
+    expected = LLM(str(mistral_dir), num_kv_blocks=64, kv_cache_dtype=kv).generate(prompts, params)
+    expected = [o.token_ids for o in expected]
+    swap = {"preemption_mode": "swap", "swap_space_bytes": 1 << 20}
+    llm = LLM(str(mistral_dir), num_kv_blocks=9, kv_cache_dtype=kv, **swap)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.engine.stats()
     assert stats.num_swapped_out > 0 and stats.num_recomputed_tokens == 0

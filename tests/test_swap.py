@@ -25,7 +25,7 @@ def unpressured(tiny_llama_dir):
     return tokens
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_swapped_sequences_resume_without_recomputing(tiny_llama_dir, unpressured, kv_cache_dtype):
     """A 12-block pool for four 85-token sequences forces preemptions; with swap every one of them swaps
     out and back, nothing is recomputed, and the greedy tokens equal the unpressured run's."""
@@ -38,7 +38,7 @@ def test_swapped_sequences_resume_without_recomputing(tiny_llama_dir, unpressure
     if kv_cache_dtype == "auto":
         assert tokens == unpressured
     else:
-        assert tokens == _run(tiny_llama_dir, num_kv_blocks=64, kv_cache_dtype="int8")[0]
+        assert tokens == _run(tiny_llama_dir, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)[0]
 
 
 def test_recompute_mode_and_a_full_swap_space_recompute(tiny_llama_dir, unpressured):

@@ -17,15 +17,20 @@ from kvmesh.kernels import AttentionMetadata, Kernels
 @dataclass
 class LayerCache:
     """One layer's paged KV cache: K and V, each [num_blocks, block_size, kv_heads, head_dim], and, for a
-    quantized cache, their scales (``kvmesh/kernels/quant.py``: per KV head for fp8, per slot and KV head for int8)."""
+    quantized cache, their scales (``kvmesh/kernels/quant.py``: per KV head for fp8, per slot and KV head for
+    int8 and int4). An int4 cache packs two values per byte (its last dim is ``head_dim / 2``) and holds K and
+    V rotated by ``rotation`` ([head_dim, head_dim], orthogonal), which attention applies to Q and undoes on
+    its output, and keys less ``k_offset`` ([kv_heads, head_dim], rotated; attention is exact without it)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None
 
     def per_block(self) -> list[torch.Tensor]:
-        """The tensors indexed by block id (K, V, and int8's per-slot scales): what a block copy moves."""
+        """The tensors indexed by block id (K, V, and int8/int4's per-slot scales): what a block copy moves."""
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None and t.dim() > 1]
 
 

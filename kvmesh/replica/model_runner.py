@@ -9,7 +9,15 @@ import torch
 
 from kvmesh.kernels import AttentionMetadata, model_kernels
 from kvmesh.kernels.metadata import slot_mapping, token_positions
-from kvmesh.kernels.quant import FP8_DTYPES, as_bytes, fp8_scale_from_amax, storage_dtype
+from kvmesh.kernels.quant import (
+    FP8_DTYPES,
+    INT4_DTYPE,
+    as_bytes,
+    fp8_scale_from_amax,
+    int4_rotation,
+    storage_dtype,
+    values_per_element,
+)
 from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
 from kvmesh.replica.cuda_graphs import DecodeGraphs
 from kvmesh.replica.model_loader import LoadedModel
@@ -53,6 +61,8 @@ class ModelRunner:
         self.kv_caches = [self._layer_cache(shape, storage) for _ in self.model.layers]
         if storage in FP8_DTYPES:
             self._calibrate_fp8_scales(storage)
+        if storage == INT4_DTYPE:
+            self._calibrate_int4_offsets()
         self._inputs = [
             StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
         ]
@@ -76,24 +86,25 @@ class ModelRunner:
         )
 
     def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype) -> LayerCache:
+        rotation = None
+        if storage == INT4_DTYPE:  # two per byte, stored rotated (kvmesh/kernels/quant.py)
+            rotation = int4_rotation(shape[-1], self.dtype, self.device)
+        shape = (*shape[:-1], shape[-1] // values_per_element(storage))
         k = torch.zeros(shape, dtype=storage, device=self.device)
         v = torch.zeros(shape, dtype=storage, device=self.device)
-        if storage == torch.int8:  # a float16 scale per slot and KV head
+        if storage in (torch.int8, INT4_DTYPE):  # a float16 scale per slot and KV head
             zeros = torch.zeros(shape[:-1], dtype=torch.float16, device=self.device)
-            return LayerCache(k, v, zeros, zeros.clone())
+            return LayerCache(k, v, zeros, zeros.clone(), rotation)
         if storage in FP8_DTYPES:  # per-head scales, set by _calibrate_fp8_scales
             ones = torch.ones(shape[2], dtype=torch.float32, device=self.device)
             return LayerCache(k, v, ones, ones.clone())
         return LayerCache(k, v)
 
     @torch.inference_mode()
-    def _calibrate_fp8_scales(self, storage: torch.dtype) -> None:
-        """Set each layer's per-head fp8 scales from the K/V of one fixed calibration sequence.
-
-        The sequence (seeded pseudo-random token ids) runs once through an unquantized scratch cache; each
-        layer's largest |K| and |V| per head, with ``FP8_HEADROOM``, become its scales. Fixed input, so
-        every replica of a model gets the same scales; values beyond them saturate instead of overflowing.
-        """
+    def _calibration_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's K and V ([tokens, kv_heads, head_dim], model dtype) for one fixed calibration sequence
+        (seeded pseudo-random token ids, run once through an unquantized scratch cache): the same on every
+        replica of a model, so every replica derives the same static quantization constants from it."""
         n, bs = CALIBRATION_TOKENS, self.block_size
         nb = -(-n // bs)
         attn = self.model.layers[0].self_attn
@@ -104,10 +115,22 @@ class ModelRunner:
         rows = torch.tensor([n - 1], device=self.device)
         with forward_context(ForwardContext(meta, scratch, self.kernels)):
             self.model(ids, torch.arange(n, device=self.device), rows)
-        for layer, tmp in zip(self.kv_caches, scratch, strict=True):
-            for scale, values in ((layer.k_scale, tmp.k), (layer.v_scale, tmp.v)):
-                amax = values.flatten(0, 1)[:n].abs().amax(dim=(0, 2))
-                scale.copy_(fp8_scale_from_amax(amax, storage))
+        return [(tmp.k.flatten(0, 1)[:n], tmp.v.flatten(0, 1)[:n]) for tmp in scratch]
+
+    def _calibrate_fp8_scales(self, storage: torch.dtype) -> None:
+        """Set each layer's per-head fp8 scales: the calibration K/V's largest |K| and |V| per head, with
+        ``FP8_HEADROOM``; values beyond them saturate instead of overflowing."""
+        for layer, (k, v) in zip(self.kv_caches, self._calibration_kv(), strict=True):
+            for scale, values in ((layer.k_scale, k), (layer.v_scale, v)):
+                scale.copy_(fp8_scale_from_amax(values.abs().amax(dim=(0, 2)), storage))
+
+    def _calibrate_int4_offsets(self) -> None:
+        """Set each layer's int4 key offset: the calibration keys' mean per KV head, rotated.
+
+        Subtracting one vector from every key leaves attention exact (softmax ignores a score shift common
+        to all keys), and keys share a large mean that would otherwise spend most of four bits' range."""
+        for layer, (k, _) in zip(self.kv_caches, self._calibration_kv(), strict=True):
+            layer.k_offset = k.float().mean(0).to(self.dtype) @ layer.rotation
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``(source, destination)`` in every layer's caches: copy-on-write of forked

@@ -8,6 +8,9 @@ per KV head, for K and for V alike:
 - ``fp8_e4m3``, ``fp8_e5m2``: ``head_dim`` bytes. Their scales are static, a few floats per layer and KV
   head, so they cost nothing per token.
 - ``int8``: ``head_dim`` bytes plus one float16 scale (symmetric, absmax / 127) per token and KV head.
+- ``int4``: ``head_dim / 2`` bytes (two 4-bit values per byte) plus one float16 scale (symmetric, absmax /
+  7) per token and KV head; keys are first divided by a static per-channel factor calibrated at start-up,
+  which costs nothing per token (``kvmesh/kernels/quant.py``).
 
 Torch-free, so the planner and the ingress side of the project can use it without loading torch.
 """
@@ -21,20 +24,21 @@ from dataclasses import dataclass
 class KVLayout:
     """How one token's K (or V) vector for one KV head is stored."""
 
-    element_bytes: int | None
-    """Bytes per element; ``None`` means the model dtype's."""
+    element_bits: int | None
+    """Bits per element; ``None`` means the model dtype's."""
     scale_bytes: int
     """Bytes of quantization scale stored with each token's vector (0 where scales are per layer)."""
 
 
 KV_LAYOUTS: dict[str, KVLayout] = {
-    "auto": KVLayout(element_bytes=None, scale_bytes=0),
-    "fp8_e4m3": KVLayout(element_bytes=1, scale_bytes=0),
-    "fp8_e5m2": KVLayout(element_bytes=1, scale_bytes=0),
-    "int8": KVLayout(element_bytes=1, scale_bytes=2),  # one float16 scale per token per KV head
+    "auto": KVLayout(element_bits=None, scale_bytes=0),
+    "fp8_e4m3": KVLayout(element_bits=8, scale_bytes=0),
+    "fp8_e5m2": KVLayout(element_bits=8, scale_bytes=0),
+    "int8": KVLayout(element_bits=8, scale_bytes=2),  # one float16 scale per token per KV head
+    "int4": KVLayout(element_bits=4, scale_bytes=2),  # two per byte, one float16 scale per token per KV head
 }
 KV_CACHE_DTYPES: tuple[str, ...] = tuple(KV_LAYOUTS)
-"""``("auto", "fp8_e4m3", "fp8_e5m2", "int8")``"""
+"""``("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")``"""
 
 MODEL_DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 """Element size of the model dtypes the engine runs in: what ``auto`` stores K and V in."""
@@ -62,9 +66,11 @@ def kv_bytes_per_token(
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
-    element_bytes = layout.element_bytes
-    if element_bytes is None:
+    bits = layout.element_bits
+    if bits is None:
         if model_dtype_bytes < 1:
             raise ValueError(f"model_dtype_bytes must be positive, got {model_dtype_bytes}")
-        element_bytes = model_dtype_bytes
-    return 2 * num_layers * num_kv_heads * (head_dim * element_bytes + layout.scale_bytes)
+        bits = 8 * model_dtype_bytes
+    if head_dim * bits % 8:
+        raise ValueError(f"{kv_cache_dtype} packs two values per byte: head_dim must be even, got {head_dim}")
+    return 2 * num_layers * num_kv_heads * (head_dim * bits // 8 + layout.scale_bytes)

@@ -45,6 +45,29 @@ inline void axpy(float w, const C* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * kvmesh::to_float(v[i]);
 }
 
+// Packed int4 rows: each byte is two values (paged_cache.h).
+template <int64_t D>
+inline float dot(const float* q, const kvmesh::Int4x2* k, int64_t d) {
+  const int64_t n = (D ? D : d) / 2;
+  float even = 0.f, odd = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t b = k[i].bits;
+    even += q[2 * i] * static_cast<float>(static_cast<int>(b & 15) - 8);
+    odd += q[2 * i + 1] * static_cast<float>(static_cast<int>(b >> 4) - 8);
+  }
+  return even + odd;
+}
+
+template <int64_t D>
+inline void axpy(float w, const kvmesh::Int4x2* v, float* acc, int64_t d) {
+  const int64_t n = (D ? D : d) / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t b = v[i].bits;
+    acc[2 * i] += w * static_cast<float>(static_cast<int>(b & 15) - 8);
+    acc[2 * i + 1] += w * static_cast<float>(static_cast<int>(b >> 4) - 8);
+  }
+}
+
 // Calls f(slot, i) for the keys [first, first + len) of a sequence, block by block (no division per key).
 // While a block's row r is read, row r of the next block is prefetched (its bytes [row_offset, row_offset +
 // row_bytes)): blocks are scattered, so the hardware prefetcher cannot guess the next one.
@@ -76,10 +99,11 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
                    double scale, int64_t window) {
   const int64_t heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * d, table_width = block_tables.size(1);
+  constexpr int64_t P = kvmesh::kPacked<C>;  // values per cache element
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d / P, table_width = block_tables.size(1);
   const Q* qp = q.data_ptr<Q>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   Q* op = out.data_ptr<Q>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -105,11 +129,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         for (const auto i : c10::irange(d)) qf[w * d + i] = kvmesh::to_float(src[i]) * static_cast<float>(scale);
       }
       scores.resize(width * len);
-      const int64_t offset = static_cast<int64_t>(sizeof(C)) * h0 * d, bytes = static_cast<int64_t>(sizeof(C)) * span * d;
+      const int64_t offset = static_cast<int64_t>(sizeof(C)) * h0 * d / P;
+      const int64_t bytes = static_cast<int64_t>(sizeof(C)) * span * d / P;
       for_each_key(table, block_size, first, len, reinterpret_cast<const char*>(kp), row_bytes, offset, bytes,
                    [&](int64_t slot, int64_t i) {
                      for (int64_t h = h0; h < h0 + span; ++h) {
-                       const C* krow = kp + slot * row_stride + h * d;
+                       const C* krow = kp + slot * row_stride + h * d / P;
                        const float ks = k_scale.at(slot, h);
                        for (const auto g : c10::irange(group)) {
                          const int64_t w = (h - h0) * group + g;
@@ -131,7 +156,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       for_each_key(table, block_size, first, len, reinterpret_cast<const char*>(vp), row_bytes, offset, bytes,
                    [&](int64_t slot, int64_t i) {
                      for (int64_t h = h0; h < h0 + span; ++h) {
-                       const C* vrow = vp + slot * row_stride + h * d;
+                       const C* vrow = vp + slot * row_stride + h * d / P;
                        const float vs = v_scale.at(slot, h);
                        for (const auto g : c10::irange(group)) {
                          const int64_t w = (h - h0) * group + g;

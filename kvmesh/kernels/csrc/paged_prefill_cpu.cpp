@@ -16,6 +16,7 @@
 // head_dim]; block_tables [batch, max_blocks] int32; seq_lens [batch] int32; query_start_loc [batch + 1]
 // int32; rows: int64 indices of the sequences to compute; window: sliding-window size (a query sees its last
 // `window` positions, itself included), 0 for full attention. head_dim 64 or 128. Accumulates in float.
+// Quantized caches: see paged_cache.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/irange.h>
@@ -126,10 +127,11 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   constexpr int64_t VC = D / 16;                 // v16 vectors per head_dim row
   constexpr int64_t RB = VC >= 8 ? 2 : 16 / VC;  // rows per weighted-sum call: 16 accumulators
   const int64_t heads = q.size(1), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * D, table_width = block_tables.size(1);
+  constexpr int64_t P = kvmesh::kPacked<C>;  // values per cache element
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * D / P, table_width = block_tables.size(1);
   const Q* qp = q.data_ptr<Q>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
+  const C* kp = static_cast<const C*>(k_cache.data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.data_ptr());
   Q* op = out.data_ptr<Q>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -191,12 +193,12 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
             continue;
           }
           const int64_t key = k0 + i, slot = table[key / block_size] * static_cast<int64_t>(block_size) + key % block_size;
-          const C* krow = kp + slot * row_stride + h * D;
-          const C* vrow = vp + slot * row_stride + h * D;
+          const C* krow = kp + slot * row_stride + h * D / P;
+          const C* vrow = vp + slot * row_stride + h * D / P;
           const float ks = k_scale.at(slot, h), vs = v_scale.at(slot, h);
-          for (const auto d : c10::irange(D)) kt[d][i] = ks * kvmesh::to_float(krow[d]);
+          for (const auto d : c10::irange(D)) kt[d][i] = ks * kvmesh::load(krow, d);
           float* vf = reinterpret_cast<float*>(vt.data() + i * VC);
-          for (const auto d : c10::irange(D)) vf[d] = vs * kvmesh::to_float(vrow[d]);
+          for (const auto d : c10::irange(D)) vf[d] = vs * kvmesh::load(vrow, d);
         }
         for (int64_t r = 0; r < prows; r += kRows) tile_scores<D>(qf.data() + r * D, kt.data(), s.data() + r);
         // Online softmax: row r weighs the tile's keys [a, b) it may see; m, l: its running max and sum.
