@@ -32,9 +32,11 @@ ops = st.lists(
 )
 
 
-@pytest.fixture(scope="module", params=[0, 10], ids=["device-only", "host-tier"])
-def engine(request, tiny_llama_dir):
-    """The engine, alone or with a host prefix tier of ``param`` blocks (evictions and loads between tiers)."""
+@pytest.fixture(scope="module", params=[0, 10, 6], ids=["device-only", "host-tier", "disk-tier"])
+def engine(request, tiny_llama_dir, tmp_path_factory):
+    """The engine, alone or with a host prefix tier of ``param`` blocks (evictions and loads between tiers),
+    and for the third a disk tier under it (host evictions written to files and read back)."""
+    disk = str(tmp_path_factory.mktemp("disk")) if request.param == 6 else None
 
     def make(host_cache_bytes: int) -> LLMEngine:
         return LLMEngine(
@@ -46,11 +48,14 @@ def engine(request, tiny_llama_dir):
                 max_num_batched_tokens=16,
                 device="cpu",  # tiny blocks stress the scheduler; the CUDA kernels take 8 slots or more
                 host_cache_bytes=host_cache_bytes,
+                disk_cache_dir=disk if host_cache_bytes else None,
             )
         )
 
     engine = make(0)
-    return make(request.param * engine.bytes_per_block) if request.param else engine
+    engine = make(request.param * engine.bytes_per_block) if request.param else engine
+    yield engine
+    engine.close()
 
 
 class Mirror:
@@ -109,6 +114,10 @@ def test_random_workloads_keep_integrity(engine, ops):
     assert not engine.has_unfinished, "engine did not drain: deadlock"
     assert engine.pool.num_used == 0 and engine.pool.num_free == POOL
     assert not engine.requests
+    disk = engine.swap.disk if engine.swap is not None else None
+    if disk is not None:  # every block the tier lists is a whole file on disk, and nothing else is
+        disk.flush()
+        assert {p.stem for p in disk.dir.glob("*.kvb")} == {h.hex() for h in disk.hashes()}
 
 
 def test_kv_exhaustion_completes_every_request_through_preemption(tiny_llama_dir):

@@ -65,6 +65,8 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "swap_space_bytes": int(args.swap_space_gib * (1 << 30)) if args.swap_space_gib is not None else None,
         "host_cache_bytes": int(args.host_cache_gib * (1 << 30)) if args.host_cache_gib is not None else None,
+        "disk_cache_dir": args.disk_cache_dir,
+        "disk_cache_bytes": int(args.disk_cache_gib * (1 << 30)) if args.disk_cache_gib is not None else None,
         "preemption_mode": args.preemption_mode,
         "device": args.device,
         "torch_threads": args.threads,
@@ -179,7 +181,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
-        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8",
+        help="KV storage: auto (model dtype, default), fp8_e4m3, fp8_e5m2, int8, int4 (3.5-3.8x a 16-bit cache)",
     )
     parser.add_argument(
         "--swap-space-gib",
@@ -190,8 +192,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--host-cache-gib",
         type=float,
         help="host memory per replica keeping prefix blocks evicted from the KV pool (default: 2x the pool, "
-        "<= 16, on CUDA; off on the CPU; 0: off)",
+        "<= 16, on CUDA; off on the CPU unless there is a disk tier; 0: off)",
     )
+    parser.add_argument(
+        "--disk-cache-dir",
+        help="directory of the disk tier: blocks the host tier evicts are kept in files and adopted by a replica "
+        "restarted on it (replicas sharing it each take a slot of their own)",
+    )
+    parser.add_argument("--disk-cache-gib", type=float, help="size of the disk tier per replica (default 16)")
     parser.add_argument(
         "--preemption-mode",
         choices=PREEMPTION_MODES,

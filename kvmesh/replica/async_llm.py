@@ -159,3 +159,4 @@ class AsyncLLM:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=True)
+        self.engine.close()

@@ -24,6 +24,7 @@ from kvmesh.replica.cuda_graphs import default_sizes
 from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.device_queue import DeviceQueue, HostLogprobs
 from kvmesh.replica.device_step import DeviceStep
+from kvmesh.replica.disk_tier import DiskTier, cache_fingerprint
 from kvmesh.replica.kv_cache_manager import KVCacheManager
 from kvmesh.replica.kv_events import KVEvent
 from kvmesh.replica.logit_bias import LogitBias
@@ -101,8 +102,8 @@ class LLMEngine(StepRecovery):
         self.num_blocks = device_blocks(config, device, self.bytes_per_block)
         self.block_size = config.block_size
         self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
-        self._build_kv(device)
         self.hash_seed = model_seed(self.model_id)
+        self._build_kv(device)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
         self.penalties = PenaltyCounts(self.runner.device)
@@ -148,6 +149,13 @@ class LLMEngine(StepRecovery):
         if swap_blocks + cache_blocks >= 1:
             blocks, rate = swap_blocks + cache_blocks, lambda: self.rates.prefill_tok_s  # read when a load is priced
             self.swap = SwapSpace(self.runner.kv_caches, blocks, rate, cache_blocks)
+        if config.disk_cache_dir is not None:
+            if self.swap is None:
+                raise ValueError("disk_cache_dir needs a host tier (host_cache_bytes > 0): its blocks go through it")
+            fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
+            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint, self.swap.block_bytes)
+            self.swap.attach_disk(disk)
+            log.info("disk tier %s: %d blocks adopted, room for %d", disk.dir, disk.adopted, disk.num_blocks)
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
         sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(
@@ -525,6 +533,14 @@ class LLMEngine(StepRecovery):
         self.drain()
         self.reset_prefix_cache()
         self.scheduler.reset_counters()
+
+    def close(self) -> None:
+        """Release what outlives steps: with a disk tier, write every block still cached (device pool and host
+        tier) to it, for a replica restarted on the directory, then stop its writer and free the directory."""
+        if self.swap is not None and self.swap.disk is not None:
+            cached = ((h, self.pool.lookup(h)) for h in self.pool.cached_hashes())
+            self.swap.spill([(h, block.block_id) for h, block in cached if block is not None])
+            self.swap.disk.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (refused while requests hold blocks); sinks hear ``AllBlocksCleared``."""

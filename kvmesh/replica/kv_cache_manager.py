@@ -109,11 +109,15 @@ class KVCacheManager:
         return hits
 
     def host_hits(self, request: Request, device_hits: int) -> list[BlockHash]:
-        """The blocks of ``request``'s prefix that continue past its ``device_hits`` in the host tier (worth
-        loading there), capped like ``computed_blocks`` so the last token is still computed."""
-        if self.swap is None or not self.swap.num_cached or not self.computed_blocks_allowed(request):
+        """The blocks of ``request``'s prefix that continue past its ``device_hits`` in the host tier, or on disk
+        below it (worth loading there), capped like ``computed_blocks`` so the last token is still computed."""
+        tiers = self.swap is not None and (self.swap.num_cached or self.swap.disk is not None)
+        if not tiers or not self.computed_blocks_allowed(request):
             return []
         chain = request.block_hashes[device_hits : (request.num_tokens - 1) // self.block_size]
+        # A later block may still be on the device (tails are evicted first): the lower tiers stop before it,
+        # so no block is read from disk into the host tier while the device holds it.
+        chain = chain[: next((i for i, h in enumerate(chain) if self.pool.lookup(h) is not None), len(chain))]
         return chain[: self.swap.cached_prefix(chain, self.block_size)]
 
     def allocate(

@@ -33,8 +33,9 @@ def device_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
 def host_blocks(config: EngineConfig, device: torch.device, num_blocks: int, bytes_per_block: int) -> tuple[int, int]:
     """(swap blocks, host prefix-cache blocks): room for swapped-out sequences (by default half the device
     pool's bytes, at most ``MAX_DEFAULT_SWAP_BYTES``; none with ``preemption_mode: recompute``) and for
-    prefix blocks the device pool evicts (by default, on CUDA only, ``DEFAULT_HOST_CACHE_FRACTION`` of the
-    pool's bytes, at most ``MAX_DEFAULT_HOST_CACHE_BYTES``)."""
+    prefix blocks the device pool evicts (by default, on CUDA, ``DEFAULT_HOST_CACHE_FRACTION`` of the
+    pool's bytes, at most ``MAX_DEFAULT_HOST_CACHE_BYTES``; on the CPU a quarter of the pool's bytes when a
+    disk tier needs it, else none)."""
     pool_bytes = num_blocks * bytes_per_block
     swap = config.swap_space_bytes
     if swap is None:
@@ -44,5 +45,5 @@ def host_blocks(config: EngineConfig, device: torch.device, num_blocks: int, byt
     cache = config.host_cache_bytes
     if cache is None:
         default = min(int(pool_bytes * DEFAULT_HOST_CACHE_FRACTION), MAX_DEFAULT_HOST_CACHE_BYTES)
-        cache = default if device.type == "cuda" else 0
+        cache = default if device.type == "cuda" else pool_bytes // 4 if config.disk_cache_dir else 0
     return swap // bytes_per_block, cache // bytes_per_block

@@ -11,6 +11,9 @@ evicts is copied here instead of dropped, and a later request whose prefix conti
 hits into this tier loads those blocks back before its prefill, when loading is cheaper than recomputing.
 Host-cached blocks are LRU and exclusive with the device (a loaded or recomputed block leaves the tier);
 swapped sequences take precedence and evict them. Without ``host_cache_bytes`` nothing is cached here.
+With a disk tier under it (``kvmesh/replica/disk_tier.py``) the blocks this tier evicts are written to
+files, and a chain that continues past the host hits onto disk is read back into host blocks first (when
+reading and copying in beats recomputing), then loaded like any host hit.
 
 Copies are queued during scheduling and run by the engine before the step's forward pass: copies out
 first (their device blocks may already be handed to other sequences this step, but nothing writes them
@@ -20,8 +23,9 @@ run where the step runs (``kvmesh/replica/device_queue.py``), after every step l
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +33,7 @@ import torch
 
 from kvmesh.kernels.quant import as_bytes
 from kvmesh.replica.context import LayerCache
+from kvmesh.replica.disk_tier import DiskTier
 from kvmesh.replica.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 from kvmesh.router.prefix_lru import leading
 from kvmesh.shared.hashing import BlockHash
@@ -72,6 +77,12 @@ class SwapSpace:
         self._ins: list[tuple[list[int], list[int]]] = []
         self.emit: Callable[[KVEvent], None] | None = None
         """Receives the tier's KV events (medium ``host``), in order with the device pool's."""
+        self._in_flight: Counter[int] = Counter()
+        """Queued copies not yet run, per host block they write or read (the step runs them later, maybe on
+        another thread): the disk tier neither saves such a block's bytes nor reads into it."""
+        self._in_flight_lock = threading.Lock()
+        self.disk: DiskTier | None = None
+        """The tier below, if any: what this one evicts goes there (``attach_disk``)."""
         self._prefill_tok_s = prefill_tok_s
         self.copy_bytes_s = self._measure_bandwidth()
 
@@ -98,6 +109,7 @@ class SwapSpace:
         host_ids = [self._take() for _ in device_ids]
         self._flush_offloads()  # queued before: a host block they target may be one taken here
         self._outs.append((device_ids, host_ids))
+        self._queued(host_ids, 1)
         return host_ids
 
     def _take(self) -> int:
@@ -108,9 +120,59 @@ class SwapSpace:
 
     def _evict_oldest(self) -> int:
         block_hash, host_id = self._cached.popitem(last=False)
+        self._to_disk(block_hash, host_id)
         if self.emit is not None:
             self.emit(BlockRemoved(block_hash, HOST))
         return host_id
+
+    def attach_disk(self, disk: DiskTier) -> None:
+        if not self.cache_blocks:
+            raise ValueError("a disk tier needs a host prefix tier (host_cache_bytes > 0): its blocks go through it")
+        if disk.block_bytes != self.block_bytes:
+            raise ValueError(f"disk blocks of {disk.block_bytes} bytes, host blocks of {self.block_bytes}")
+        self.disk = disk
+
+    def _queued(self, host_ids: list[int], n: int) -> None:
+        with self._in_flight_lock:
+            for host_id in host_ids:
+                self._in_flight[host_id] += n
+
+    def _busy(self, host_id: int) -> bool:
+        """Whether a queued copy has still to write or read ``host_id``."""
+        return host_id in self._offloads or self._in_flight[host_id] > 0
+
+    def spill(self, device_blocks: list[tuple[BlockHash, int]]) -> None:
+        """Write every cached block to the disk tier, the host tier's and ``device_blocks`` (hash, device block
+        id) alike, waiting for room in its queue: a replica shutting down keeps its cache for the next one."""
+        for block_hash, host_id in self._cached.items():
+            self._to_disk(block_hash, host_id, wait=True)
+        for block_hash, device_id in device_blocks:
+            self.disk.put(block_hash, self._block_bytes(self._device, device_id), wait=True)
+
+    def _block_bytes(self, tensors: list[list[torch.Tensor]], index: int) -> bytes:
+        """Block ``index`` of every tensor, as the disk tier stores it (layer by layer, tensor by tensor)."""
+        return b"".join(t[index].view(torch.uint8).reshape(-1).cpu().numpy().tobytes() for lay in tensors for t in lay)
+
+    def _to_disk(self, block_hash: BlockHash, host_id: int, wait: bool = False) -> None:
+        """Keep an evicted host block's bytes on disk: from the host block, or, while the copy that fills it
+        is still queued this step, from the device block it copies (free, so nothing writes it). A block whose
+        copy is already handed to a step is not saved."""
+        if self.disk is None:
+            return
+        if host_id in self._offloads:
+            tensors, index = self._device, self._offloads[host_id]
+        elif self._in_flight[host_id] > 0:
+            return
+        else:
+            tensors, index = self._host, host_id
+        self.disk.put(block_hash, self._block_bytes(tensors, index), wait)
+
+    def _from_disk(self, host_id: int, payload: bytes) -> None:
+        data, offset = torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0
+        for t in (t for layer in self._host for t in layer):
+            row = t[host_id].view(torch.uint8).reshape(-1)
+            row.copy_(data[offset : offset + row.numel()])
+            offset += row.numel()
 
     # ------------------------------------------------------------------ host prefix cache
     def offload(self, device_id: int, block_hash: BlockHash) -> None:
@@ -133,14 +195,65 @@ class SwapSpace:
     def _flush_offloads(self) -> None:
         if self._offloads:
             self._outs.append((list(self._offloads.values()), list(self._offloads)))
+            self._queued(list(self._offloads), 1)
             self._offloads = {}
 
     def cached_prefix(self, block_hashes: list[BlockHash], block_size: int) -> int:
-        """How many of ``block_hashes`` (a chain continuing past the device hits) the tier holds in a row;
-        0 when copying a block in costs more than recomputing its ``block_size`` tokens."""
-        if not self._cached or self.block_bytes / self.copy_bytes_s >= block_size / self._prefill_tok_s():
+        """How many of ``block_hashes`` (a chain continuing past the device hits) the tier holds in a row,
+        after reading from disk those that continue it there; 0 when copying a block in costs more than
+        recomputing its ``block_size`` tokens (reading it from disk first counts for those)."""
+        recompute_s, copy_s = block_size / self._prefill_tok_s(), self.block_bytes / self.copy_bytes_s
+        if copy_s >= recompute_s:
             return 0
-        return leading(block_hashes, self._cached)
+        n = leading(block_hashes, self._cached) if self._cached else 0
+        if self.disk is None or n == len(block_hashes) or copy_s + self.disk.load_s() >= recompute_s:
+            return n
+        for h in block_hashes[:n]:  # the chain's host blocks are not the ones to evict for its disk blocks
+            self._cached.move_to_end(h)
+        return n + self._read_disk(block_hashes[n : self.cache_blocks], set(block_hashes[:n]))
+
+    def _read_disk(self, block_hashes: list[BlockHash], keep: set[BlockHash]) -> int:
+        """Read the leading ``block_hashes`` the disk holds into host blocks (those the host tier holds count as
+        read); how many the host tier now holds in a row."""
+        read = 0
+        for h in block_hashes:
+            if h in self._cached:  # the chain goes on in the host tier itself
+                self._cached.move_to_end(h)
+                keep.add(h)
+                read += 1
+                continue
+            if h not in self.disk:
+                break
+            host_id = self._block_for_disk(keep)
+            if host_id is None:
+                break
+            payload = self.disk.read(h)
+            if payload is None:  # failed its checks: recomputed instead
+                self._free.append(host_id)
+                break
+            self._from_disk(host_id, payload)
+            self._cached[h] = host_id
+            keep.add(h)
+            if self.emit is not None:
+                self.emit(BlockStored(h, None, HOST))
+            read += 1
+        return read
+
+    def _block_for_disk(self, keep: set[BlockHash]) -> int | None:
+        """A host block to read a disk block into: a free one while the cache has room, else the least
+        recently stored cached block that is neither in ``keep`` nor waiting for a queued copy."""
+        if len(self._cached) < self.cache_blocks:
+            free = next((j for j in range(len(self._free) - 1, -1, -1) if not self._busy(self._free[j])), None)
+            if free is not None:
+                return self._free.pop(free)
+        victim = next((h for h, i in self._cached.items() if h not in keep and not self._busy(i)), None)
+        if victim is None:
+            return None
+        host_id = self._cached.pop(victim)
+        self._to_disk(victim, host_id)
+        if self.emit is not None:
+            self.emit(BlockRemoved(victim, HOST))
+        return host_id
 
     def claim(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take cached ``block_hashes`` out of the tier to load them (``swap_in`` queues the copy): the device
@@ -163,13 +276,17 @@ class SwapSpace:
         return list(self._cached)
 
     def clear_cache(self) -> None:
-        """Forget every cached prefix block (a prefix-cache reset, whose ``AllBlocksCleared`` covers them)."""
+        """Forget every cached prefix block, on disk too (a prefix-cache reset, whose ``AllBlocksCleared``
+        covers them)."""
         self._free += self._cached.values()
         self._cached.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
         """Queue the copy of ``host_ids`` back into ``device_ids``; the host blocks free once it has run."""
         self._ins.append((host_ids, device_ids))
+        self._queued(host_ids, 1)
 
     def discard(self, host_ids: list[int]) -> None:
         """Give back the host blocks of a swapped sequence that will never come back (aborted)."""
@@ -189,11 +306,13 @@ class SwapSpace:
         """Device work, before anything writes the blocks the swapped sequences leave."""
         for device_ids, host_ids in copies.outs:
             self._copy(self._device, device_ids, self._host, host_ids)
+            self._queued(host_ids, -1)
 
     def copy_in(self, copies: SwapCopies) -> None:
         """Device work, into the blocks the readmitted sequences were just given."""
         for host_ids, device_ids in copies.ins:
             self._copy(self._host, host_ids, self._device, device_ids)
+            self._queued(host_ids, -1)
 
     def check_integrity(self, held: int) -> None:
         """Free + cached + held by swapped sequences == total, with no block counted twice."""

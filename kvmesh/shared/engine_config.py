@@ -15,6 +15,7 @@ MAX_DEFAULT_SWAP_BYTES = 4 << 30
 DEFAULT_HOST_CACHE_FRACTION = 2.0
 """On CUDA, the host prefix tier's default size as a multiple of the device KV pool's bytes."""
 MAX_DEFAULT_HOST_CACHE_BYTES = 16 << 30
+DEFAULT_DISK_CACHE_BYTES = 16 << 30
 GPU_KV_FRACTION = 0.85
 """Share of the GPU memory still free after loading weights that goes to the KV pool."""
 
@@ -32,12 +33,20 @@ class EngineConfig:
     """Host memory that keeps prefix blocks evicted from the device pool, loaded back on a hit when that
     beats recomputing them (``kvmesh/replica/swap.py``); ``None``: on CUDA ``DEFAULT_HOST_CACHE_FRACTION`` of the
     KV pool's bytes, at most 16 GiB; on the CPU off (there it is a second pool in the same memory); 0: off."""
+    disk_cache_dir: str | None = None
+    """A directory for the disk tier under the host tier (``kvmesh/replica/disk_tier.py``): blocks the host
+    tier evicts are kept in files, loaded back on a hit, and adopted by a replica restarted on it. Needs a
+    host tier. ``None``: no disk tier."""
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    """The disk tier's size (files of the least recently used blocks are deleted past it)."""
     preemption_mode: str = "auto"
     """``auto`` (swap a preempted sequence when that is cheaper than recomputing it), ``swap`` (whenever
     the swap space has room) or ``recompute``."""
     kv_cache_dtype: str = "auto"
-    """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales) or ``int8``
-    (per-token scales); fp8 holds twice the tokens of a 16-bit cache in the same bytes (``kvmesh/kernels/quant.py``)."""
+    """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales), ``int8`` or
+    ``int4`` (per-token scales; int4 two per byte, rotated); fp8 holds twice the tokens of a 16-bit cache in
+    the same bytes, int4 ``2 * head_dim / (head_dim / 2 + 2)`` times (3.76x at head_dim 64)
+    (``kvmesh/kernels/quant.py``)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     """Token budget of one step; prompts longer than this are prefilled in chunks."""
@@ -74,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.host_cache_bytes is not None and self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if self.disk_cache_bytes <= 0:
+            raise ValueError(f"disk_cache_bytes must be > 0, got {self.disk_cache_bytes}")
+        if self.disk_cache_dir is not None and self.host_cache_bytes == 0:
+            raise ValueError("disk_cache_dir needs a host tier (host_cache_bytes > 0): its blocks go through it")
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs}")
