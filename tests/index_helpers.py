@@ -27,6 +27,11 @@ def host_tag(slot: bytes) -> bytes:
     return bytes([slot[0] | 0x80]) + slot[1:]
 
 
+def disk_tag(slot: bytes) -> bytes:
+    """How a slot's disk-tier entries are written: the bit below the top set."""
+    return bytes([slot[0] | 0x40]) + slot[1:]
+
+
 def query(url: str, deployment: str, model: str, chain, ids, **kw) -> IndexAnswer:
     async def go():
         index = PrefixIndex(url, deployment, model, **kw)

@@ -10,7 +10,9 @@ import pytest
 
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.replica.disk_tier import DiskTier, DiskTierBusy
+from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.shared.hashing import hash_blocks
+from tests.index_helpers import query
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -76,6 +78,8 @@ def test_a_prefix_pushed_through_the_host_tier_to_disk_comes_back(tiny_llama_dir
     tokens, cached = run(engine, FOLLOW_UP)
     assert tokens == reference[kv], "blocks read back from disk must give the tokens computing them gives"
     assert cached == 10 * BLOCK, "every block of the history counts as cached"
+    stats = engine.stats()  # what /metrics and kvmesh status show
+    assert stats.disk_blocks_read == 10 and 10 <= stats.disk_tier_used_blocks <= stats.disk_tier_blocks
     engine.close()
 
 
@@ -98,6 +102,35 @@ def test_a_clean_shutdown_keeps_what_the_device_still_held(tiny_llama_dir, tmp_p
     restarted = make(str(tiny_llama_dir), tmp_path)
     assert (restarted.swap.disk.adopted, *run(restarted, FOLLOW_UP)) == (10, reference["auto"], 10 * BLOCK)
     restarted.close()
+
+
+def test_the_index_shows_a_restarted_replicas_disk_blocks_before_any_request(tiny_llama_dir, tmp_path, redis_server):
+    """The replica's first snapshot carries its adopted disk blocks: routers see them at once."""
+    first = make(str(tiny_llama_dir), tmp_path)
+    push_history_to_disk(first)
+    first.close()
+    engine = make(str(tiny_llama_dir), tmp_path)
+    pool, swap = engine.pool, engine.swap
+    publisher = KVIndexPublisher(
+        redis_server.url,
+        "disk-restart",
+        engine.model_id,
+        "r",
+        pool.cached_hashes,
+        host_snapshot=swap.cached_hashes,
+        disk_snapshot=swap.disk.hashes,
+    ).start()
+    engine.kv_event_sinks.append(publisher.publish)
+    assert publisher.wait_synced(10)
+    chain = hash_blocks(FOLLOW_UP, BLOCK, engine.hash_seed)
+    got = query(redis_server.url, "disk-restart", engine.model_id, chain, [publisher.replica_id])
+    assert got.disk_hits == {publisher.replica_id: 10} and not got.host_hits
+    run(engine, FOLLOW_UP)  # read back into the host tier and loaded: the index follows the events
+    assert publisher.wait_synced(10)
+    got = query(redis_server.url, "disk-restart", engine.model_id, chain, [publisher.replica_id])
+    assert got.device_hits == {publisher.replica_id: 10}
+    publisher.close()
+    engine.close()
 
 
 def test_a_broken_file_is_rejected_and_recomputed(tiny_llama_dir, tmp_path, reference, caplog):

@@ -64,16 +64,20 @@ class Mirror:
     def __init__(self, engine):
         self.hashes = set(engine.pool.cached_hashes())
         self.host = set(engine.swap.cached_hashes()) if engine.swap is not None else set()
+        self.disk = set(engine.swap.disk.hashes()) if engine.swap is not None and engine.swap.disk else set()
 
     def apply(self, events):
         for e in events:
             if isinstance(e, AllBlocksCleared):
                 self.hashes.clear()
                 self.host.clear()
+                self.disk.clear()
                 continue
-            held = self.hashes if e.medium == "device" else self.host
+            held = {"device": self.hashes, "host": self.host, "disk": self.disk}[e.medium]
             if isinstance(e, BlockStored):
-                assert e.block_hash not in self.hashes | self.host  # one medium at a time
+                assert e.block_hash not in held
+                if e.medium != "disk":  # device and host: one at a time; the disk keeps its copy of either
+                    assert e.block_hash not in self.hashes | self.host
                 held.add(e.block_hash)
             else:
                 held.remove(e.block_hash)
@@ -92,6 +96,8 @@ def test_random_workloads_keep_integrity(engine, ops):
         engine.check_integrity()
         assert mirror.hashes == set(engine.pool.cached_hashes())
         assert mirror.host == (set(engine.swap.cached_hashes()) if engine.swap is not None else set())
+        disk = engine.swap.disk if engine.swap is not None else None
+        assert mirror.disk == (set(disk.hashes()) if disk is not None else set())
 
     for op in ops:
         if op[0] == "add":

@@ -338,6 +338,8 @@ def test_status_table_lists_replicas_and_decisions():
                 "host_hit_rate": 0.125,
                 "host_tier_used_blocks": 30,
                 "host_tier_blocks": 200,
+                "disk_tier_used_blocks": 7,
+                "disk_tier_blocks": 900,
                 "num_running": 1,
                 "num_waiting": 0,
                 "num_preemptions": 3,
@@ -348,8 +350,8 @@ def test_status_table_lists_replicas_and_decisions():
         "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
     }
     rows = [line.split() for line in render_status(status).splitlines()]
-    assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "2", "1", "0", "0%", "12"] in rows
-    assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "1", "0", "3", "62%", "40"] in rows
+    assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "off", "2", "1", "0", "0%", "12"] in rows
+    assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "7/900", "1", "0", "3", "62%", "40"] in rows
     assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
     down = render_status({**status, "replicas": {}, "decisions": [], "redis": {"ok": False}, "live_replicas": 0})
     assert "Redis DOWN" in down and "no replica reports" in down and "no routing decisions" in down

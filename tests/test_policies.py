@@ -455,6 +455,21 @@ def test_a_host_tier_continuing_a_device_hit_adds_to_it():
     assert d.ranked[0] == "r0" and d.matched_blocks == 60 and d.reason == "host_hit"
 
 
+def test_a_disk_tier_continuing_the_chain_is_priced_by_its_own_load_rate():
+    """r0: 10 blocks on device, 50 more on disk (read at 8k tok/s, 4x its prefill); r1 nothing. r0 wins and
+    costs more than if the 50 were in its host tier; a disk slower than recomputing is not counted."""
+    req = request(list(range(1024)))
+    reps = replicas(2, cache_fill=0.5, host_load_tok_s=50_000, disk_load_tok_s=8_000)
+    device, host, disk = {"r0": 10, "r1": 0}, {}, {"r0": 50}
+    d = KVAwarePolicy().rank(req, reps, device, None, host, disk)
+    assert d.ranked[0] == "r0" and d.matched_blocks == 60 and d.costs["r0"] < d.costs["r1"]
+    as_host = KVAwarePolicy().rank(req, reps, device, None, {"r0": 50})
+    assert as_host.costs["r0"] < d.costs["r0"]
+    reps[0].disk_load_tok_s = 1000  # below its 2,000 tok/s prefill: the replica would recompute them
+    slow = KVAwarePolicy().rank(req, reps, device, None, host, disk)
+    assert slow.matched_blocks == 10 and slow.costs["r0"] > d.costs["r0"]
+
+
 def _route_with_index(policy, held, tokens):
     """Route one prompt with an index that answers each replica's leading blocks from ``held`` (the blocks
     it caches), then cache the prompt where it went, as its replica would."""

@@ -14,7 +14,7 @@ from kvmesh.router.index_schema import block_key, index_prefix
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.messages import ReplicaStatus
-from tests.index_helpers import entries_of_slot, host_tag, lookup, query
+from tests.index_helpers import disk_tag, entries_of_slot, host_tag, lookup, query
 
 MODEL = "m"
 CHAINS = [hash_blocks(list(range(s, s + 16 * 40)), 16, model_seed(MODEL)) for s in (0, 10_000, 20_000)]
@@ -113,8 +113,8 @@ def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_ser
         "replicas": {rid: r.as_dict() for rid, r in reports.items()},
     }
     rows = [line.split() for line in render_status(status).splitlines()]
-    assert [ok.replica_id, "?", "50.0%", "0.0%", "off", "off", "3", "0", "0", "0%", "7"] in rows
-    assert [bad.replica_id, *["?"] * 9, "0"] in rows
+    assert [ok.replica_id, "?", "50.0%", "0.0%", "off", "off", "off", "3", "0", "0", "0%", "7"] in rows
+    assert [bad.replica_id, *["?"] * 10, "0"] in rows
     ok.close()
     bad.close()
 
@@ -147,6 +147,43 @@ def test_host_tier_entries_are_looked_up_per_tier_resynced_and_purged(redis_serv
     pub.close()
     assert entries_of_slot(redis_server.url, prefix, host_tag(pub.slot)) == set()
     assert entries_of_slot(redis_server.url, prefix, pub.slot) == set()
+
+
+def test_disk_tier_entries_continue_the_chain_resync_and_purge(redis_server, request):
+    """A disk tier under the host tier: the lookup continues device -> host -> disk; a resync republishes
+    its snapshot; closing removes its entries."""
+    dep, prefix = request.node.name, index_prefix(request.node.name, MODEL)
+    device, host, disk = FakeCache(), FakeCache(), FakeCache()
+    pub = KVIndexPublisher(
+        redis_server.url,
+        dep,
+        MODEL,
+        "a",
+        device.snapshot,
+        heartbeat_ttl_s=1.0,
+        host_snapshot=host.snapshot,
+        disk_snapshot=disk.snapshot,
+    ).start()
+    in_host, on_disk = CHAINS[0][5:12], CHAINS[0][12:30]
+    host.store(in_host)
+    disk.store(on_disk)
+    pub.publish(device.store(CHAINS[0][:5]) + [BlockStored(h, None, "host") for h in in_host])
+    pub.publish([BlockStored(h, None, "disk") for h in on_disk])
+    assert pub.wait_synced(5)
+    got = query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id])
+    rid = pub.replica_id
+    assert (got.device_hits, got.host_hits, got.disk_hits) == ({rid: 5}, {rid: 7}, {rid: 18})
+    disk.remove(CHAINS[0][20:30])
+    pub.publish([BlockRemoved(h, "disk") for h in CHAINS[0][20:30]])  # the disk's LRU end
+    assert pub.wait_synced(5)
+    assert query(redis_server.url, dep, MODEL, CHAINS[0], [pub.replica_id]).disk_hits == {pub.replica_id: 8}
+    old = pub.slot
+    pub.publish([AllBlocksCleared()])  # a resync from the three snapshots
+    assert pub.wait_synced(5) and pub.slot != old
+    assert len(entries_of_slot(redis_server.url, prefix, disk_tag(pub.slot))) == 8
+    assert entries_of_slot(redis_server.url, prefix, disk_tag(old)) == set()
+    pub.close()
+    assert entries_of_slot(redis_server.url, prefix, disk_tag(pub.slot)) == set()
 
 
 def test_clean_shutdown_removes_every_entry(redis_server, request):

@@ -81,6 +81,7 @@ class EngineReplica:
                 unique_name=True,
                 status=self.status,
                 host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
+                disk_snapshot=self.engine.swap.disk.hashes if self.engine.swap and self.engine.swap.disk else None,
             ).start()
             if not self.publisher.wait_synced(INDEX_CONNECT_TIMEOUT_S):
                 error = self.publisher.last_error or "no answer"
@@ -175,6 +176,8 @@ class EngineReplica:
         return report.as_dict()
 
     def __del__(self) -> None:
+        if getattr(self, "engine", None) is not None:  # drained by now: its disk tier keeps what it caches
+            self.engine.close()
         if getattr(self, "publisher", None) is not None:
             self.publisher.close()
         if getattr(self, "kv_events", None) is not None:

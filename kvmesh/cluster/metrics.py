@@ -74,6 +74,21 @@ _GAUGES: tuple[tuple[str, str, Callable[[ReplicaStatus], float]], ...] = (
         lambda s: s.host_tier_blocks,
     ),
     (
+        "kvmesh_replica_disk_tier_used_blocks",
+        "Blocks in the disk tier's files.",
+        lambda s: s.disk_tier_used_blocks,
+    ),
+    (
+        "kvmesh_replica_disk_tier_blocks",
+        "Disk-tier capacity, in blocks (0: no disk tier).",
+        lambda s: s.disk_tier_blocks,
+    ),
+    (
+        "kvmesh_replica_disk_blocks_read",
+        "Blocks read back from the disk tier since the replica started.",
+        lambda s: s.disk_blocks_read,
+    ),
+    (
         "kvmesh_replica_prefill_busy_ratio",
         "Share of the last 10 s the replica spent prefilling (what routers price cache churn by).",
         lambda s: s.prefill_busy,

@@ -38,12 +38,18 @@ def _host_tier(report: ReplicaStatus) -> list[str]:
     return [f"{100 * report.host_hit_rate:.1f}%", f"{report.host_tier_used_blocks}/{report.host_tier_blocks}"]
 
 
+def _disk_tier(report: ReplicaStatus) -> str:
+    """The disk tier's ``<blocks used>/<capacity>``; ``off`` without one."""
+    return f"{report.disk_tier_used_blocks}/{report.disk_tier_blocks}" if report.disk_tier_blocks else "off"
+
+
 def _row(replica: str, r: ReplicaStatus) -> list[str]:
     """One replica's line; ``?`` for the engine's counters when the replica could not read them."""
     engine = [
         f"{100 * r.kv_usage:.1f}%",
         f"{100 * r.prefix_hit_rate:.1f}%",
         *_host_tier(r),
+        _disk_tier(r),
         str(r.num_running),
         str(r.num_waiting),
         str(r.num_preemptions),
@@ -64,8 +70,8 @@ def render_status(status: dict) -> str:
         "",
     ]
     rows = [_row(rid, ReplicaStatus.from_dict(r)) for rid, r in sorted(status["replicas"].items())]
-    headers = ["REPLICA", "NODE", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "RUNNING", "WAITING", "PREEMPTED"]
-    out += format_table([*headers, "PREFILL BUSY", "INDEXED"], rows)
+    headers = ["REPLICA", "NODE", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "DISK BLOCKS", "RUNNING"]
+    out += format_table([*headers, "WAITING", "PREEMPTED", "PREFILL BUSY", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
     for rid, cut in sorted((status.get("index_unreachable") or {}).items()):

@@ -28,12 +28,14 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
+from kvmesh.replica.kv_events import DISK, BlockRemoved, BlockStored, KVEvent
 from kvmesh.shared.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -87,6 +89,11 @@ class DiskTier:
         self._pending: dict[BlockHash, bytes] = {}
         self._mutex = threading.Lock()
         self.dropped = self.rejected = 0
+        self.emit: Callable[[KVEvent], None] | None = None
+        """Receives the tier's KV events (medium ``disk``), on the engine's thread, in order with the
+        other tiers'; blocks adopted at start-up are in ``hashes()`` (the publisher's first snapshot)."""
+        self._failed: list[BlockHash] = []
+        """Blocks the writer thread could not write, for the engine's thread to announce as removed."""
         self.adopted = self._scan()
         self.read_bytes_s = self._measure_read()
         self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue(WRITE_QUEUE)
@@ -169,6 +176,7 @@ class DiskTier:
         drops the block, unless ``wait`` (off the step's path: a replica spilling its cache on shutdown)."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {len(payload)}")
+        self._announce_failures()
         if block_hash in self._files:
             self._files.move_to_end(block_hash)
             return
@@ -180,10 +188,24 @@ class DiskTier:
         with self._mutex:
             self._pending[block_hash] = payload
         self._files[block_hash] = None
+        self._event(BlockStored(block_hash, None, DISK))
         self._evict_over_capacity()
+
+    def _event(self, event: KVEvent) -> None:
+        if self.emit is not None:
+            self.emit(event)
+
+    def _announce_failures(self) -> None:
+        if self._failed:
+            with self._mutex:
+                failed, self._failed = self._failed, []
+            for block_hash in failed:
+                if self._files.pop(block_hash, 0) is None:
+                    self._event(BlockRemoved(block_hash, DISK))
 
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes, or None if it is not here or its file fails a check (then it is gone)."""
+        self._announce_failures()
         if block_hash not in self._files:
             return None
         self._files.move_to_end(block_hash)
@@ -196,11 +218,13 @@ class DiskTier:
             data = path.read_bytes()
         except OSError as exc:
             self._files.pop(block_hash, None)
+            self._event(BlockRemoved(block_hash, DISK))
             log.warning("disk tier: cannot read %s (%s)", path, exc)
             return None
         why = self._check(data, block_hash)
         if why:
             self._files.pop(block_hash, None)
+            self._event(BlockRemoved(block_hash, DISK))
             self._reject(path, why)
             return None
         return data[_HEADER.size :]
@@ -216,7 +240,8 @@ class DiskTier:
         return None
 
     def clear(self) -> None:
-        """Forget every block and delete its file (a prefix-cache reset)."""
+        """Forget every block and delete its file (a prefix-cache reset, whose ``AllBlocksCleared`` covers
+        them)."""
         self.flush()
         for block_hash in list(self._files):
             self._path(block_hash).unlink(missing_ok=True)
@@ -225,6 +250,10 @@ class DiskTier:
     def flush(self) -> None:
         """Wait until every queued block is on disk."""
         self._queue.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._lock_file.closed
 
     def close(self) -> None:
         """Write what is queued, stop the writer and release the directory."""
@@ -238,6 +267,7 @@ class DiskTier:
     def _evict_over_capacity(self) -> None:
         while len(self._files) > self.num_blocks:
             block_hash, _ = self._files.popitem(last=False)
+            self._event(BlockRemoved(block_hash, DISK))
             with self._mutex:
                 queued = self._pending.pop(block_hash, None) is not None
             if not queued:  # a queued one is skipped by the writer (no longer pending)
@@ -262,10 +292,12 @@ class DiskTier:
                         del self._pending[block_hash]
                     elif wanted and block_hash not in self._files:  # evicted while being written
                         self._path(block_hash).unlink(missing_ok=True)
-            except OSError as exc:
-                log.warning("disk tier: writing a block failed (%s); it is dropped", exc)
+            except Exception as exc:  # the writer must outlive any one block: flush and close wait for it
+                log.warning("disk tier: writing a block failed (%r); it is dropped", exc)
                 self.dropped += 1
-                self._files.pop(item[0], None)
+                with self._mutex:
+                    self._pending.pop(item[0], None)
+                    self._failed.append(item[0])
             finally:
                 self._queue.task_done()
 

@@ -537,7 +537,7 @@ class LLMEngine(StepRecovery):
     def close(self) -> None:
         """Release what outlives steps: with a disk tier, write every block still cached (device pool and host
         tier) to it, for a replica restarted on the directory, then stop its writer and free the directory."""
-        if self.swap is not None and self.swap.disk is not None:
+        if self.swap is not None and self.swap.disk is not None and not self.swap.disk.closed:
             cached = ((h, self.pool.lookup(h)) for h in self.pool.cached_hashes())
             self.swap.spill([(h, block.block_id) for h, block in cached if block is not None])
             self.swap.disk.close()
@@ -579,6 +579,7 @@ class LLMEngine(StepRecovery):
         pending += sum(
             r.num_tokens - r.num_computed_tokens for r in running if r.num_computed_tokens < r.num_tokens - 1
         )
+        disk = self.swap.disk if self.swap is not None else None
         return EngineSnapshot(
             num_running=len(running),
             num_waiting=len(waiting),
@@ -599,7 +600,11 @@ class LLMEngine(StepRecovery):
             cached_prompt_tokens_host=s.prompt_tokens_hit_host,
             host_tier_blocks=self.swap.cache_blocks if self.swap is not None else 0,
             host_tier_used_blocks=self.swap.num_cached if self.swap is not None else 0,
+            disk_tier_blocks=disk.num_blocks if disk is not None else 0,
+            disk_tier_used_blocks=len(disk) if disk is not None else 0,
+            disk_blocks_read=self.swap.disk_blocks_read if disk is not None else 0,
             host_load_tok_s=self.swap.load_tok_s(size) if self.swap is not None and self.swap.cache_blocks else None,
+            disk_load_tok_s=self.swap.disk_load_tok_s(size) if disk is not None else None,
             prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,
             decode_s_per_seq=self.rates.decode_s_per_seq,
             step_s=self.rates.step_s,

@@ -35,7 +35,7 @@ from kvmesh.shared.kv_event_wire import (
 
 log = logging.getLogger(__name__)
 
-_MEDIUM = {DEVICE: GPU, "host": CPU}
+_MEDIUM = {DEVICE: GPU, "host": CPU, "disk": "DISK"}
 
 
 def binds(endpoint: str) -> bool:

@@ -4,8 +4,10 @@ They are emitted at the granularity of block hashes, not physical blocks: ``Bloc
 becomes present in this replica's cache (its first copy), ``BlockRemoved`` when its last copy is evicted,
 ``AllBlocksCleared`` on a prefix-cache reset (both media). Replaying them in order mirrors the set of
 cached hashes exactly, which is all a publisher needs. Each carries the ``medium`` holding the block:
-``device`` (the block pool) or ``host`` (the host prefix tier, ``kvmesh/replica/swap.py``). A hash is in at most
-one of them: the host tier takes a block the device evicts and gives it back when a request loads it.
+``device`` (the block pool), ``host`` (the host prefix tier, ``kvmesh/replica/swap.py``) or ``disk`` (the disk
+tier under it, ``kvmesh/replica/disk_tier.py``). A hash is in at most one of device and host: the host tier
+takes a block the device evicts and gives it back when a request loads it. The disk tier keeps its copy
+when a block is read back, so a hash on disk may also be in one of the others.
 The index publisher (``kvmesh/router/index_publisher.py``) reads them by their ``kind``, ``block_hash`` and
 ``medium`` only, so the router never imports the engine.
 """
@@ -20,6 +22,7 @@ from kvmesh.shared.hashing import BlockHash
 
 DEVICE = "device"
 HOST = "host"
+DISK = "disk"
 
 
 @dataclass(frozen=True, slots=True)

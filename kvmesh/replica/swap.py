@@ -83,6 +83,7 @@ class SwapSpace:
         self._in_flight_lock = threading.Lock()
         self.disk: DiskTier | None = None
         """The tier below, if any: what this one evicts goes there (``attach_disk``)."""
+        self.disk_blocks_read = 0
         self._prefill_tok_s = prefill_tok_s
         self.copy_bytes_s = self._measure_bandwidth()
 
@@ -98,6 +99,10 @@ class SwapSpace:
     def load_tok_s(self, block_size: int) -> float:
         """Tokens per second of KV this tier copies back to the device (what routers price a host hit at)."""
         return block_size * self.copy_bytes_s / self.block_bytes
+
+    def disk_load_tok_s(self, block_size: int) -> float:
+        """Tokens per second of KV the disk tier reads back and this tier copies to the device."""
+        return block_size / (self.disk.load_s() + self.block_bytes / self.copy_bytes_s)
 
     def worth_it(self, num_tokens: int, num_blocks: int) -> bool:
         """Whether moving ``num_blocks`` out and back is cheaper than recomputing ``num_tokens`` (and fits)."""
@@ -131,6 +136,12 @@ class SwapSpace:
         if disk.block_bytes != self.block_bytes:
             raise ValueError(f"disk blocks of {disk.block_bytes} bytes, host blocks of {self.block_bytes}")
         self.disk = disk
+        disk.emit = self._emit_disk
+
+    def _emit_disk(self, event: KVEvent) -> None:
+        """The disk tier's events, to whoever receives this tier's (read when emitted: set after attaching)."""
+        if self.emit is not None:
+            self.emit(event)
 
     def _queued(self, host_ids: list[int], n: int) -> None:
         with self._in_flight_lock:
@@ -232,6 +243,7 @@ class SwapSpace:
                 self._free.append(host_id)
                 break
             self._from_disk(host_id, payload)
+            self.disk_blocks_read += 1
             self._cached[h] = host_id
             keep.add(h)
             if self.emit is not None:

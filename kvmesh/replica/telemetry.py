@@ -38,8 +38,12 @@ class EngineSnapshot:
     cached_prompt_tokens_host: int
     host_tier_blocks: int
     host_tier_used_blocks: int
+    disk_tier_blocks: int
+    disk_tier_used_blocks: int
+    disk_blocks_read: int
     host_load_tok_s: float | None
     """Prompt tokens per second loaded back from the host tier (None: no host prefix tier)."""
+    disk_load_tok_s: float | None
     prefill_tok_s: float | None
     """None until measured: routers then assume what the replica's peers measured."""
     decode_s_per_seq: float | None
@@ -65,6 +69,7 @@ class EngineSnapshot:
             prefill_tok_s=self.prefill_tok_s,
             prefill_busy=self.prefill_busy,
             host_load_tok_s=self.host_load_tok_s,
+            disk_load_tok_s=self.disk_load_tok_s,
             decode_s_per_seq=self.decode_s_per_seq,
             step_s=self.step_s,
             mean_output_tokens=self.mean_output_tokens,
@@ -104,6 +109,9 @@ class EngineSnapshot:
             host_hit_rate=self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0,
             host_tier_blocks=self.host_tier_blocks,
             host_tier_used_blocks=self.host_tier_used_blocks,
+            disk_tier_blocks=self.disk_tier_blocks,
+            disk_tier_used_blocks=self.disk_tier_used_blocks,
+            disk_blocks_read=self.disk_blocks_read,
             prefill_busy=self.prefill_busy,
         )
 

@@ -30,7 +30,7 @@ class RoundRobinPolicy:
         self._counter = itertools.count()
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
     ) -> Decision:
         ids = sorted(r.index_id for r in replicas)
         k = next(self._counter) % len(ids)
@@ -48,7 +48,7 @@ class PowerOfTwoPolicy:
         self._rng = random.Random(seed)
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
     ) -> Decision:
         pair = self._rng.sample(replicas, min(2, len(replicas)))
         pair.sort(key=lambda r: (r.num_requests, r.index_id))
@@ -69,7 +69,7 @@ class SessionHashPolicy:
         self.key_blocks = key_blocks
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
     ) -> Decision:
         if req.session_id:
             key = req.session_id.encode()
@@ -110,7 +110,7 @@ class ApproxTreePolicy:
         return tree.leading(block_hashes) if tree else 0
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, host_hits=None
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
     ) -> Decision:
         counts = [r.num_requests for r in replicas]
         spread = max(counts) - min(counts)

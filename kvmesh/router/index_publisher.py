@@ -52,10 +52,17 @@ class KVEventLike(Protocol):
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hash: bytes
-    medium: str  # "device" | "host" (not read on "cleared")
+    medium: str  # "device" | "host" | "disk" (not read on "cleared")
 
 
-OPS = {("stored", "device"): b"+", ("removed", "device"): b"-", ("stored", "host"): b"H", ("removed", "host"): b"h"}
+OPS = {
+    ("stored", "device"): b"+",
+    ("removed", "device"): b"-",
+    ("stored", "host"): b"H",
+    ("removed", "host"): b"h",
+    ("stored", "disk"): b"D",
+    ("removed", "disk"): b"d",
+}
 """The op byte of each event in a ``publish.lua`` batch."""
 
 
@@ -65,7 +72,7 @@ class StaleSlotError(RuntimeError):
 
 class KVIndexPublisher:
     """Publishes one replica's cached block set, per medium. Pass the engine's snapshot functions: the
-    device pool's ``cached_hashes`` and, with a host prefix tier, the tier's."""
+    device pool's ``cached_hashes`` and, with a host prefix tier, the tier's, and with a disk tier, its."""
 
     def __init__(
         self,
@@ -81,6 +88,7 @@ class KVIndexPublisher:
         unique_name: bool = False,
         status: Callable[[], ReplicaStatus] | None = None,
         host_snapshot: Callable[[], list[BlockHash]] | None = None,
+        disk_snapshot: Callable[[], list[BlockHash]] | None = None,
     ) -> None:
         self.prefix = index_prefix(deployment, model)
         # A restarted replica must never inherit its predecessor's entries: add an incarnation, unless the
@@ -88,6 +96,7 @@ class KVIndexPublisher:
         self.replica_id = replica_name if unique_name else f"{replica_name}#{uuid.uuid4().hex[:8]}"
         self._snapshot = snapshot
         self._host_snapshot = host_snapshot
+        self._disk_snapshot = disk_snapshot
         self._status = status
         """Called on each heartbeat; its report is stored beside the heartbeat for metrics and status."""
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
@@ -254,7 +263,7 @@ class KVIndexPublisher:
         n = len(ops) // 9
         self.stats["events"] += n
         self.stats["batches"] += 1
-        adds = ops[::9].count(b"+") + ops[::9].count(b"H")
+        adds = ops[::9].count(b"+") + ops[::9].count(b"H") + ops[::9].count(b"D")
         self._live += 2 * adds - n
         self._logged += adds
         if self._logged > 4 * max(self._live, CHUNK):
@@ -283,6 +292,8 @@ class KVIndexPublisher:
             keys = [b"+" + block_key(h) for h in self._snapshot()]  # later events are queued after this point
             if self._host_snapshot is not None:
                 keys += [b"H" + block_key(h) for h in self._host_snapshot()]
+            if self._disk_snapshot is not None:
+                keys += [b"D" + block_key(h) for h in self._disk_snapshot()]
         slot = self._scripts["claim"](args=[self.prefix, self.replica_id])
         for i in range(0, len(keys), CHUNK):
             chunk = [self.prefix, self.replica_id, slot, b"".join(keys[i : i + CHUNK]), ""]

@@ -4,7 +4,8 @@ Memory is the constraint (millions of (block, replica) entries), so blocks are b
 small enough to stay in Redis' compact listpack/ziplist encoding:
 
     <prefix>b:<2 bytes>    HASH  field <6 bytes> -> packed 4-byte slots of the replicas holding the block;
-                           a slot with its top bit set holds it in that replica's host tier, not its device
+                           a slot with its top bit set holds it in that replica's host tier, not its device,
+                           with the next bit in its disk tier
     <prefix>log:<slot>     STRING  every 8-byte block key the slot ever added (for purging it)
     <prefix>seq:<slot>     STRING  the number of the slot's last applied batch (a gap means Redis lost some)
     <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
@@ -20,7 +21,8 @@ A block key is the first 8 bytes of the block's 16-byte hash (2 bucket bytes + 6
 among a few million blocks is a ~1e-6 event and costs one mis-routed request, never a wrong answer (the
 replica checks full hashes). A *slot* names one incarnation of one replica; every restart or
 resynchronisation takes a fresh slot, so stale entries can never be attributed to a live replica. Slots
-count up from 1, so the top bit is free to mark the host tier (2^31 slots before it would not be).
+count up from 1, so the top two bits are free to mark the host and disk tiers (2^30 slots before they would
+not be).
 Redis never holds prompt text or pickled objects: only these bytes and replica ids.
 """
 

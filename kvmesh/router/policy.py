@@ -128,10 +128,12 @@ class RoutingPolicy(Protocol):
         device_hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
+        disk_hits: dict[str, int] | None = None,
     ) -> Decision:
         """Candidates best first. ``device_hits``: leading blocks each holds on its device (None: the index did not
         answer); ``shared_starts``: recent conversation starts per replica across routers (the index's
-        counts); ``host_hits``: blocks past ``device_hits`` each replica's host tier holds."""
+        counts); ``host_hits``: blocks past ``device_hits`` each replica's host tier holds; ``disk_hits``:
+        blocks past those its disk tier holds."""
         ...
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None: ...
@@ -152,7 +154,8 @@ class KVAwarePolicy:
     hit beats a miss, and a host hit on an idle replica beats a device hit behind a long queue.
     On such a replica the blocks a miss evicts go to its host tier, so the churn part of the fifth term is
     scaled by the reload / recompute cost ratio. ``host_tier=False`` routes blind to the tier (host hits
-    priced as misses, evictions as losses), for comparison.
+    priced as misses, evictions as losses), for comparison. A chain continuing onto a replica's disk tier
+    (``disk_hits``) is charged at the disk load rate it reports, where that beats recomputing.
 
     The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
     (it evicts other prefixes, which later requests miss), in proportion to how full the pool is and to how
@@ -224,6 +227,7 @@ class KVAwarePolicy:
         device_hits: dict[str, int] | None,
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
+        disk_hits: dict[str, int] | None = None,
     ) -> Decision:
         """Replicas from cheapest to dearest for ``req``: price each, keep the holder on noise, cap the wait
         of a one-off request on a shared prefix, bound where new conversations start, group near-ties, and
@@ -233,8 +237,8 @@ class KVAwarePolicy:
         fill_unmeasured_rates(replicas)
         reason_prefix = "index_unavailable_" if device_hits is None else ""
         device_hits, known = self._merged_hits(req, [r.index_id for r in replicas], device_hits)
-        depth = self._depths(req, replicas, device_hits, host_hits)
-        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth)
+        depth, on_disk = self._depths(req, replicas, device_hits, host_hits, disk_hits)
+        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth, on_disk)
         jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
@@ -287,7 +291,12 @@ class KVAwarePolicy:
         return merged, known
 
     def _price(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits: dict[str, int], depth: dict[str, int]
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        device_hits: dict[str, int],
+        depth: dict[str, int],
+        on_disk: dict[str, int],
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
         (load from the host tier included) and its own wait (queue, KV room, prefill)."""
@@ -308,7 +317,9 @@ class KVAwarePolicy:
             hosted = min(depth[rid] * req.block_size, most) - cached
             uncached = req.num_tokens - cached - hosted
             fill = min(max(r.cache_fill, 0.0), 1.0)
-            load_s = hosted / r.host_load_tok_s if hosted else 0.0
+            disked = min(on_disk.get(rid, 0) * req.block_size, hosted)  # the chain's last loaded blocks
+            load_s = (hosted - disked) / r.host_load_tok_s if hosted > disked else 0.0
+            load_s += disked / r.disk_load_tok_s if disked else 0.0
             own_prefill_s[rid] = uncached / rates[rid] + load_s
             prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[rid]
             evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
@@ -375,15 +386,28 @@ class KVAwarePolicy:
         return min(max(busy[len(busy) // 2], 0.0) / FULL_PRESSURE_BUSY, 1.0) ** 2
 
     def _depths(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits: dict[str, int], host: dict[str, int] | None
-    ) -> dict[str, int]:
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        device_hits: dict[str, int],
+        host: dict[str, int] | None,
+        disk: dict[str, int] | None = None,
+    ) -> tuple[dict[str, int], dict[str, int]]:
         """Per replica, the leading blocks it can serve without recomputing: its device hits, continued by
-        its host tier where the policy counts that tier and loading beats recomputing on that replica."""
+        its host tier where the policy counts that tier and loading beats recomputing on that replica, then
+        by its disk tier where reading and loading beat recomputing; and how many of them are on disk."""
         depth = {r.index_id: device_hits.get(r.index_id, 0) for r in replicas}
+        on_disk: dict[str, int] = {}
         for r in replicas:
-            if host and self._tiered(r):
-                depth[r.index_id] += host.get(r.index_id, 0)
-        return depth
+            rid = r.index_id
+            if not self._tiered(r):
+                continue
+            hosted = host.get(rid, 0) if host else 0
+            depth[rid] += hosted
+            if disk and disk.get(rid) and r.disk_load_tok_s and r.disk_load_tok_s > (r.prefill_tok_s or 0.0):
+                on_disk[rid] = disk[rid]
+                depth[rid] += disk[rid]
+        return depth, on_disk
 
     def _tiered(self, r: ReplicaLoad) -> bool:
         """Whether the policy counts ``r``'s host tier: it has one, and loading from it beats recomputing."""

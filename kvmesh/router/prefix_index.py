@@ -36,13 +36,15 @@ PURGE_CHUNK = 2000
 @dataclass(slots=True)
 class IndexAnswer:
     """One lookup: per live candidate, the request's leading blocks on its device and, past them, in its
-    host tier; plus the candidates' decayed counts of recent conversation starts."""
+    host tier and then its disk tier; plus the candidates' decayed counts of recent conversation starts."""
 
     device_hits: dict[str, int] | None
     """Leading blocks on each live candidate's device; None when the index could not answer in time.
     Candidates with no live heartbeat are left out."""
     host_hits: dict[str, int] = field(default_factory=dict)
     """Blocks following the device hits that the candidate's host tier holds (absent: none)."""
+    disk_hits: dict[str, int] = field(default_factory=dict)
+    """Blocks following the device and host hits that the candidate's disk tier holds (absent: none)."""
     starts: dict[str, float] = field(default_factory=dict)
 
 
@@ -98,15 +100,17 @@ class PrefixIndex:
             return IndexAnswer(None)
         for rid in dead:
             self._start_purge(rid.decode())
-        out, host = dict.fromkeys(replica_ids, 0), {}
+        out, host, disk = dict.fromkeys(replica_ids, 0), {}, {}
         for k in missing:
             out.pop(replica_ids[k - 1], None)
-        for i in range(0, len(raw), 3):
+        for i in range(0, len(raw), 4):
             rid = replica_ids[raw[i] - 1]
             out[rid] = raw[i + 1]
             if raw[i + 2] > raw[i + 1]:
                 host[rid] = raw[i + 2] - raw[i + 1]
-        return IndexAnswer(out, host, self._decayed_starts(replica_ids, starts, float(now)))
+            if raw[i + 3] > raw[i + 2]:
+                disk[rid] = raw[i + 3] - raw[i + 2]
+        return IndexAnswer(out, host, disk, self._decayed_starts(replica_ids, starts, float(now)))
 
     def _decayed_starts(self, replica_ids: list[str], raw: list[bytes | None], now: float) -> dict[str, float]:
         counts = dict.fromkeys(replica_ids, 0.0)

@@ -191,7 +191,7 @@ class KVAwareRequestRouter(RequestRouter):
         device_hits = answer.device_hits
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         candidates = [self._load(r) for r in candidate_replicas]
-        decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits)
+        decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits, answer.disk_hits)
         ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
         if pending_request is not None:

@@ -113,6 +113,9 @@ class LoadReport:
     host_load_tok_s: float | None = None
     """Prompt tokens per second the replica loads back from its host prefix tier (its measured copy
     bandwidth over the KV bytes per token); None without a host tier."""
+    disk_load_tok_s: float | None = None
+    """Prompt tokens per second the replica reads back from its disk tier and loads (its measured disk read
+    and host copy bandwidths over the KV bytes per token); None without a disk tier."""
     prefill_busy: float | None = None
     """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average); None until measured."""
     step_s: float = DEFAULT_STEP_S
@@ -203,6 +206,11 @@ class EngineStats:
     host_tier_blocks: int = 0
     """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
     host_tier_used_blocks: int = 0
+    disk_tier_blocks: int = 0
+    """Blocks the disk tier's directory may hold (0: no disk tier)."""
+    disk_tier_used_blocks: int = 0
+    disk_blocks_read: int = 0
+    """Blocks read back from the disk tier since start (each one a block not recomputed)."""
     prefill_busy: float = 0.0
     """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
 

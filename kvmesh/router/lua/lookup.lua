@@ -4,8 +4,9 @@
 -- Predictions (p:<block key> -> replica id, short TTL, written by routers right after routing) are
 -- checked at checkpoint depths 1, 2, 4, ... and the chain's end: a sibling of a request routed moments
 -- ago counts as a hit on that replica before its KV events arrive, from any router process.
--- Returns { hits, missing, dead, starts, now }: hits = flat triples (candidate position, leading blocks on
--- its device, leading blocks on its device and host tier together) for candidates holding any;
+-- Returns { hits, missing, dead, starts, now }: hits = flat quadruples (candidate position, leading blocks
+-- on its device, leading blocks on its device and host tier together, and with its disk tier too) for
+-- candidates holding any;
 -- missing = positions of candidates with no live heartbeat; dead = ids of those still registered (to
 -- purge); starts = each candidate's "<count> <seconds>" of conversation starts (session.lua) or nil; now =
 -- Redis' clock in seconds, as a string, to decay them against.
@@ -17,7 +18,8 @@
 -- a parent always outlives its children. "Holds block i" is therefore monotone along the chain and each
 -- candidate's count is found by galloping then binary search (~2 log2 n probes, shared between candidates
 -- through a memo) instead of walking all n blocks. The host tier takes the blocks the device evicts, tail
--- first, and drops its oldest first, so device-then-host is prefix-closed too and is found the same way.
+-- first, and drops its oldest first, so device-then-host is prefix-closed too and is found the same way;
+-- the disk tier takes what the host tier drops, LRU, and continues the chain past both the same way.
 local p, chain = ARGV[1], ARGV[2]
 local n = #chain / 8
 local slots, live, missing, dead = {}, {}, {}, {}
@@ -68,13 +70,15 @@ local function depth(from, held) -- blocks 1..from held; gallop then bisect to t
   end
   return lo
 end
-local counts, totals = {}, {}
+local counts, totals, disks = {}, {}, {}
 for _, k in ipairs(live) do
   local slot = slots[k]
   local host = string.char(bit.bor(string.byte(slot, 1), 128)) .. string.sub(slot, 2)
+  local disk = string.char(bit.bor(string.byte(slot, 1), 64)) .. string.sub(slot, 2)
   counts[k] = depth(0, function(i) return holds(i, slot) end)
   -- the host tier continues the chain where the device stops (a hash lives in one medium at a time)
   totals[k] = depth(counts[k], function(i) return holds(i, host) or holds(i, slot) end)
+  disks[k] = depth(totals[k], function(i) return holds(i, disk) or holds(i, host) or holds(i, slot) end)
 end
 if #live > 0 and n > 0 then
   local position = {}
@@ -99,10 +103,11 @@ if #live > 0 and n > 0 then
 end
 local hits = {}
 for _, k in ipairs(live) do
-  if totals[k] > 0 or counts[k] > 0 then
+  if disks[k] > 0 or counts[k] > 0 then
     hits[#hits + 1] = k
     hits[#hits + 1] = counts[k]
     hits[#hits + 1] = math.max(totals[k], counts[k])
+    hits[#hits + 1] = math.max(disks[k], totals[k], counts[k])
   end
 end
 local starts = #hb > 0 and redis.call('HMGET', p .. 'ss', unpack(ARGV, 3)) or {}

@@ -19,6 +19,7 @@ if slot == '' then
 end
 local log, cursor_key = p .. 'log:' .. slot, p .. 'purge:' .. slot
 local host = string.char(bit.bor(string.byte(slot, 1), 128)) .. string.sub(slot, 2) -- its host-tier entries
+local disk = string.char(bit.bor(string.byte(slot, 1), 64)) .. string.sub(slot, 2) -- and its disk tier's
 local cursor = tonumber(redis.call('GET', cursor_key) or '0')
 local data = redis.call('GETRANGE', log, cursor, cursor + chunk * 8 - 1)
 for i = 1, #data, 8 do
@@ -28,7 +29,7 @@ for i = 1, #data, 8 do
     local rest = {}
     for j = 1, #value, 4 do
       local holder = string.sub(value, j, j + 3)
-      if holder ~= slot and holder ~= host then rest[#rest + 1] = holder end
+      if holder ~= slot and holder ~= host and holder ~= disk then rest[#rest + 1] = holder end
     end
     rest = table.concat(rest)
     if rest == '' then redis.call('HDEL', bucket, field) elseif rest ~= value then redis.call('HSET', bucket, field, rest) end
