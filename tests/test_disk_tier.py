@@ -8,29 +8,16 @@ import os
 
 import pytest
 
-from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.replica import EngineConfig, LLMEngine
 from kvmesh.replica.disk_tier import DiskTier, DiskTierBusy
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.shared.hashing import hash_blocks
 from tests.index_helpers import query
+from tests.test_host_tier import run
 
 BLOCK = 16
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 HISTORY = [100 + i for i in range(10 * BLOCK)]  # a conversation's 10 full blocks
 FOLLOW_UP = [*HISTORY, 7, 8, 9]
-
-
-def run(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens and the prefix hit of one request run alone to completion."""
-    rid = engine.add_request(prompt, GREEDY)
-    tokens, cached = [], -1
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.request_id == rid:
-                tokens += out.delta_token_ids
-                cached = out.num_cached_tokens
-        engine.check_integrity()
-    return tokens, cached
 
 
 def make(model: str, disk_dir=None, host_blocks: int = 12, kv_cache_dtype: str = "auto") -> LLMEngine:
