@@ -8,9 +8,11 @@
    with the full-precision cache; then for each quantized dtype (a) free-running greedy agreement (the
    share of generated tokens before the first difference, and whole sequences identical) and (b) teacher
    forced on the full-precision continuation: mean |log p| difference of its tokens and top-1 agreement,
-   from one forward over prompt + continuation through the paged (quantized) cache.
+   from one forward over prompt + continuation through the paged (quantized) cache; and (c) perplexity of
+   ``--ppl-chunks`` x ``--ppl-tokens`` tokens of Python's pydoc topics text, teacher forced the same way.
 
     python -m benchmarks.kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
+        [--skip-concurrency]
 """
 
 from __future__ import annotations
