@@ -215,6 +215,10 @@ class KVAwarePolicy:
         self.predict_ttl_s = predict_ttl_s
         self._recent = _RecentOwners(memory_size, clock)
         self._rng = random.Random(seed)  # seeded only to make simulations reproducible
+        self._chosen: dict[str, int] = {}
+        """When this router last sent a request to each replica (a decision count): equal costs go to the
+        one it used least recently, so idle replicas take new work in turn instead of by chance."""
+        self._decisions = 0
 
     @property
     def session_decay_s(self) -> float:
@@ -239,7 +243,8 @@ class KVAwarePolicy:
         device_hits, known = self._merged_hits(req, [r.index_id for r in replicas], device_hits)
         depth, on_disk = self._depths(req, replicas, device_hits, host_hits, disk_hits)
         costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth, on_disk)
-        jitter = {rid: self._rng.random() for rid in costs}  # equal costs: no herding on the first id
+        # Equal costs: the replica this router used least recently, then chance (no herding on the first id).
+        jitter = {rid: (self._chosen.get(rid, -1), self._rng.random()) for rid in costs}
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
         holder_share = depth[holder] * req.block_size / max(req.num_tokens, 1)
@@ -414,6 +419,8 @@ class KVAwarePolicy:
         return self.host_tier and bool(r.host_load_tok_s) and r.host_load_tok_s > (r.prefill_tok_s or 0.0)
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None:
+        self._decisions += 1
+        self._chosen[index_id] = self._decisions
         self._recent.record(req.block_hashes, index_id)
         self.sessions.routed(req.session_id, index_id, decision.opens_session)
         self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
