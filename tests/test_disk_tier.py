@@ -26,7 +26,7 @@ def make(model: str, disk_dir=None, host_blocks: int = 12, kv_cache_dtype: str =
         model=model, block_size=BLOCK, num_kv_blocks=1, swap_space_bytes=0, kv_cache_dtype=kv_cache_dtype
     )
     per_block = LLMEngine(config).bytes_per_block
-    return LLMEngine(
+    engine = LLMEngine(
         EngineConfig(
             model=model,
             block_size=BLOCK,
@@ -38,6 +38,11 @@ def make(model: str, disk_dir=None, host_blocks: int = 12, kv_cache_dtype: str =
             kv_cache_dtype=kv_cache_dtype,
         )
     )
+    if engine.swap is not None and engine.swap.disk is not None:
+        # The tiny model recomputes a block faster than a cold disk may read one, and the engine would then
+        # (rightly) recompute: these tests are about the disk path, so its measured read rate is pinned high.
+        engine.swap.disk.read_bytes_s = 1e12
+    return engine
 
 
 def push_history_to_disk(engine: LLMEngine) -> None:
@@ -140,6 +145,14 @@ def test_a_broken_file_is_rejected_and_recomputed(tiny_llama_dir, tmp_path, refe
     assert "checksum mismatch" in caplog.text and "a block file has" in caplog.text
     assert not flipped.exists() and not truncated.exists()
     restarted.close()
+
+
+def test_a_disk_slower_than_recomputing_is_not_read(tiny_llama_dir, tmp_path, reference):
+    engine = make(str(tiny_llama_dir), tmp_path)
+    push_history_to_disk(engine)
+    engine.swap.disk.read_bytes_s = 1.0  # a byte per second: recomputing wins
+    assert run(engine, FOLLOW_UP) == (reference["auto"], 0)
+    engine.close()
 
 
 def test_two_replicas_never_share_a_directory(tmp_path):
