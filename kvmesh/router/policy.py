@@ -13,6 +13,7 @@ import dataclasses
 import math
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -450,15 +451,18 @@ class _RecentOwners:
     def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.size = size
         self.clock = clock
-        self._owner: dict[BlockHash, tuple[str, float]] = {}
+        self._owner: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
+        """Oldest first. An ordered dict, not a dict: deleting a plain dict's first entry over and over
+        leaves a run of dead slots that every later "first entry" lookup walks (31 us per block once full)."""
 
     def record(self, block_hashes: list[BlockHash], index_id: str) -> None:
         now = self.clock()
+        owner = self._owner
         for h in block_hashes:
-            self._owner.pop(h, None)
-            self._owner[h] = (index_id, now)  # re-insert: dicts keep insertion order, oldest first
-        while len(self._owner) > self.size:
-            del self._owner[next(iter(self._owner))]
+            owner[h] = (index_id, now)
+            owner.move_to_end(h)
+        while len(owner) > self.size:
+            owner.popitem(last=False)
 
     def match(
         self, block_hashes: list[BlockHash], candidates: list[str], max_age_s: float = math.inf
