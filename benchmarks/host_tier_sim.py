@@ -29,13 +29,13 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from kvmesh.bench.cache_bounds import lru_hit_rate
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.bench.simulate import (
     PREDICT_TTL_S,
     Costs,
     compare_routers,
     load_trace,
-    lru_hit_rate,
     offered_scale,
     simulate,
     trace_rows,

@@ -100,3 +100,29 @@ def test_suite_command_writes_every_cell(tmp_path):
         (w, f) for w in ("few_shot", "chat_diurnal") for f in (1.0, 2.0)
     }
     assert all(set(c["routers"]) == {"kv_aware", "round_robin"} for c in cells)
+    for c in cells:  # the replication-aware bound sits between what was placed and the infinite cache
+        b = c["bounds"]
+        assert 0 < b["replicated_placed"] <= b["replicated"] <= b["infinite"]
+        assert c["of_replicated"] == pytest.approx(c["routers"]["kv_aware"]["hit_rate"] / b["replicated"])
+
+
+def test_the_mooncake_like_generator_has_the_real_traces_shape():
+    """Fitted to the shipped Mooncake conversation trace: about as many requests per conversation, as long, as
+    much reuse on an unbounded cache, every prompt on the one shared system block."""
+    from pathlib import Path
+
+    from kvmesh.bench.cache_bounds import lru_hit_rate
+    from kvmesh.bench.simulate import load_trace, trace_rows
+    from kvmesh.bench.trace_workloads import mooncake
+
+    real = load_trace(Path(__file__).parents[1] / "benchmarks/workloads/mooncake/conversation_trace.jsonl", None)
+    made = trace_rows(mooncake(seed=0, size=1.0))
+    assert 0.9 < len(made) / len(real) < 1.1
+    assert len({chain[0] for _, chain, _ in made}) == 1
+    for stat in (
+        lambda rows: statistics.median(len(chain) for _, chain, _ in rows),
+        lambda rows: statistics.fmean(len(chain) for _, chain, _ in rows),
+        lambda rows: lru_hit_rate(rows, None, 1.0)[0],
+        lambda rows: statistics.median(out for _, _, out in rows),
+    ):
+        assert 0.85 < stat(made) / stat(real) < 1.15

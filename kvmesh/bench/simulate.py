@@ -11,7 +11,11 @@ extended by each routing decision until its blocks land and for ``--predict-ttl`
 of conversation starts are shared by all of them, as the index shares them. Each replica reports what the
 engine would: its queued prefill (each request's uncached tokens, from routing until its prefill ran),
 running and waiting counts, its current step time and the trace's mean output length.
-Random tie-breaks are seeded per router process, so a run is reproducible.
+Random tie-breaks are seeded per router process, so a run is reproducible. Each result also counts the
+blocks another replica held beyond the chosen one's (``passed_over``: moves for load). Runs are judged
+against bounds from the trace alone (``kvmesh/bench/cache_bounds.py``): the pooled LRU and the
+replication-aware bound at ``--bound-imbalance``. ``--shortlist k`` prices only the k replicas holding the
+prompt deepest plus k random ones per decision, for fleets of a thousand replicas.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -32,6 +36,7 @@ import heapq
 import inspect
 import itertools
 import json
+import random
 import statistics
 import struct
 import time
@@ -40,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.bench.cache_bounds import BLOCK_TOKENS, lru_hit_rate, replicated_bound
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.replica.telemetry import BusyShare
 from kvmesh.router.baselines import POLICIES, make_policy
@@ -48,8 +54,10 @@ from kvmesh.router.prefix_lru import PrefixLRU
 from kvmesh.router.sessions import SESSION_DECAY_S, DecayingCounts
 from kvmesh.shared.defaults import PREDICT_TTL_S
 
-BLOCK_TOKENS = 16
-"""How long a routing decision stands as a prediction, in trace seconds: the serve router's default."""
+BOUND_IMBALANCE = 1.3
+"""The replication-aware bound lets the busiest replica serve this many times the mean number of requests."""
+PROGRESS_EVERY = 100_000
+"""Requests between two progress reports of a long simulation."""
 WINDOW_SHARE = 0.1
 """A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces
 last about a second of simulated time at GPU-class rates, so the engine's 10 s window would never fill."""
@@ -90,10 +98,42 @@ class Req:
     """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
     ttft: float = 0.0
     replica: int = -1
+    passed_over: int = 0
+    """Leading blocks another replica held (as the index answered) beyond the chosen one's: left for load."""
+    opened: bool = False
+    """The router took it for a new conversation (placed with bounded loads)."""
 
     @property
     def tokens(self) -> int:
         return len(self.chain) * BLOCK_TOKENS
+
+
+class HolderIndex:
+    """Which replicas hold each block, kept by their inserts and evictions (the Redis index's shape): a lookup
+    touches the replicas that hold the prompt, not the whole fleet."""
+
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[int]] = {}
+
+    def update(self, replica: int, added: list[bytes], evicted: list[bytes]) -> None:
+        for h in added:
+            self._holders.setdefault(h, set()).add(replica)
+        for h in evicted:
+            held = self._holders.get(h)
+            if held is not None:
+                held.discard(replica)
+                if not held:
+                    del self._holders[h]
+
+    def deepest(self, chain: list[bytes], k: int) -> list[int]:
+        """Up to ``k`` replicas holding the deepest blocks of ``chain`` (deepest first)."""
+        out: dict[int, None] = {}
+        for h in reversed(chain):
+            for replica in self._holders.get(h, ()):
+                out[replica] = None
+                if len(out) >= k:
+                    return list(out)
+        return list(out)
 
 
 @dataclass
@@ -111,6 +151,8 @@ class Replica:
     prefill_busy: bool = False
     queued_tokens: int = 0
     served: int = 0
+    index: HolderIndex | None = None
+    """The fleet's block index this replica keeps current (None: no shortlist, every replica is asked)."""
     busy: BusyShare = field(default_factory=BusyShare)
     """How busy its prefill has been, as the engine measures it (``kvmesh/replica/telemetry.py``)."""
     mean_output_steps: float = 1.0
@@ -130,9 +172,12 @@ class Replica:
     def insert(self, chain: list[bytes]) -> None:
         for h in chain:
             self.host.discard(h)  # loaded back or recomputed: the device holds it now
-        for evicted in self.cache.touch(chain):
-            if self.host_capacity:
-                self.host.touch((evicted,))
+        evicted = self.cache.touch(chain)
+        if self.host_capacity:
+            for h in evicted:
+                self.host.touch((h,))
+        if self.index is not None:
+            self.index.update(int(self.rid[1:]), chain, evicted)
 
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(
@@ -164,20 +209,6 @@ def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], 
         return trace_rows(json.loads(line) for line in itertools.islice(f, limit))
 
 
-def lru_hit_rate(rows, capacity: int | None, prefill_tok_s: float) -> tuple[float, float]:
-    """Block hit rate and prefill seconds of the trace on one LRU of ``capacity`` blocks (None: infinite)."""
-    cache = PrefixLRU(capacity)
-    hit = total = 0
-    work = 0.0
-    for _, chain, _ in rows:
-        n = cache.leading(chain)
-        hit += n
-        total += len(chain)
-        work += (len(chain) - n) * BLOCK_TOKENS / prefill_tok_s
-        cache.touch(chain)
-    return hit / total, work
-
-
 def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float, landed: list[bool]) -> dict[str, int]:
     """Per replica, the deepest block of the chain a router recently sent it (as the lookup script reads
     the Redis predictions: each depth on its own, since shared shallow blocks name the latest choice).
@@ -206,18 +237,27 @@ def simulate(
     ttl: float,
     costs: Costs = Costs(),
     host_capacity: int = 0,
+    shortlist: int = 0,
+    progress: Callable[[int], None] | None = None,
 ):
     """One run of ``policy_name`` over ``rows``, arrivals at ``scale`` x their trace times. ``ttl``: how long a
     routing decision is remembered as a prediction, in trace seconds (the router's own ``predict_ttl_s`` too,
     unless ``policy_kwargs`` set it): compressing arrivals compresses conversations' think times, and a TTL
-    left in simulated seconds would outlast them, telling the router where every history went."""
+    left in simulated seconds would outlast them, telling the router where every history went.
+    ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
+    random and those a prediction names (a router's cost at a thousand replicas); 0: every replica.
+    ``progress`` is called with the number of requests routed so far, every ``PROGRESS_EVERY``."""
     mean_output = statistics.fmean(out for _, _, out in rows)
     ttl_s = ttl * scale
     window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
+    index = HolderIndex() if shortlist else None
     replicas = [
-        Replica(f"r{i}", capacity, costs, host_capacity, mean_output_steps=mean_output, busy=BusyShare(window))
+        Replica(
+            f"r{i}", capacity, costs, host_capacity, index=index, mean_output_steps=mean_output, busy=BusyShare(window)
+        )
         for i in range(n)
     ]
+    sampler = random.Random(0)
     clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
     accepts = inspect.signature(POLICIES[policy_name]).parameters
     simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
@@ -258,23 +298,33 @@ def simulate(
         now, _, kind, i = heapq.heappop(events)
         r = reqs[i]
         if kind == "arrive":
+            if progress is not None and i and i % PROGRESS_EVERY == 0:
+                progress(i)
             policy = routers[i % processes]
             req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
+            forecast = predicted_hits(predicted, r.chain, now, ttl_s, landed) if uses_index else {}
+            asked = replicas
+            if shortlist:
+                pool = [*index.deepest(r.chain, shortlist), *sampler.sample(range(n), min(shortlist, n))]
+                asked = [replicas[j] for j in dict.fromkeys([*pool, *(int(o[1:]) for o in forecast)])]
             device_hits, host = None, {}
             if uses_index:
-                device_hits = {rep.rid: rep.leading_hits(r.chain) for rep in replicas}
+                device_hits = {rep.rid: rep.leading_hits(r.chain) for rep in asked}
                 if host_capacity:
-                    host = {rep.rid: rep.host_hits(r.chain, device_hits[rep.rid]) for rep in replicas}
+                    host = {rep.rid: rep.host_hits(r.chain, device_hits[rep.rid]) for rep in asked}
                 known = max(device_hits.values())  # as the lookup script: predictions only extend the index
-                for owner, k in predicted_hits(predicted, r.chain, now, ttl_s, landed).items():
+                for owner, k in forecast.items():
                     if k > known:
                         device_hits[owner] = max(device_hits[owner], k)
-            candidates = [rep.load(now) for rep in replicas]
+            candidates = [rep.load(now) for rep in asked]
             clock[0] = now
             shared = {load.index_id: starts.get(load.index_id) for load in candidates} if uses_index else None
             decision = policy.rank(req, candidates, device_hits, shared, host)
             rid = decision.ranked[0]
             policy.on_routed(req, rid, decision)
+            if device_hits:
+                r.passed_over = max(device_hits.values()) - device_hits[rid]
+            r.opened = decision.opens_session
             if uses_index:
                 for h in r.chain:
                     predicted[h] = (rid, now, i)
@@ -320,6 +370,8 @@ def simulate(
         "ttft_p50_s": ttfts[len(ttfts) // 2],
         "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
         "imbalance": max(served) / statistics.fmean(served),
+        "passed_over": sum(r.passed_over for r in reqs) / blocks,
+        "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
     }
 
 
@@ -343,21 +395,36 @@ def compare_routers(
     ttl: float = PREDICT_TTL_S,
     on_result: Callable[[str, dict], None] | None = None,
     host_capacity: int = 0,
+    imbalance: float = BOUND_IMBALANCE,
+    shortlist: int = 0,
+    progress: Callable[[str, int], None] | None = None,
 ) -> tuple[dict[str, float], dict[str, dict]]:
-    """The cache bounds of ``rows`` (infinite, pooled LRU of ``replicas x capacity`` blocks) and, per run
+    """The cache bounds of ``rows`` (``kvmesh/bench/cache_bounds.py``: infinite, pooled LRU of ``replicas x
+    capacity`` blocks, replication-aware at ``imbalance``, its ceiling and its placed floor) and, per run
     ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
     contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
-    ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it."""
+    ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it.
+    ``shortlist``: as ``simulate``'s; ``progress(label, routed)`` hears from long runs."""
     scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
+    replicated = replicated_bound(rows, replicas, capacity, imbalance, pooled)
     results = {}
     for label, name, kw in runs:
         t0 = time.perf_counter()
-        res = simulate(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity)
+        report = None if progress is None else lambda n, label=label: progress(label, n)
+        res = simulate(
+            rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist, report
+        )
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res
         if on_result is not None:
             on_result(label, res)
-    return {"infinite": infinite, "pooled_lru": pooled}, results
+    bounds = {
+        "infinite": infinite,
+        "pooled_lru": pooled,
+        "replicated": replicated.ceiling,
+        "replicated_placed": replicated.placed,
+    }
+    return bounds, results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -372,6 +439,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-load", type=float, default=0.8)
     ap.add_argument("--router-processes", type=int, default=4)
     ap.add_argument("--predict-ttl", type=float, default=PREDICT_TTL_S, help="predict-on-route TTL, trace seconds")
+    ap.add_argument(
+        "--bound-imbalance",
+        type=float,
+        default=BOUND_IMBALANCE,
+        help="the replication-aware bound's load cap: busiest replica's requests / the mean",
+    )
+    ap.add_argument(
+        "--shortlist", type=int, default=0, help="price only k deepest holders + k random replicas (0: all)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N trace rows only")
     ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
     ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")
@@ -382,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"calibrated costs x{speedup:.1f}: {costs}")
     if not 0 < args.target_load < 2:
         ap.error("--target-load must be in (0, 2)")
+    if args.bound_imbalance < 1:
+        ap.error("--bound-imbalance must be >= 1 (the busiest replica serves at least the mean)")
     rows = load_trace(args.trace, args.limit)
     runs = [(name, name, {}) for name in args.routers.split(",") if name]
     runs += [
@@ -399,13 +477,17 @@ def main(argv: list[str] | None = None) -> None:
         costs,
         args.predict_ttl,
         on_result=lambda label, res: print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True),
+        imbalance=args.bound_imbalance,
+        shortlist=args.shortlist,
+        progress=lambda label, n: print(f"{label}: {n:,} of {len(rows):,} requests routed", flush=True),
     )
-    infinite, pooled = bounds["infinite"], bounds["pooled_lru"]
+    pooled, replicated = bounds["pooled_lru"], bounds["replicated"]
     table = [
         [
             label,
             f"{res['hit_rate']:.1%}",
             f"{res['hit_rate'] / pooled:.1%}",
+            f"{res['hit_rate'] / replicated:.1%}",
             res["ttft_mean_s"],
             res["ttft_p99_s"],
             res["imbalance"],
@@ -413,8 +495,12 @@ def main(argv: list[str] | None = None) -> None:
         for label, res in results.items()
     ]
     print(f"\n{len(rows)} requests, {args.replicas} replicas x {args.capacity_blocks} blocks, load {args.target_load}")
-    print(f"bounds: infinite cache {infinite:.1%}, pooled LRU {pooled:.1%}")
-    print_table(["router", "hit rate", "of pooled", "TTFT mean s", "TTFT p99 s", "imbalance"], table)
+    print(
+        f"bounds: infinite cache {bounds['infinite']:.1%}, pooled LRU {pooled:.1%}, replicated at imbalance "
+        f"{args.bound_imbalance:g} {bounds['replicated_placed']:.1%}-{replicated:.1%} (placed-ceiling)"
+    )
+    headers = ["router", "hit rate", "of pooled", "of replicated", "TTFT mean s", "TTFT p99 s", "imbalance"]
+    print_table(headers, table)
     payload = {
         "requests": len(rows),
         "replicas": args.replicas,
@@ -424,7 +510,9 @@ def main(argv: list[str] | None = None) -> None:
         "costs": costs.__dict__,
         "calibration": str(args.calibration) if args.calibration else None,
         "speedup": speedup,
-        "bounds": {"infinite": infinite, "pooled_lru": pooled},
+        "bound_imbalance": args.bound_imbalance,
+        "shortlist": args.shortlist,
+        "bounds": bounds,
         "routers": results,
     }
     write_json("simulate_calibrated" if args.calibration else "simulate", payload, args.json)

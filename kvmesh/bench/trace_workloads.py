@@ -13,6 +13,10 @@ fresh ones, so the prefix structure of each shape is exact and cheap to generate
 - ``tenants``: the few-shot shape for several tenants whose caches are salted apart: the same prompt
   hashes to different blocks per tenant, so nothing is shared across tenants.
 - ``long_single``: long single-shot prompts, no reuse at all.
+- ``mooncake``: conversations shaped like the Mooncake conversation trace's (measured on
+  ``benchmarks/workloads/mooncake``): one shared system block, a heavy-tailed first prompt, 69% single-turn,
+  each later turn resending all but the last (partial) block of the one before, minutes between turns. Its
+  size scales to a million requests and more (``size=83`` is about 1M) for fleet-scale simulation.
 
 Arrivals (``arrival=``): ``poisson``; ``bursty`` (clusters of 5 requests on average, each inside half a
 mean gap); ``diurnal`` (the rate follows one sine period over the trace, 0.2x to 1.8x). The simulator
@@ -179,6 +183,45 @@ def long_single(seed: int = 0, size: float = 1.0, arrival: str = "poisson") -> l
     return [_row(t, ids.fresh(rng.randint(16, 64)), 256) for t in times]
 
 
+MOONCAKE_OUTPUT_DECILES = (1, 24, 100, 213, 291, 350, 399, 447, 504, 597, 1024)
+"""Output tokens at the 0th, 10th, ..., 100th percentiles (the trace's deciles; ends chosen here)."""
+
+
+def mooncake(seed: int = 0, size: float = 1.0, arrival: str = "poisson") -> list[dict]:
+    """About ``12,000 x size`` requests in ``7,400 x size`` conversations on one shared 1-block system prompt.
+
+    Fitted to the Mooncake conversation trace: first prompts log-normal (median 11 blocks, 90th percentile
+    50, 2 to 256); a conversation goes on to a second turn with probability 0.31 and to each further one
+    with 0.45; a later turn resends the previous prompt less its last block (a partial block whose hash
+    changes) plus a log-normal number of new blocks (median 2, 90th percentile 20); log-normal gaps between
+    turns (median 123 s, 90th percentile 480 s); output lengths from the trace's deciles. Conversations
+    start at 2.08 per second; turns after the last start are cut, so the load is steady to the end (the trace
+    is such a window of a longer stream).
+    """
+    rng, ids = random.Random(seed), Ids(seed)
+    system = ids.fresh(1)
+    starts = arrival_times(rng, max(1, int(7373 * size)), arrival, rate=2.08)
+    rows = []
+    for t in starts:
+        prompt = system + ids.fresh(min(256, max(2, round(rng.lognormvariate(math.log(11), 1.18)))) - 1)
+        turns = 1
+        while rng.random() < (0.31 if turns == 1 else 0.45):
+            turns += 1
+        for _ in range(turns):
+            rows.append(_row(t, prompt, _from_deciles(rng, MOONCAKE_OUTPUT_DECILES)))
+            added = max(1, round(rng.lognormvariate(math.log(2), 1.8)))
+            prompt = prompt[:-1] + ids.fresh(min(added, 256)) if len(prompt) > 1 else prompt + ids.fresh(added)
+            t += rng.lognormvariate(math.log(123), 1.06)
+    return _sorted([r for r in rows if r["timestamp"] <= starts[-1] * 1000])  # a window, as the trace is
+
+
+def _from_deciles(rng: random.Random, deciles: tuple[int, ...]) -> int:
+    """A value drawn from a distribution given by its deciles, linear between them."""
+    u = rng.random() * (len(deciles) - 1)
+    k = int(u)
+    return round(deciles[k] + (u - k) * (deciles[k + 1] - deciles[k]))
+
+
 WORKLOADS: dict[str, Callable[..., list[dict]]] = {
     "chat": chat,
     "agentic": agentic,
@@ -186,6 +229,7 @@ WORKLOADS: dict[str, Callable[..., list[dict]]] = {
     "few_shot": few_shot,
     "tenants": tenants,
     "long_single": long_single,
+    "mooncake": mooncake,
 }
 
 
