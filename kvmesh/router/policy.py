@@ -169,7 +169,10 @@ class KVAwarePolicy:
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
-    recent starts, ``kvmesh/router/sessions.py``); replicas caching as much as the cheapest and costing at most
+    recent starts, ``kvmesh/router/sessions.py``); with ``history_weight`` (off by default; for large fleets),
+    a conversation's turn is charged ``history_weight x pressure`` x the recompute of the history a replica
+    lacks, and a short held prefix counts as shared (a start) only where it looks shared; replicas caching
+    as much as the cheapest and costing at most
     ``tie_margin`` x the request's own prefill more are reported as tied, for the caller to let a fresher
     signal choose. A one-off request on a prefix many requests branch off (a document, a few-shot or tenant
     prompt; not a conversation's history) goes nowhere its own expected wait (queue, KV wait, its own
@@ -197,9 +200,13 @@ class KVAwarePolicy:
         wait_cap: float = 2.0,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        history_weight: float = 0.0,
     ) -> None:
-        if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight) < 0:
-            raise ValueError("miss_weight, decode_weight, override_margin_s, tie_margin and busy_weight must be >= 0")
+        if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
+            raise ValueError(
+                "miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight and history_weight must be >= 0"
+            )
+        self.history_weight = history_weight
         self.busy_weight = busy_weight
         self.host_tier = host_tier
         self.wait_cap = wait_cap
@@ -253,10 +260,14 @@ class KVAwarePolicy:
         # a prefix conversations grow from, held nowhere deeper than this router routed it (another router
         # may have routed its earlier turns).
         branches = self.sessions.branches
-        opens = 0 < holder_share < 0.5 or (depth[holder] <= known and branches.opens(req.block_hashes, known))
+        fork = req.block_hashes[min(depth[holder], len(req.block_hashes)) - 1] if depth[holder] else None
+        short = 0 < holder_share < 0.5 and (not self.history_weight or self._looks_shared(fork, depth, holder))
+        opens = short or (depth[holder] <= known and branches.opens(req.block_hashes, known))
+        if not opens and self.history_weight and fork is not None and branches.fresh(fork):
+            ranked = self._price_history(req, replicas, costs, depth, holder, jitter)
         if not opens:
             ranked = self._keep_holder(ranked, holder, costs)
-            if self.wait_cap and 0 < depth[holder] <= known and branches.shared(req.block_hashes[depth[holder] - 1]):
+            if self.wait_cap and 0 < depth[holder] <= known and branches.shared(fork):
                 ranked = self._cap_wait(ranked, own_s)
         capped: set[str] = set()
         if opens and self.session_balance:
@@ -338,6 +349,33 @@ class KVAwarePolicy:
             costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
         return costs, own_prefill_s, own_s
+
+    def _looks_shared(self, fork: BlockHash, depth: dict[str, int], holder: str) -> bool:
+        """With ``history_weight``: whether a prefix held short of half the prompt is a shared one (a system
+        prompt), not a conversation's history that the new turn outgrew: another replica holds it as deep, or
+        requests branched off it here. A history lives on one replica; at hundreds of replicas the start
+        bound would otherwise move every turn that adds more than it resends off its history."""
+        return any(d >= depth[holder] for rid, d in depth.items() if rid != holder) or self.sessions.branches.shared(
+            fork
+        )
+
+    def _price_history(
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        costs: dict[str, float],
+        depth: dict[str, int],
+        holder: str,
+        jitter: dict[str, tuple],
+    ) -> list[str]:
+        """Charge each replica ``history_weight x pressure`` x the recompute of the history it lacks, and
+        re-rank: leaving a conversation's history costs the fleet that work again, whether or not caches
+        are full (the churn term's fill weighting calls it free while they have room)."""
+        rate = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)[len(replicas) // 2]
+        per_block = self.history_weight * self._pressure(replicas) * req.block_size / rate
+        for rid in costs:
+            costs[rid] += (depth[holder] - depth[rid]) * per_block
+        return sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
 
     def _keep_holder(self, ranked: list[str], holder: str, costs: dict[str, float]) -> list[str]:
         """The replica holding the most keeps the request unless another is clearly cheaper (hysteresis: no

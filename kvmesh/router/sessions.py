@@ -66,12 +66,18 @@ class Branches:
         """Blocks of prompts a later turn continued."""
         self._branched: OrderedDict[Hashable, int] = OrderedDict()
         """Blocks where requests left a known prefix short of any prompt's end, and how many did."""
+        self._continued: OrderedDict[Hashable, int] = OrderedDict()
+        """Prompt ends later requests continued from, and how many did."""
 
     def shared(self, block: Hashable) -> bool:
         """Whether requests left a known prefix at ``block`` at least twice, where no prompt ended: a prefix
         one-off requests share (a document, a few-shot or tenant prompt), not a conversation's history (one
         retry branching off it is not enough)."""
         return self._branched.get(block, 0) >= 2
+
+    def fresh(self, block: Hashable) -> bool:
+        """Whether no request this router routed left or continued a prefix at ``block`` yet."""
+        return block not in self._branched and block not in self._continued
 
     def opens(self, block_hashes: list, known: int) -> bool:
         """Whether the request branches off a prefix conversations grow from after ``known`` blocks."""
@@ -88,6 +94,8 @@ class Branches:
             fork = block_hashes[known - 1]
             _remember(self._branched, fork, self._branched.get(fork, 0) + 1, self._size)
         elif known:  # continues the conversation whose prompt ended there
+            fork = block_hashes[known - 1]
+            _remember(self._continued, fork, self._continued.get(fork, 0) + 1, self._size)
             for i in range(known - 1, -1, -1):  # back to the first block already marked: each block once
                 if block_hashes[i] in self._grown:
                     break
