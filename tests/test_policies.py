@@ -140,6 +140,11 @@ def test_session_hash_is_sticky_and_bounded():
     next(r for r in reps if r.index_id == home).num_running = 50  # overloaded: bounded load moves alice
     d = p.rank(request([1] * 40, "alice"), reps)
     assert d.ranked[0] != home and d.reason == "bounded_load"
+    # Its shortlist for a large fleet is the head of the order it would rank every replica in.
+    many = replicas(64)
+    for user in ("alice", "bob", None):
+        req = request([7] * 40, user)
+        assert p.preferred(req, [r.index_id for r in many], 5) == p.rank(req, many).ranked[:5]
 
 
 def test_approx_tree_follows_its_own_history_until_imbalanced():

@@ -131,7 +131,8 @@ def test_the_holder_index_follows_inserts_and_evictions():
 
 def test_a_shortlisted_router_routes_a_large_fleet_as_one_that_prices_every_replica():
     """Pricing the 16 deepest holders and 16 random replicas instead of all 128 keeps the hit rate within a
-    few percent and the mean TTFT within a tenth, for much less of the decision's work."""
+    few percent and the mean TTFT within a tenth, for much less of the decision's work; session_hash prices
+    its own 16 top choices."""
     from kvmesh.bench.simulate import compare_routers, trace_rows
     from kvmesh.bench.trace_workloads import mooncake
 
@@ -143,6 +144,11 @@ def test_a_shortlisted_router_routes_a_large_fleet_as_one_that_prices_every_repl
     assert abs(short["hit_rate"] - full["hit_rate"]) < 0.06 * full["hit_rate"]
     assert abs(short["ttft_mean_s"] - full["ttft_mean_s"]) < 0.1 * full["ttft_mean_s"]
     assert short["sim_seconds"] < 0.7 * full["sim_seconds"]
+    # A hashing baseline shortlists its own top choices: it keeps its stickiness, not a random sample's.
+    runs = [("session_hash", "session_hash", {})]
+    _, full = compare_routers(rows, 128, 3000, 0.8, 4, runs)
+    _, short = compare_routers(rows, 128, 3000, 0.8, 4, runs, shortlist=16)
+    assert short["session_hash"]["hit_rate"] > 0.8 * full["session_hash"]["hit_rate"]
 
 
 def test_at_fleet_scale_history_weight_keeps_conversations_on_their_histories():

@@ -245,7 +245,8 @@ def simulate(
     unless ``policy_kwargs`` set it): compressing arrivals compresses conversations' think times, and a TTL
     left in simulated seconds would outlast them, telling the router where every history went.
     ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
-    random and those a prediction names (a router's cost at a thousand replicas); 0: every replica.
+    random and those a prediction names (a router's cost at a thousand replicas); a policy that hashes
+    (``preferred``) shortlists its own k top choices instead; 0: every replica.
     ``progress`` is called with the number of requests routed so far, every ``PROGRESS_EVERY``."""
     mean_output = statistics.fmean(out for _, _, out in rows)
     ttl_s = ttl * scale
@@ -258,6 +259,7 @@ def simulate(
         for i in range(n)
     ]
     sampler = random.Random(0)
+    ids = [rep.rid for rep in replicas]
     clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
     accepts = inspect.signature(POLICIES[policy_name]).parameters
     simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
@@ -306,6 +308,8 @@ def simulate(
             asked = replicas
             if shortlist:
                 pool = [*index.deepest(r.chain, shortlist), *sampler.sample(range(n), min(shortlist, n))]
+                if hasattr(policy, "preferred"):  # a hashing policy's own top choices, not the holders
+                    pool = [int(rid[1:]) for rid in policy.preferred(req, ids, shortlist)] or pool
                 asked = [replicas[j] for j in dict.fromkeys([*pool, *(int(o[1:]) for o in forecast)])]
             device_hits, host = None, {}
             if uses_index:

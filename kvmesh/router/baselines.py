@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 
@@ -68,14 +69,26 @@ class SessionHashPolicy:
         self.epsilon = epsilon
         self.key_blocks = key_blocks
 
+    def _key(self, req: RouteRequest) -> bytes | None:
+        if req.session_id:
+            return req.session_id.encode()
+        if req.block_hashes:
+            return req.block_hashes[min(self.key_blocks, len(req.block_hashes)) - 1]
+        return None
+
+    def preferred(self, req: RouteRequest, index_ids: list[str], k: int) -> list[str]:
+        """The ``k`` replicas the request's key hashes highest on: the only ones ``rank`` could pick first
+        unless all of them are over the load bound (a simulator's shortlist for a thousand replicas)."""
+        key = self._key(req)
+        if key is None:
+            return []
+        return heapq.nlargest(k, index_ids, key=lambda rid: xxhash.xxh3_64_intdigest(key + rid.encode()))
+
     def rank(
         self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
     ) -> Decision:
-        if req.session_id:
-            key = req.session_id.encode()
-        elif req.block_hashes:
-            key = req.block_hashes[min(self.key_blocks, len(req.block_hashes)) - 1]
-        else:
+        key = self._key(req)
+        if key is None:
             return Decision(least_loaded(replicas), "no_key")
         order = sorted(replicas, key=lambda r: xxhash.xxh3_64_intdigest(key + r.index_id.encode()), reverse=True)
         bound = (1 + self.epsilon) * (sum(r.num_requests for r in replicas) + 1) / len(replicas)
