@@ -1,10 +1,13 @@
 """Routing decision latency of the KV-aware Ray Serve router, and block-hashing throughput.
 
-Decision latency: ``KVAwareRequestRouter.choose_replicas`` itself (our code, not Ray's retry loop) for
-8k-token prompts (512 blocks of 16) over 16 candidate replicas, index lookup included (a real loopback
-redis-server, 16 publishers, each prompt's chain held by one replica in full and half by another),
+Decision latency: ``KVAwareRequestRouter.choose_replicas`` and the ``on_request_routed`` hook Ray calls
+after it (our code, not Ray's retry loop), for 8k-token prompts (512 blocks of 16), alternately one the
+replicas hold and a new one, over 16 candidate replicas, index lookup included (a real loopback
+redis-server, 16 publishers, each held prompt's chain held by one replica in full and half by another),
 hashing excluded (the ingress hashes once). Replicas are stand-ins carrying only what the router reads
-(replica id, load report). Hashing: ``kvmesh.shared.hashing.hash_blocks`` on 8k-token prompts, one process.
+(replica id, load report). Before timing, ``--fill-prompts`` new prompts fill the router's bounded memory
+of recent decisions, as traffic does on a router that has run a while. Hashing:
+``kvmesh.shared.hashing.hash_blocks`` on 8k-token prompts, one process.
 
     python -m benchmarks.routing_decision [--decisions 2000]
 """
@@ -16,6 +19,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
@@ -50,7 +54,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def decisions(url: str, n: int) -> dict:
+async def decisions(url: str, n: int, fill_prompts: int) -> dict:
     rng = random.Random(0)
     seed = model_seed(MODEL)
     prompts = [[rng.randrange(50_000) for _ in range(TOKENS)] for _ in range(32)]
@@ -100,14 +104,30 @@ async def decisions(url: str, n: int) -> dict:
     router.index.query = lookup_timed
     for i in range(50):  # warm up the connection pool and script cache
         await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
+
+    def fresh(i: int) -> GenerateCall:
+        tokens = [rng.randrange(50_000) for _ in range(TOKENS)]
+        hashes = hash_blocks(tokens, 16, seed)
+        return GenerateCall(request_id=f"f{i}", prompt_token_ids=tokens, block_hashes=hashes, block_size=16)
+
+    async def route(body: GenerateCall, i: int) -> None:
+        """One decision and Ray's routed hook (the policy's bookkeeping runs there), then its completion."""
+        call = pending(body, i)
+        ranked = await router.choose_replicas(replicas, call)
+        assert ranked and sum(len(group) for group in ranked) == REPLICAS
+        router.on_request_routed(call, ranked[0][0].replica_id, None)
+        router.on_request_completed(ranked[0][0].replica_id, f"r{i}")
+
+    for i in range(fill_prompts):  # a long-running router's memory of recent decisions is full: fill it
+        await route(fresh(i), n + i)
+    plan = [bodies[i % len(bodies)] if i % 2 == 0 else fresh(n + fill_prompts + i) for i in range(n)]
     lat = []
     lookup.clear()
-    for i in range(n):
+    for i, body in enumerate(plan):  # half held prompts, half new ones (512 new blocks to remember)
         t0 = time.perf_counter()
-        ranked = await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
+        await route(body, i)
         lat.append(time.perf_counter() - t0)
-        assert len(ranked) == REPLICAS
-        router.on_request_completed(ranked[0][0].replica_id, f"r{i}")
+    assert not router.decisions.get("router_error"), "the router failed: these timings would be its fallback's"
     await router.index.close()
     for p in pubs:
         p.close(remove_entries=False)
@@ -133,9 +153,16 @@ def hashing_rate(repeats: int = 200) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=2000)
+    ap.add_argument(
+        "--fill-prompts",
+        type=int,
+        default=160,
+        help="fresh 8k-token prompts routed before timing, so the router's bounded memory is full (0: empty)",
+    )
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     with EmbeddedRedis() as server:
-        d = asyncio.run(decisions(server.url, args.decisions))
+        d = asyncio.run(decisions(server.url, args.decisions, args.fill_prompts))
     rate = hashing_rate()
     print_table(
         ["measure", "value", "goal"],
@@ -147,7 +174,8 @@ def main() -> None:
         ],
     )
     print("decisions by reason:", d["reasons"])
-    write_json("routing_decision", {**d, "hash_tokens_per_s": rate, "prompt_tokens": TOKENS, "replicas": REPLICAS})
+    payload = {**d, "hash_tokens_per_s": rate, "prompt_tokens": TOKENS, "replicas": REPLICAS}
+    write_json("routing_decision", {**payload, "fill_prompts": args.fill_prompts}, args.json)
 
 
 if __name__ == "__main__":
