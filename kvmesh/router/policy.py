@@ -250,7 +250,9 @@ class KVAwarePolicy:
         reason_prefix = "index_unavailable_" if device_hits is None else ""
         device_hits, known = self._merged_hits(req, [r.index_id for r in replicas], device_hits)
         depth, on_disk = self._depths(req, replicas, device_hits, host_hits, disk_hits)
-        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth, on_disk)
+        median_rate = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)[len(replicas) // 2]
+        pressure = self._pressure(replicas)
+        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth, on_disk, median_rate, pressure)
         # Equal costs: the replica this router used least recently, then chance (no herding on the first id).
         jitter = {rid: (self._chosen.get(rid, -1), self._rng.random()) for rid in costs}
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
@@ -264,7 +266,8 @@ class KVAwarePolicy:
         short = 0 < holder_share < 0.5 and (not self.history_weight or self._looks_shared(fork, depth, holder))
         opens = short or (depth[holder] <= known and branches.opens(req.block_hashes, known))
         if not opens and self.history_weight and fork is not None and branches.fresh(fork):
-            ranked = self._price_history(req, replicas, costs, depth, holder, jitter)
+            per_block = self.history_weight * pressure * req.block_size / median_rate
+            ranked = self._price_history(costs, depth, holder, per_block, jitter)
         if not opens:
             ranked = self._keep_holder(ranked, holder, costs)
             if self.wait_cap and 0 < depth[holder] <= known and branches.shared(fork):
@@ -314,19 +317,20 @@ class KVAwarePolicy:
         device_hits: dict[str, int],
         depth: dict[str, int],
         on_disk: dict[str, int],
+        median_rate: float,
+        pressure: float,
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
-        (load from the host tier included) and its own wait (queue, KV room, prefill)."""
+        (load from the host tier included) and its own wait (queue, KV room, prefill); ``median_rate`` and
+        ``pressure`` are the fleet's median prefill rate and churn pressure."""
         costs, own_prefill_s, own_s = {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
-        median_rate = sorted(rates.values())[len(rates) // 2]
         # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
         # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
         # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
         queues = {r.index_id: r.queue_s for r in replicas}
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
-        pressure = self._pressure(replicas)
         most = max(req.num_tokens - 1, 0)  # the last token is always computed
         for r in replicas:
             rid = r.index_id
@@ -359,20 +363,14 @@ class KVAwarePolicy:
             fork
         )
 
+    @staticmethod
     def _price_history(
-        self,
-        req: RouteRequest,
-        replicas: list[ReplicaLoad],
-        costs: dict[str, float],
-        depth: dict[str, int],
-        holder: str,
-        jitter: dict[str, tuple],
+        costs: dict[str, float], depth: dict[str, int], holder: str, per_block: float, jitter: dict[str, tuple]
     ) -> list[str]:
-        """Charge each replica ``history_weight x pressure`` x the recompute of the history it lacks, and
-        re-rank: leaving a conversation's history costs the fleet that work again, whether or not caches
-        are full (the churn term's fill weighting calls it free while they have room)."""
-        rate = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)[len(replicas) // 2]
-        per_block = self.history_weight * self._pressure(replicas) * req.block_size / rate
+        """Charge each replica ``per_block`` (``history_weight x pressure`` x one block's recompute at the
+        median rate) for each block of the history it lacks, and re-rank: leaving a conversation's history
+        costs the fleet that work again, whether or not caches are full (the churn term's fill weighting
+        calls it free while they have room)."""
         for rid in costs:
             costs[rid] += (depth[holder] - depth[rid]) * per_block
         return sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
