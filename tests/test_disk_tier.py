@@ -57,6 +57,14 @@ def push_history_to_disk(engine: LLMEngine) -> None:
     assert all(h in engine.swap.disk for h in hashes)
 
 
+def restarted_after_pushing_history(model_dir, cache_dir) -> LLMEngine:
+    """A fresh engine on ``cache_dir`` after an earlier one pushed the history to disk there and closed."""
+    first = make(str(model_dir), cache_dir)
+    push_history_to_disk(first)
+    first.close()
+    return make(str(model_dir), cache_dir)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     """The follow-up's greedy tokens on an engine that computes everything, per cache dtype."""
@@ -76,10 +84,7 @@ def test_a_prefix_pushed_through_the_host_tier_to_disk_comes_back(tiny_llama_dir
 
 
 def test_a_restarted_replica_serves_its_first_repeat_from_disk(tiny_llama_dir, tmp_path, reference):
-    first = make(str(tiny_llama_dir), tmp_path)
-    push_history_to_disk(first)
-    first.close()
-    restarted = make(str(tiny_llama_dir), tmp_path)
+    restarted = restarted_after_pushing_history(tiny_llama_dir, tmp_path)
     assert restarted.swap.disk.adopted >= 10
     tokens, cached = run(restarted, FOLLOW_UP)
     assert (tokens, cached) == (reference["auto"], 10 * BLOCK)
@@ -98,10 +103,7 @@ def test_a_clean_shutdown_keeps_what_the_device_still_held(tiny_llama_dir, tmp_p
 
 def test_the_index_shows_a_restarted_replicas_disk_blocks_before_any_request(tiny_llama_dir, tmp_path, redis_server):
     """The replica's first snapshot carries its adopted disk blocks: routers see them at once."""
-    first = make(str(tiny_llama_dir), tmp_path)
-    push_history_to_disk(first)
-    first.close()
-    engine = make(str(tiny_llama_dir), tmp_path)
+    engine = restarted_after_pushing_history(tiny_llama_dir, tmp_path)
     pool, swap = engine.pool, engine.swap
     publisher = KVIndexPublisher(
         redis_server.url,
