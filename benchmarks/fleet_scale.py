@@ -8,7 +8,7 @@ session_hash, and what it passed over: blocks another replica held beyond the ch
 in brackets, those of requests placed as new conversations).
 
     python -m benchmarks.fleet_scale                                   # the Mooncake trace, 16-256 replicas
-    python -m benchmarks.fleet_scale --variant '{"history_weight": 8}'
+    python -m benchmarks.fleet_scale --variant '{"history_weight": 12}'
     python -m benchmarks.fleet_scale --mooncake-size 86 --replicas 1024 --shortlist 16   # ~1M requests
 """
 

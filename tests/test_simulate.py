@@ -159,7 +159,7 @@ def test_at_fleet_scale_history_weight_keeps_conversations_on_their_histories():
     from kvmesh.bench.trace_workloads import mooncake
 
     rows = trace_rows(mooncake(seed=2, size=0.3))
-    runs = [("default", "kv_aware", {}), ("history", "kv_aware", {"history_weight": 8})]
+    runs = [("default", "kv_aware", {}), ("history", "kv_aware", {"history_weight": 12})]
     bounds, res = compare_routers(rows, 128, 3000, 0.8, 4, runs, shortlist=16)
     assert res["history"]["hit_rate"] >= 0.97 * bounds["replicated"]
     assert res["history"]["passed_over"] < 0.5 * res["default"]["passed_over"]

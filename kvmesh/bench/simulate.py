@@ -323,7 +323,7 @@ def simulate(
             candidates = [rep.load(now) for rep in asked]
             clock[0] = now
             shared = {load.index_id: starts.get(load.index_id) for load in candidates} if uses_index else None
-            decision = policy.rank(req, candidates, device_hits, shared, host)
+            decision = policy.rank(req, candidates, device_hits, shared, host, fleet_size=n)
             rid = decision.ranked[0]
             policy.on_routed(req, rid, decision)
             if device_hits:

@@ -31,7 +31,7 @@ class RoundRobinPolicy:
         self._counter = itertools.count()
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tiers, **fleet
     ) -> Decision:
         ids = sorted(r.index_id for r in replicas)
         k = next(self._counter) % len(ids)
@@ -49,7 +49,7 @@ class PowerOfTwoPolicy:
         self._rng = random.Random(seed)
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tiers, **fleet
     ) -> Decision:
         pair = self._rng.sample(replicas, min(2, len(replicas)))
         pair.sort(key=lambda r: (r.num_requests, r.index_id))
@@ -85,7 +85,7 @@ class SessionHashPolicy:
         return heapq.nlargest(k, index_ids, key=lambda rid: xxhash.xxh3_64_intdigest(key + rid.encode()))
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tiers, **fleet
     ) -> Decision:
         key = self._key(req)
         if key is None:
@@ -123,7 +123,7 @@ class ApproxTreePolicy:
         return tree.leading(block_hashes) if tree else 0
 
     def rank(
-        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tier_hits
+        self, req: RouteRequest, replicas: list[ReplicaLoad], device_hits=None, shared_starts=None, *tiers, **fleet
     ) -> Decision:
         counts = [r.num_requests for r in replicas]
         spread = max(counts) - min(counts)

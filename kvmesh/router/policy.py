@@ -130,11 +130,13 @@ class RoutingPolicy(Protocol):
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
         disk_hits: dict[str, int] | None = None,
+        fleet_size: int | None = None,
     ) -> Decision:
         """Candidates best first. ``device_hits``: leading blocks each holds on its device (None: the index did not
         answer); ``shared_starts``: recent conversation starts per replica across routers (the index's
         counts); ``host_hits``: blocks past ``device_hits`` each replica's host tier holds; ``disk_hits``:
-        blocks past those its disk tier holds."""
+        blocks past those its disk tier holds; ``fleet_size``: how many replicas serve, where ``replicas``
+        is a shortlist of them (None: ``replicas`` is the fleet)."""
         ...
 
     def on_routed(self, req: RouteRequest, index_id: str, decision: Decision) -> None: ...
@@ -169,17 +171,18 @@ class KVAwarePolicy:
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
-    recent starts, ``kvmesh/router/sessions.py``); with ``history_weight`` (off by default; for large fleets),
-    a conversation's turn is charged ``history_weight x pressure`` x the recompute of the history a replica
-    lacks, and a short held prefix counts as shared (a start) only where it looks shared; replicas caching
-    as much as the cheapest and costing at most
+    recent starts, ``kvmesh/router/sessions.py``); with ``history_weight`` (off by default), on fleets of
+    ``history_min_replicas`` or more, a conversation's turn prices the recompute of the history a replica
+    lacks at least ``history_weight x pressure`` (churn priced by fill calls it free while caches have room,
+    and a wide fleet always has an idle replica to move to), and a short held prefix counts as shared (a
+    start) only where it looks shared; replicas caching as much as the cheapest and costing at most
     ``tie_margin`` x the request's own prefill more are reported as tied, for the caller to let a fresher
-    signal choose. A one-off request on a prefix many requests branch off (a document, a few-shot or tenant
-    prompt; not a conversation's history) goes nowhere its own expected wait (queue, KV wait, its own
-    prefill) exceeds ``wait_cap`` x the best on offer: a burst on a hot prefix copies it to a second replica
-    rather than queueing behind its holder. Without the index's answer the policy falls back to the prefix
-    ownership it remembers from its own recent decisions. ``docs/routing.md`` explains each term and the
-    measurements behind the defaults.
+    signal choose. A one-off request on a prefix
+    many requests branch off (a document, a few-shot or tenant prompt; not a conversation's history) goes
+    nowhere its own expected wait (queue, KV wait, its own prefill) exceeds ``wait_cap`` x the best on offer:
+    a burst on a hot prefix copies it to a second replica rather than queueing behind its holder. Without the
+    index's answer the policy falls back to the prefix ownership it remembers from its own recent decisions.
+    ``docs/routing.md`` explains each term and the measurements behind the defaults.
     """
 
     name = "kv_aware"
@@ -201,12 +204,16 @@ class KVAwarePolicy:
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         history_weight: float = 0.0,
+        history_min_replicas: int = 32,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
             raise ValueError(
                 "miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight and history_weight must be >= 0"
             )
+        if history_min_replicas < 1:
+            raise ValueError("history_min_replicas must be >= 1")
         self.history_weight = history_weight
+        self.history_min_replicas = history_min_replicas
         self.busy_weight = busy_weight
         self.host_tier = host_tier
         self.wait_cap = wait_cap
@@ -240,6 +247,7 @@ class KVAwarePolicy:
         shared_starts: dict[str, float] | None = None,
         host_hits: dict[str, int] | None = None,
         disk_hits: dict[str, int] | None = None,
+        fleet_size: int | None = None,
     ) -> Decision:
         """Replicas from cheapest to dearest for ``req``: price each, keep the holder on noise, cap the wait
         of a one-off request on a shared prefix, bound where new conversations start, group near-ties, and
@@ -252,7 +260,9 @@ class KVAwarePolicy:
         depth, on_disk = self._depths(req, replicas, device_hits, host_hits, disk_hits)
         median_rate = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)[len(replicas) // 2]
         pressure = self._pressure(replicas)
-        costs, own_prefill_s, own_s = self._price(req, replicas, device_hits, depth, on_disk, median_rate, pressure)
+        costs, own_prefill_s, own_s, churn = self._price(
+            req, replicas, device_hits, depth, on_disk, median_rate, pressure
+        )
         # Equal costs: the replica this router used least recently, then chance (no herding on the first id).
         jitter = {rid: (self._chosen.get(rid, -1), self._rng.random()) for rid in costs}
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
@@ -263,10 +273,12 @@ class KVAwarePolicy:
         # may have routed its earlier turns).
         branches = self.sessions.branches
         fork = req.block_hashes[min(depth[holder], len(req.block_hashes)) - 1] if depth[holder] else None
-        short = 0 < holder_share < 0.5 and (not self.history_weight or self._looks_shared(fork, depth, holder))
+        history = self.history_weight > 0 and (fleet_size or len(replicas)) >= self.history_min_replicas
+        short = 0 < holder_share < 0.5 and (not history or self._looks_shared(fork, depth, holder))
         opens = short or (depth[holder] <= known and branches.opens(req.block_hashes, known))
-        if not opens and self.history_weight and fork is not None and branches.fresh(fork):
-            per_block = self.history_weight * pressure * req.block_size / median_rate
+        if not opens and history and fork is not None and branches.fresh(fork):
+            floor = self.history_weight * pressure
+            per_block = {rid: max(floor - c, 0.0) * req.block_size / median_rate for rid, c in churn.items()}
             ranked = self._price_history(costs, depth, holder, per_block, jitter)
         if not opens:
             ranked = self._keep_holder(ranked, holder, costs)
@@ -319,11 +331,12 @@ class KVAwarePolicy:
         on_disk: dict[str, int],
         median_rate: float,
         pressure: float,
-    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
         """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
-        (load from the host tier included) and its own wait (queue, KV room, prefill); ``median_rate`` and
-        ``pressure`` are the fleet's median prefill rate and churn pressure."""
-        costs, own_prefill_s, own_s = {}, {}, {}
+        (load from the host tier included), its own wait (queue, KV room, prefill) and the churn weight its
+        uncached tokens were charged; ``median_rate`` and ``pressure`` are the fleet's median prefill rate and
+        churn pressure."""
+        costs, own_prefill_s, own_s, churns = {}, {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
         # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
@@ -346,33 +359,38 @@ class KVAwarePolicy:
             evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
             if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
                 evictions *= rates[rid] / r.host_load_tok_s
-            churn = max(evictions, busy)  # the cost to others: evictions, or delay to those queued behind
+            churn = churns[rid] = max(evictions, busy)  # the cost to others: evictions, or delay to those queued
             prefill_s += churn * uncached / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.num_requests * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
             costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
-        return costs, own_prefill_s, own_s
+        return costs, own_prefill_s, own_s, churns
 
     def _looks_shared(self, fork: BlockHash, depth: dict[str, int], holder: str) -> bool:
-        """With ``history_weight``: whether a prefix held short of half the prompt is a shared one (a system
-        prompt), not a conversation's history that the new turn outgrew: another replica holds it as deep, or
-        requests branched off it here. A history lives on one replica; at hundreds of replicas the start
-        bound would otherwise move every turn that adds more than it resends off its history."""
+        """With ``history_weight`` on a wide fleet: whether a prefix held short of half the prompt is a
+        shared one (a system prompt), not a conversation's history that the new turn outgrew: another replica
+        holds it as deep, or requests branched off it here. A history lives on one replica; at hundreds of
+        replicas the start bound would otherwise move every turn that adds more than it resends off its history."""
         return any(d >= depth[holder] for rid, d in depth.items() if rid != holder) or self.sessions.branches.shared(
             fork
         )
 
     @staticmethod
     def _price_history(
-        costs: dict[str, float], depth: dict[str, int], holder: str, per_block: float, jitter: dict[str, tuple]
+        costs: dict[str, float],
+        depth: dict[str, int],
+        holder: str,
+        per_block: dict[str, float],
+        jitter: dict[str, tuple],
     ) -> list[str]:
-        """Charge each replica ``per_block`` (``history_weight x pressure`` x one block's recompute at the
-        median rate) for each block of the history it lacks, and re-rank: leaving a conversation's history
-        costs the fleet that work again, whether or not caches are full (the churn term's fill weighting
-        calls it free while they have room)."""
+        """Charge each replica ``per_block[rid]`` for each block of the history it lacks, and re-rank.
+
+        ``per_block`` tops the churn already charged up to ``history_weight x pressure`` x one block's
+        recompute at the median rate: leaving a conversation's history costs the fleet that work again,
+        whether or not caches are full (the churn term's fill weighting calls it free while they have room)."""
         for rid in costs:
-            costs[rid] += (depth[holder] - depth[rid]) * per_block
+            costs[rid] += (depth[holder] - depth[rid]) * per_block[rid]
         return sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
 
     def _keep_holder(self, ranked: list[str], holder: str, costs: dict[str, float]) -> list[str]:
