@@ -2,14 +2,15 @@
 
 Decision latency: ``KVAwareRequestRouter.choose_replicas`` and the ``on_request_routed`` hook Ray calls
 after it (our code, not Ray's retry loop), for 8k-token prompts (512 blocks of 16), alternately one the
-replicas hold and a new one, over 16 candidate replicas, index lookup included (a real loopback
-redis-server, 16 publishers, each held prompt's chain held by one replica in full and half by another),
+replicas hold and a new one, over ``--replicas`` candidate replicas (16), index lookup included (a real
+loopback redis-server, one publisher per replica, each held prompt's chain held by one replica in full and
+half by another),
 hashing excluded (the ingress hashes once). Replicas are stand-ins carrying only what the router reads
 (replica id, load report). Before timing, ``--fill-prompts`` new prompts fill the router's bounded memory
 of recent decisions, as traffic does on a router that has run a while. Hashing:
 ``kvmesh.shared.hashing.hash_blocks`` on 8k-token prompts, one process.
 
-    python -m benchmarks.routing_decision [--decisions 2000]
+    python -m benchmarks.routing_decision [--decisions 2000] [--replicas 256]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvmesh.router.serve_router import KVAwareRequestRouter
 from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.messages import GenerateCall
 
-MODEL, DEPLOYMENT, REPLICAS, TOKENS = "bench-model", "bench", 16, 8192
+MODEL, DEPLOYMENT, TOKENS = "bench-model", "bench", 8192
 
 
 @dataclass
@@ -54,17 +55,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def decisions(url: str, n: int, fill_prompts: int) -> dict:
+async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
+    """Time ``n`` decisions over ``count`` replicas after ``fill_prompts`` new prompts filled the memory."""
     rng = random.Random(0)
     seed = model_seed(MODEL)
     prompts = [[rng.randrange(50_000) for _ in range(TOKENS)] for _ in range(32)]
     chains = [hash_blocks(p, 16, seed) for p in prompts]
-    caches = [[] for _ in range(REPLICAS)]
+    caches = [[] for _ in range(count)]
     for c, chain in enumerate(chains):
-        caches[c % REPLICAS] += chain
-        caches[(c + 1) % REPLICAS] += chain[: len(chain) // 2]
+        caches[c % count] += chain
+        caches[(c + 1) % count] += chain[: len(chain) // 2]
     pubs = []
-    for i in range(REPLICAS):
+    for i in range(count):
         pub = KVIndexPublisher(url, DEPLOYMENT, MODEL, f"replica{i}", caches[i].copy, unique_name=True)
         pubs.append(pub.start())
     for p in pubs:
@@ -114,7 +116,7 @@ async def decisions(url: str, n: int, fill_prompts: int) -> dict:
         """One decision and Ray's routed hook (the policy's bookkeeping runs there), then its completion."""
         call = pending(body, i)
         ranked = await router.choose_replicas(replicas, call)
-        assert ranked and sum(len(group) for group in ranked) == REPLICAS
+        assert ranked and sum(len(group) for group in ranked) == count
         router.on_request_routed(call, ranked[0][0].replica_id, None)
         router.on_request_completed(ranked[0][0].replica_id, f"r{i}")
 
@@ -159,22 +161,23 @@ def main() -> None:
         default=160,
         help="fresh 8k-token prompts routed before timing, so the router's bounded memory is full (0: empty)",
     )
+    ap.add_argument("--replicas", type=int, default=16, help="candidate replicas priced per decision")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     with EmbeddedRedis() as server:
-        d = asyncio.run(decisions(server.url, args.decisions, args.fill_prompts))
+        d = asyncio.run(decisions(server.url, args.decisions, args.fill_prompts, args.replicas))
     rate = hashing_rate()
     print_table(
         ["measure", "value", "goal"],
         [
-            ["decision p50 ms (512 blocks, 16 replicas)", d["p50_ms"], ""],
+            [f"decision p50 ms (512 blocks, {args.replicas} replicas)", d["p50_ms"], ""],
             ["decision p99 ms", d["p99_ms"], "<= 3 ms"],
             ["of which index lookup p50 ms", d["lookup_p50_ms"], ""],
             ["block hashing, M tokens/s", rate / 1e6, ">= 10"],
         ],
     )
     print("decisions by reason:", d["reasons"])
-    payload = {**d, "hash_tokens_per_s": rate, "prompt_tokens": TOKENS, "replicas": REPLICAS}
+    payload = {**d, "hash_tokens_per_s": rate, "prompt_tokens": TOKENS, "replicas": args.replicas}
     write_json("routing_decision", {**payload, "fill_prompts": args.fill_prompts}, args.json)
 
 

@@ -110,9 +110,8 @@ class KVAwareRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _index_id(replica: RunningReplica) -> str:
+    def _index_id(replica: RunningReplica, report: LoadReport | None) -> str:
         """The id under which the replica publishes to the index (in its load report)."""
-        report = LoadReport.from_dict(replica.routing_stats)
         return report.index_id if report is not None else replica.replica_id.unique_id
 
     def _queued(
@@ -141,7 +140,11 @@ class KVAwareRequestRouter(RequestRouter):
         return len(queued), int(reported_left), int(max(0.0, left - reported_left))
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
-        report = LoadReport.from_dict(replica.routing_stats)
+        return self._load_from(replica, LoadReport.from_dict(replica.routing_stats))
+
+    def _load_from(self, replica: RunningReplica, report: LoadReport | None) -> ReplicaLoad:
+        """The router's view of ``replica``: its last report (parsed once per decision) and what this router
+        sent it since."""
         load = (
             ReplicaLoad.from_report(report)
             if report is not None
@@ -176,10 +179,12 @@ class KVAwareRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         req = route_request(pending_request)
-        by_id = {self._index_id(r): r for r in candidate_replicas}
+        reports = [LoadReport.from_dict(r.routing_stats) for r in candidate_replicas]
+        ids = [self._index_id(r, report) for r, report in zip(candidate_replicas, reports, strict=True)]
+        by_id = dict(zip(ids, candidate_replicas, strict=True))
         if req is None:
             self.decisions["no_routing_info"] += 1
-            candidates = [self._load(r) for r in candidate_replicas]
+            candidates = [self._load_from(r, rep) for r, rep in zip(candidate_replicas, reports, strict=True)]
             return [[by_id[ld.index_id]] for ld in sorted(candidates, key=lambda ld: (ld.queue_s, ld.num_requests))]
         answer = IndexAnswer({})
         if self.policy.uses_index:
@@ -190,13 +195,13 @@ class KVAwareRequestRouter(RequestRouter):
                     answer = await self.index.query(req.block_hashes, list(by_id))
         device_hits = answer.device_hits
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
-        candidates = [self._load(r) for r in candidate_replicas]
+        candidates = [self._load_from(r, rep) for r, rep in zip(candidate_replicas, reports, strict=True)]
         decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits, answer.disk_hits)
         ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
-            index_ids = {r.replica_id: self._index_id(r) for r in candidate_replicas}
+            index_ids = {r.replica_id: rid for r, rid in zip(candidate_replicas, ids, strict=True)}
             self._plan(rid, _Planned(time.monotonic(), req, device_hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, device_hits or {}, ranked[0])

@@ -135,8 +135,10 @@ class LoadReport:
         """The report a replica sent, or None if it has not reported (or reported something else)."""
         if not values or "index_id" not in values:
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        return cls(**{k: v for k, v in values.items() if k in _LOAD_REPORT_FIELDS})
+
+
+_LOAD_REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(LoadReport))
 
 
 @dataclass(slots=True, kw_only=True)
