@@ -567,36 +567,51 @@ def test_a_burst_on_a_shared_document_is_copied_to_a_second_replica_but_a_conver
         KVAwarePolicy(wait_cap=0.5)
 
 
-def test_history_weight_keeps_a_turn_on_its_history_on_a_wide_fleet_while_caches_have_room():
-    """A busy fleet (utilisation 0.8) with room in every cache: a turn whose 20-block history is on a replica
-    with 0.7 s of queue moves to an idle one by default (its recompute, 0.15 s, is cheap there) and on a
-    fleet under ``history_min_replicas``, and stays with ``history_weight`` on a fleet that size or more,
-    where leaving the history is priced at least ``history_weight`` x its recompute. There a new turn adding
-    more than it resends (history under half the prompt) is still this conversation's, not a start to
-    spread; with full caches the churn term already prices the recompute that high, so nothing changes."""
-    req = request(list(range(1024)))  # 64 blocks, 20 of them its history
+def test_on_a_wide_fleet_a_turn_stays_on_its_history_while_caches_have_room():
+    """A busy fleet (utilisation 0.8) with room in every cache: a turn whose 40-block history is on a replica
+    with 1.4 s of queue moves to an idle one on a small fleet (its recompute, 0.3 s, is cheap there), and
+    stays on a fleet of ``history_min_replicas`` or more, where leaving the history is priced at least
+    ``history_weight`` x its recompute: a floor under the churn term, which with full caches already prices
+    it at ``miss_weight - 1`` (15 of the 16)."""
+    req = request(list(range(1024)))  # 64 blocks, 40 of them its history
     reps = replicas(6, cache_fill=0.05, prefill_busy=0.8)
-    reps[1].pending_prefill_tokens = 1400
-    hits = {"r0": 1, "r1": 20, "r2": 1, "r3": 1, "r4": 1, "r5": 1}  # the system block everywhere
-    priced = KVAwarePolicy(history_weight=12)
-    assert KVAwarePolicy().rank(req, reps, hits, fleet_size=64).ranked[0] != "r1"
-    assert priced.rank(req, reps, hits).ranked[0] != "r1"  # 6 replicas: under history_min_replicas
-    d = priced.rank(req, reps, hits, fleet_size=64)  # a shortlist of 6 from a fleet of 64
-    assert d.ranked[0] == "r1" and not d.opens_session
-    assert KVAwarePolicy(history_weight=12, history_min_replicas=6).rank(req, reps, hits).ranked[0] == "r1"
+    reps[1].pending_prefill_tokens = 2800
+    hits = {"r0": 1, "r1": 40, "r2": 1, "r3": 1, "r4": 1, "r5": 1}  # the system block everywhere
+    assert KVAwarePolicy().rank(req, reps, hits).ranked[0] != "r1"  # 6 replicas: under history_min_replicas
+    assert KVAwarePolicy(history_weight=0).rank(req, reps, hits, fleet_size=64).ranked[0] != "r1"
+    assert KVAwarePolicy().rank(req, reps, hits, fleet_size=64).ranked[0] == "r1"  # 6 shortlisted of 64
+    assert KVAwarePolicy(history_min_replicas=6).rank(req, reps, hits).ranked[0] == "r1"
     full = replicas(6, cache_fill=1.0, prefill_busy=0.8)
-    full[1].pending_prefill_tokens = 1400
-    assert priced.rank(req, full, hits, fleet_size=64).costs == pytest.approx(
-        KVAwarePolicy().rank(req, full, hits, fleet_size=64).costs
+    full[1].pending_prefill_tokens = 2800
+    priced = KVAwarePolicy().rank(req, full, hits, fleet_size=64).costs
+    unpriced = KVAwarePolicy(history_weight=0).rank(req, full, hits, fleet_size=64).costs
+    topped_up = (16 - 15) * 16 / 2000  # per lacking block: the floor less the churn already charged, in seconds
+    assert {rid: priced[rid] - unpriced[rid] for rid in priced} == pytest.approx(
+        {rid: (40 - hits[rid]) * topped_up for rid in priced}
     )
-    reps[1].pending_prefill_tokens = 20_000  # 10 s of queue: leaving the history is worth it again
-    assert priced.rank(req, reps, hits, fleet_size=64).ranked[0] != "r1"
-    hits["r2"] = 20  # two replicas hold it: a shared prefix, so the request starts a conversation
-    assert priced.rank(req, reps, hits, fleet_size=64).opens_session
+    reps[1].pending_prefill_tokens = 40_000  # 20 s of queue: leaving the history is worth it again
+    assert KVAwarePolicy().rank(req, reps, hits, fleet_size=64).ranked[0] != "r1"
     with pytest.raises(ValueError, match="history_weight"):
         KVAwarePolicy(history_weight=-1)
     with pytest.raises(ValueError, match="history_min_replicas"):
         KVAwarePolicy(history_min_replicas=0)
+
+
+def test_on_a_wide_fleet_the_sole_holder_of_a_short_prefix_takes_one_start_beyond_the_bound():
+    """A turn adding more than it resends (20 of 64 blocks held, by r1 alone) counts as a start. On a wide
+    fleet whose fair share of starts is under one, the bound would move it off r1, which already started one
+    conversation (perhaps this one); there r1 may take one more. A prefix another replica holds as deep is
+    shared, and bounded as before."""
+    req = request(list(range(1024)))
+    reps = replicas(6)
+    hits = {"r0": 0, "r1": 20, "r2": 0, "r3": 0, "r4": 0, "r5": 0}
+    starts = {"r1": 1.0}
+    narrow = KVAwarePolicy().rank(req, reps, hits, starts)
+    assert narrow.opens_session and narrow.ranked[0] != "r1"
+    wide = KVAwarePolicy().rank(req, reps, hits, starts, fleet_size=64)
+    assert wide.opens_session and wide.ranked[0] == "r1"
+    hits["r2"] = 20
+    assert KVAwarePolicy().rank(req, reps, hits, {"r1": 1.0, "r2": 1.0}, fleet_size=64).ranked[0] not in ("r1", "r2")
 
 
 def test_a_router_remembers_its_decisions_as_fast_when_its_memory_is_full():

@@ -151,16 +151,17 @@ def test_a_shortlisted_router_routes_a_large_fleet_as_one_that_prices_every_repl
     assert short["session_hash"]["hit_rate"] > 0.8 * full["session_hash"]["hit_rate"]
 
 
-def test_at_fleet_scale_history_weight_keeps_conversations_on_their_histories():
-    """A Mooncake-like trace on 128 replicas (shortlisted): kv_aware with ``history_weight`` reaches 97% of the
-    replication-aware bound and passes over less than half the held blocks the default passes over, for at
-    most a fifth more mean TTFT (the trade ``docs/routing.md`` describes)."""
+def test_at_fleet_scale_kv_aware_keeps_conversations_on_their_histories():
+    """A Mooncake-like trace on 128 replicas (shortlisted): kv_aware passes over less than half the held blocks
+    it passes over without its wide-fleet history pricing (``history_weight: 0``) and reaches 96% of the
+    replication-aware bound (97.0% in this run; the unpriced router 90.4%), for at most a fifth more mean TTFT
+    (the trade ``docs/routing.md`` describes)."""
     from kvmesh.bench.simulate import compare_routers, trace_rows
     from kvmesh.bench.trace_workloads import mooncake
 
     rows = trace_rows(mooncake(seed=2, size=0.3))
-    runs = [("default", "kv_aware", {}), ("history", "kv_aware", {"history_weight": 12})]
+    runs = [("default", "kv_aware", {}), ("unpriced", "kv_aware", {"history_weight": 0})]
     bounds, res = compare_routers(rows, 128, 3000, 0.8, 4, runs, shortlist=16)
-    assert res["history"]["hit_rate"] >= 0.97 * bounds["replicated"]
-    assert res["history"]["passed_over"] < 0.5 * res["default"]["passed_over"]
-    assert res["history"]["ttft_mean_s"] < 1.2 * res["default"]["ttft_mean_s"]
+    assert res["default"]["hit_rate"] >= 0.96 * bounds["replicated"]
+    assert res["default"]["passed_over"] < 0.5 * res["unpriced"]["passed_over"]
+    assert res["default"]["ttft_mean_s"] < 1.2 * res["unpriced"]["ttft_mean_s"]

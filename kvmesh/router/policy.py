@@ -171,13 +171,12 @@ class KVAwarePolicy:
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
-    recent starts, ``kvmesh/router/sessions.py``); with ``history_weight`` (off by default), on fleets of
-    ``history_min_replicas`` or more, a conversation's turn prices the recompute of the history a replica
-    lacks at least ``history_weight x pressure`` (churn priced by fill calls it free while caches have room,
-    and a wide fleet always has an idle replica to move to), and a short held prefix counts as shared (a
-    start) only where it looks shared; replicas caching as much as the cheapest and costing at most
-    ``tie_margin`` x the request's own prefill more are reported as tied, for the caller to let a fresher
-    signal choose. A one-off request on a prefix
+    recent starts, ``kvmesh/router/sessions.py``); on fleets of ``history_min_replicas`` or more, a
+    conversation's turn prices the recompute of the history a replica lacks at least ``history_weight x
+    pressure`` (churn priced by fill calls it free while caches have room, and a wide fleet always has an
+    idle replica to move to), and the sole holder of a short prefix may take one start beyond the bound;
+    replicas caching as much as the cheapest and costing at most ``tie_margin`` x the request's own prefill
+    more are reported as tied, for the caller to let a fresher signal choose. A one-off request on a prefix
     many requests branch off (a document, a few-shot or tenant prompt; not a conversation's history) goes
     nowhere its own expected wait (queue, KV wait, its own prefill) exceeds ``wait_cap`` x the best on offer:
     a burst on a hot prefix copies it to a second replica rather than queueing behind its holder. Without the
@@ -203,7 +202,7 @@ class KVAwarePolicy:
         wait_cap: float = 2.0,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        history_weight: float = 0.0,
+        history_weight: float = 16.0,
         history_min_replicas: int = 32,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
@@ -274,8 +273,9 @@ class KVAwarePolicy:
         branches = self.sessions.branches
         fork = req.block_hashes[min(depth[holder], len(req.block_hashes)) - 1] if depth[holder] else None
         history = self.history_weight > 0 and (fleet_size or len(replicas)) >= self.history_min_replicas
-        short = 0 < holder_share < 0.5 and (not history or self._looks_shared(fork, depth, holder))
+        short = 0 < holder_share < 0.5
         opens = short or (depth[holder] <= known and branches.opens(req.block_hashes, known))
+        own = holder if short and history and not self._looks_shared(fork, depth, holder) else None
         if not opens and history and fork is not None and branches.fresh(fork):
             floor = self.history_weight * pressure
             per_block = {rid: max(floor - c, 0.0) * req.block_size / median_rate for rid, c in churn.items()}
@@ -286,7 +286,7 @@ class KVAwarePolicy:
                 ranked = self._cap_wait(ranked, own_s)
         capped: set[str] = set()
         if opens and self.session_balance:
-            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts))
+            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts), own)
         best_hit, chosen_hit = max(depth.values(), default=0), depth[ranked[0]]
         reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
         if reason == "hit" and device_hits.get(ranked[0], 0) < chosen_hit:
@@ -369,9 +369,12 @@ class KVAwarePolicy:
 
     def _looks_shared(self, fork: BlockHash, depth: dict[str, int], holder: str) -> bool:
         """With ``history_weight`` on a wide fleet: whether a prefix held short of half the prompt is a
-        shared one (a system prompt), not a conversation's history that the new turn outgrew: another replica
-        holds it as deep, or requests branched off it here. A history lives on one replica; at hundreds of
-        replicas the start bound would otherwise move every turn that adds more than it resends off its history."""
+        shared one (a system prompt) rather than perhaps a conversation's history that the new turn outgrew:
+        another replica holds it as deep, or requests branched off it here. Where it is not, its holder may
+        take one start beyond the bound: at hundreds of replicas the fair share is about one conversation, and
+        the bound would otherwise move every turn that adds more than it resends off its history (counting
+        such a turn as a continuation instead cost new conversations on a prefix one replica holds their
+        spreading: `docs/routing.md`)."""
         return any(d >= depth[holder] for rid, d in depth.items() if rid != holder) or self.sessions.branches.shared(
             fork
         )
@@ -480,8 +483,12 @@ class KVAwarePolicy:
         self.sessions.routed(req.session_id, index_id, decision.opens_session)
         self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
 
-    def _bounded(self, ranked: list[str], starts: dict[str, float]) -> tuple[list[str], set[str]]:
+    def _bounded(
+        self, ranked: list[str], starts: dict[str, float], own: str | None = None
+    ) -> tuple[list[str], set[str]]:
         """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise), and them.
+        ``own``, the sole holder of a short prefix on a wide fleet, may take one start more: the request may
+        be the next turn of a conversation it already counted.
 
         The cap is the fair share rounded up, plus the slack ``session_balance`` allows only once it
         amounts to a whole conversation (rounded down): rounding the whole bound up instead lets a few
@@ -490,7 +497,7 @@ class KVAwarePolicy:
         counts = [starts[rid] for rid in ranked]
         share = (sum(counts) + 1) / len(ranked)
         cap = max(math.ceil(share - 1e-9), math.floor(self.session_balance * share + 1e-9))
-        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + 1e-9}
+        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + (rid == own) + 1e-9}
         return [rid for rid in ranked if rid not in full] + [rid for rid in ranked if rid in full], full
 
 
