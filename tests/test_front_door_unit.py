@@ -428,8 +428,11 @@ def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     """Tokenizing a long prompt must not stall the ingress's other streams: the event loop keeps ticking
-    while it runs (the tokenizer releases the GIL in its worker thread)."""
+    while it runs (the tokenizer releases the GIL in its worker thread). Tokenized on the loop, it would be
+    stalled the whole time; here at most half of it, which leaves room for the odd long pause a busy machine
+    or a garbage collection of this test process's heap (holding the GIL for its own reasons) can add."""
     import asyncio
+    import gc
     import time
 
     from kvmesh.cluster.generation import Generation
@@ -456,11 +459,13 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
         took = time.perf_counter() - t0
         done.set()
         await task
-        return took, max(gaps), ids
+        return took, gaps, ids
 
-    took, worst_gap, ids = asyncio.run(main())
+    gc.collect()  # not mid-measurement: a full collection holds the GIL whichever thread runs it
+    took, gaps, ids = asyncio.run(main())
+    stalled = sum(g for g in gaps if g > 0.05)
     assert ids == generation.tokenizer.encode(text)
-    assert took > 0.1 and worst_gap < max(0.05, took / 4), (took, worst_gap)
+    assert took > 0.1 and len(gaps) >= 10 and stalled < took / 2, (took, stalled, max(gaps, default=0.0), len(gaps))
 
 
 def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypatch):
