@@ -201,7 +201,7 @@ class KVAwareRequestRouter(RequestRouter):
         self.decisions[decision.reason] += 1
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
-            index_ids = {r.replica_id: rid for r, rid in zip(candidate_replicas, ids, strict=True)}
+            index_ids = {r.replica_id: index_id for r, index_id in zip(candidate_replicas, ids, strict=True)}
             self._plan(rid, _Planned(time.monotonic(), req, device_hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
             self._track(rid, by_id[ranked[0]].replica_id, req, device_hits or {}, ranked[0])

@@ -66,8 +66,8 @@ class Branches:
         """Blocks of prompts a later turn continued."""
         self._branched: OrderedDict[Hashable, int] = OrderedDict()
         """Blocks where requests left a known prefix short of any prompt's end, and how many did."""
-        self._continued: OrderedDict[Hashable, int] = OrderedDict()
-        """Prompt ends later requests continued from, and how many did."""
+        self._continued: OrderedDict[Hashable, None] = OrderedDict()
+        """Prompt ends later requests continued from."""
 
     def shared(self, block: Hashable) -> bool:
         """Whether requests left a known prefix at ``block`` at least twice, where no prompt ended: a prefix
@@ -95,7 +95,7 @@ class Branches:
             _remember(self._branched, fork, self._branched.get(fork, 0) + 1, self._size)
         elif known:  # continues the conversation whose prompt ended there
             fork = block_hashes[known - 1]
-            _remember(self._continued, fork, self._continued.get(fork, 0) + 1, self._size)
+            _remember(self._continued, fork, None, self._size)
             for i in range(known - 1, -1, -1):  # back to the first block already marked: each block once
                 if block_hashes[i] in self._grown:
                     break
