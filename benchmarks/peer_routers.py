@@ -242,6 +242,18 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         prompt1, cached1, admitted1 = engine_counters(engines)
     finally:
         router.stop()
+    return {
+        **ttft_summary(results),
+        "hit_rate": (cached1 - cached0) / (prompt1 - prompt0) if prompt1 > prompt0 else 0.0,
+        "wall_s": wall,
+        "router_cpu_s": cpu1 - cpu0,
+        "requests_per_engine": [b - a for a, b in zip(admitted0, admitted1, strict=True)],
+        "first_error": next((r.error for r in results if r.error is not None), None),
+    }
+
+
+def ttft_summary(results: list) -> dict:
+    """Requests, errors and TTFT mean/p50/p99 (seconds) of one timed run's results."""
     ok = [r for r in results if r.error is None]
     ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     return {
@@ -250,11 +262,6 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
         "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
-        "hit_rate": (cached1 - cached0) / (prompt1 - prompt0) if prompt1 > prompt0 else 0.0,
-        "wall_s": wall,
-        "router_cpu_s": cpu1 - cpu0,
-        "requests_per_engine": [b - a for a, b in zip(admitted0, admitted1, strict=True)],
-        "first_error": next((r.error for r in results if r.error is not None), None),
     }
 
 

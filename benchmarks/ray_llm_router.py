@@ -59,7 +59,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.peer_routers import MODEL, add_workload_args, workload
+from benchmarks.peer_routers import MODEL, add_workload_args, ttft_summary, workload
 from kvmesh.bench.load_client import run_sessions
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.cluster.embedded_redis import free_port
@@ -423,18 +423,13 @@ def run_once(name: str, args: argparse.Namespace, app: RayLLMApp) -> dict:
     ok = [r for r in results if r.error is None]
     app.sent_ok += len(ok)
     after = app.counters()
-    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     prompt = sum(r.prompt_tokens for r in ok)
     hit_rate = spread = None
     if before and after and after["prompt"] > before["prompt"]:
         hit_rate = (after["cached"] - before["cached"]) / (after["prompt"] - before["prompt"])
         spread = [n - before["done"].get(k, 0) for k, n in after["done"].items()]
     return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
-        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
+        **ttft_summary(results),
         "hit_rate": hit_rate,
         "hit_rate_usage": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "wall_s": wall,
