@@ -106,11 +106,32 @@ def check_against_reference(
 
 def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float64 values of a quantized cache, written out independently of ``kvmesh.kernels.quant``: a uint8
-    cache is int4, two values per byte (low nibble first, each ``level + 8``)."""
+    cache is int4, two values per byte (low nibble first); its keys are ``lo + (hi - lo) / 15 * nibble`` with
+    ``lo``/``hi`` per block and channel (``scale`` [blocks, kv_heads, 2, head_dim] e4m3 bytes), its values
+    ``(nibble - 8) * scale`` with an e4m3 byte per slot."""
     if stored.dtype == torch.uint8:
-        levels = torch.stack((stored.long() % 16, stored.long() // 16), dim=-1).flatten(-2) - 8
-        return levels.double() * scale.double()[..., None]
+        nibbles = torch.stack((stored.long() % 16, stored.long() // 16), dim=-1).flatten(-2).double()
+        if scale.dim() == 4:
+            lo, hi = (scale[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
+            return lo[:, None] + (hi - lo)[:, None] / 15 * nibbles
+        return (nibbles - 8) * scale.view(torch.float8_e4m3fn).double()[..., None]
     return stored.double() * scale.double()[..., None]
+
+
+def _rounding_bound(x: torch.Tensor, scale: torch.Tensor, storage, slots, kvh: int, block_size: int) -> torch.Tensor:
+    """How far a stored value may be from its input ``x`` ([slots, kv_heads, head_dim]): half a step for int8
+    and int4 (int4 keys: their block's step in that channel), half an ulp of fp8 (relative, above its
+    subnormals)."""
+    if scale.dim() == 4:
+        lo, hi = (scale[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
+        return 0.5001 * ((hi - lo) / 15)[slots // block_size]
+    if scale.dtype == torch.uint8:
+        return 0.5001 * scale.view(torch.float8_e4m3fn).double().view(-1, kvh)[slots][..., None]
+    s = scale.view(-1, kvh)[slots].double() if scale.dim() == 3 else scale.double().expand(len(slots), kvh)
+    if storage == torch.int8:
+        return 0.5001 * s[..., None]
+    info = torch.finfo(storage)
+    return torch.maximum(x.double().abs() * info.eps / 2, s[..., None] * info.smallest_normal * info.eps)
 
 
 def check_quantized(
@@ -132,7 +153,7 @@ def check_quantized(
     dequantized cache: quantization error is the format's, never the kernel's. ``window``: sliding-window
     attention over the same batch.
     """
-    from kvmesh.kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize
+    from kvmesh.kernels.quant import FP8_DTYPES, KV_CACHE_STORAGE, fp8_scale_from_amax, quantize, quantize_int4_keys
     from kvmesh.kernels.reference import paged_attention_reference
 
     rng = random.Random(seed)
@@ -144,6 +165,9 @@ def check_quantized(
     storage = KV_CACHE_STORAGE[kv_dtype]
     caches = []
     for c in (kc64, vc64):  # stale contents are valid quantized data too
+        if storage == torch.uint8 and c is kc64:  # int4 keys: whole blocks
+            caches += list(quantize_int4_keys(c, torch.full((c.shape[0],), block_size)))
+            continue
         head_scale = fp8_scale_from_amax(c.abs().amax((0, 1, 3)), storage) if storage in FP8_DTYPES else None
         stored, token_scales = quantize(c.view(-1, kvh, head_dim), storage, head_scale)
         scale = head_scale if token_scales is None else token_scales.view(c.shape[:-1]).clone()
@@ -154,14 +178,8 @@ def check_quantized(
     kc, ks, vc, vs, k_in, v_in = (c.cpu() for c in (*on, k_in, v_in))
     slots = meta.slot_mapping
     for x, cache, scale in ((k_in, kc, ks), (v_in, vc, vs)):
-        stored = cache.view(-1, kvh, cache.shape[-1])[slots]
-        s = scale.view(-1, kvh)[slots].double() if scale.dim() == 3 else scale.double().expand(len(slots), kvh)
-        err = (_dequantized(stored, s) - x.double()).abs()
-        if storage in (torch.int8, torch.uint8):
-            bound = 0.5001 * s[..., None]
-        else:
-            info = torch.finfo(storage)
-            bound = torch.maximum(x.double().abs() * info.eps / 2, s[..., None] * info.smallest_normal * info.eps)
+        err = (_dequantized(cache, scale).view(-1, kvh, head_dim)[slots] - x.double()).abs()
+        bound = _rounding_bound(x, scale, storage, slots, kvh, block_size)
         assert bool((err <= bound * 1.001 + 1e-12).all()), f"{kv_dtype}: stored value off by more than rounding"
     scale = head_dim**-0.5
     expected = paged_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), meta, scale, window)

@@ -61,8 +61,12 @@ def test_llama_70b_seed_bytes_per_token():
     # int8: + one fp16 scale per token, per KV head, for K and V, in every layer
     assert kv_bytes_per_token(80, 8, 128, "int8", 2) == 163_840 + 2 * 2 * 8 * 80
     assert kv_bytes_per_token(80, 8, 128, "auto", 4) == 2 * 327_680
-    # int4: half a byte per value + the same fp16 scale: 64 + 2 bytes per token-head, 3.88x a 16-bit cache
-    assert kv_bytes_per_token(80, 8, 128, "int4", 2) == 2 * 80 * 8 * (64 + 2) == 84_480
+    # int4: half a byte per value; values + one e4m3 scale per token-head, keys + two e4m3 bytes per channel
+    # per 16-token block (16 per token-head): 64 + 16 + 64 + 1 bytes per token-head, 3.53x a 16-bit cache
+    assert kv_bytes_per_token(80, 8, 128, "int4", 2) == 80 * 8 * (64 + 16 + 64 + 1) == 92_800
+    assert kv_bytes_per_token(80, 8, 128, "int4", 2, block_size=32) == 80 * 8 * (64 + 8 + 64 + 1)
+    with pytest.raises(ValueError, match="cannot share 256 bytes of key ranges evenly"):
+        kv_bytes_per_token(80, 8, 128, "int4", 2, block_size=512)
 
 
 def test_int4_holds_over_3_5x_a_16_bit_cache_at_common_head_dims():

@@ -184,7 +184,7 @@ def plan(shape: ModelShape, budget: int, block_size: int, workload: Workload, ta
     rows = {}
     for kv_dtype in KV_CACHE_DTYPES:
         per_token = kv_bytes_per_token(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype, MODEL_DTYPE_BYTES[shape.dtype]
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype, MODEL_DTYPE_BYTES[shape.dtype], block_size
         )
         blocks = budget // (per_token * block_size)
         seqs = int(blocks // workload.blocks)

@@ -11,17 +11,26 @@ A quantized cache stores K and V in one byte per element and carries scales besi
   cache, set on every write to ``absmax / 127`` of that token's head vector (symmetric, round to nearest).
   Per-token scales follow outliers without calibration, at 2 bytes per token-head.
 - **int4**: two values per byte (``uint8`` storage, ``[..., head_dim / 2]``: element ``2i`` in the low
-  nibble, ``2i + 1`` in the high one, each stored as ``value + 8``), with int8's per-slot float16 scale at
-  ``absmax / 7``. Four bits cannot follow the outlier channels of keys per token (KIVI); so K, V and Q are
-  first rotated by a fixed orthogonal matrix (``int4_rotation``: a randomized Hadamard transform, as QuaRot
-  does), which spreads each outlier over every channel. Attention is unchanged by it (``q.k = (qR).(kR)``,
-  and the output is rotated back), and it is the same on every replica. Keys are also stored less their
-  mean per layer and KV head, calibrated at start-up (one vector subtracted from every key shifts every
-  score of a query alike, which softmax ignores), so their shared offset spends none of the four bits.
+  nibble, ``2i + 1`` in the high one). Keys and values are scaled on different axes, because that is where
+  their outliers lie (KIVI; ``benchmarks/kv_int4_variants.py`` measures the alternatives):
+
+  - **keys per channel over each cache block**: a block's keys share, per KV head and channel, the range
+    ``[lo, hi]`` of that channel over the block's tokens, kept as two fp8 e4m3 bytes (lo rounded down, hi
+    up: ``k_scale`` is ``[num_blocks, kv_heads, 2, head_dim]`` uint8), and each key stores
+    ``round((k - lo) / step)`` (0..15, ``step = (hi - lo) / 15``) as its nibble. Within a block each channel
+    of a RoPE'd key moves little, so its own range is narrow, where a per-token scale spends its levels on
+    the largest channels. The levels must be rounded once from the exact keys: a block being filled keeps
+    its keys in full precision beside the cache (``kvmesh/kernels/int4_store.py``) and is re-derived from
+    them on every write.
+  - **values per token**: rotated by a fixed randomized Hadamard matrix (``int4_rotation``, QuaRot's
+    trick: outlier channels spread over all of them; the output is rotated back, so attention is exact),
+    then symmetric with ``absmax / 7`` kept as one fp8 e4m3 byte rounded up (``v_scale`` is ``[num_blocks,
+    block_size, kv_heads]`` uint8), each value stored as ``level + 8``.
 
 Kernels receive ``k_scale``/``v_scale`` as None (the cache holds the compute dtype), a 1-D per-head tensor
-(fp8) or a 3-D per-slot tensor (int8, int4), and dequantize on load; a ``uint8`` cache is int4. This module
-is the one definition of the formats; the engine's sizing and ``kvmesh plan`` count bytes with
+(fp8), a 3-D per-slot tensor (int8; int4's values, as e4m3 bytes) or int4's 4-D per-block key ranges, and
+dequantize on load; a ``uint8`` cache is int4. e4m3 tops out at 448: int4 keys beyond it clip. This module is
+the one definition of the formats; the engine's sizing and ``kvmesh plan`` count bytes with
 ``kvmesh/shared/kv_dtype.py``, which mirrors it.
 """
 
@@ -72,7 +81,8 @@ def fp8_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize(x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor | None):
     """``x`` ([tokens, kv_heads, head_dim]) as stored in a ``cache_dtype`` cache, and its per-token scales.
 
-    Returns ``(stored, token_scales)``; ``token_scales`` ([tokens, kv_heads] float16) only for int8/int4.
+    Returns ``(stored, token_scales)``; ``token_scales`` ([tokens, kv_heads]) only for int8 (float16) and int4
+    (e4m3 bytes): int4 here is the values' format; keys take ``quantize_int4_keys``.
     """
     if cache_dtype in FP8_DTYPES:
         top = torch.finfo(cache_dtype).max
@@ -81,17 +91,72 @@ def quantize(x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor
         scales = (x.float().abs().amax(-1) / INT8_MAX).clamp_min(torch.finfo(torch.float16).tiny).half()
         stored = (x.float() / scales.float()[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return stored, scales
-    if cache_dtype == INT4_DTYPE:
-        scales = (x.float().abs().amax(-1) / INT4_MAX).clamp_min(torch.finfo(torch.float16).tiny).half()
-        levels = (x.float() / scales.float()[..., None]).round().clamp(-INT4_MAX, INT4_MAX).to(torch.uint8) + 8
-        return levels[..., 0::2] | (levels[..., 1::2] << 4), scales
+    if cache_dtype == INT4_DTYPE:  # values (keys go per block: quantize_int4_keys)
+        scales = e4m3_bits(x.float().abs().amax(-1) / INT4_MAX, up=True)
+        s = e4m3_values(scales)[..., None]
+        levels = torch.where(s > 0, x.float() / s, 0.0).round().clamp(-INT4_MAX, INT4_MAX).to(torch.int8) + 8
+        return pack_int4(levels.to(torch.uint8)), scales
     return x.to(cache_dtype), None
 
 
+def pack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 (uint8) two per byte, element ``2i`` in byte ``i``'s low nibble: the last dim halves."""
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
 def unpack_int4(stored: torch.Tensor) -> torch.Tensor:
-    """The signed levels (-7..7, int8) of a packed int4 tensor: the last dim doubles."""
-    pair = torch.stack(((stored & 15), (stored >> 4)), dim=-1).to(torch.int8) - 8
-    return pair.flatten(-2)
+    """The nibbles (0..15, uint8) of a packed int4 tensor: the last dim doubles."""
+    return torch.stack(((stored & 15), (stored >> 4)), dim=-1).flatten(-2)
+
+
+E4M3_MAX = 448.0
+
+
+def e4m3_bits(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """``x`` on fp8 e4m3's grid, rounded toward +inf (``up``) or -inf, as its bytes (uint8); saturates at
+    +-448. Directed so that a range stored this way still contains the values it was taken from."""
+    x = x.float().clamp(-E4M3_MAX, E4M3_MAX)
+    near = x.to(torch.float8_e4m3fn)
+    off = near.float() < x if up else near.float() > x
+    bits = near.view(torch.uint8).to(torch.int16)
+    magnitude, negative = bits & 127, bits >= 128
+    magnitude = magnitude + torch.where(negative, -1, 1) * (1 if up else -1)  # one grid step the wanted way
+    negative = torch.where(magnitude < 0, ~negative, negative)  # stepped across zero
+    moved = (magnitude.abs() | (negative.to(torch.int16) << 7)).to(torch.uint8)
+    return torch.where(off, moved, near.view(torch.uint8))
+
+
+def e4m3_values(bits: torch.Tensor) -> torch.Tensor:
+    """float32 values of e4m3 bytes."""
+    return bits.view(torch.float8_e4m3fn).float()
+
+
+def int4_key_ranges(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, step)`` (float32, ``[..., kv_heads, head_dim]``) of int4 key ranges ``[..., kv_heads, 2,
+    head_dim]``: a key is ``lo + step * nibble``."""
+    lo, hi = e4m3_values(params[..., 0, :]), e4m3_values(params[..., 1, :])
+    return lo, (hi - lo) / 15
+
+
+def quantize_int4_keys(rows: torch.Tensor, fill: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks of keys ``rows`` ([blocks, block_size, kv_heads, head_dim]) as an int4 cache stores them,
+    of which each block's first ``fill`` slots hold keys: ``(packed, ranges)``, the packed nibbles (the
+    slots past ``fill`` get 0) and the per-channel ranges ``[blocks, kv_heads, 2, head_dim]`` (e4m3 bytes)."""
+    x = rows.float()
+    valid = (torch.arange(x.shape[1], device=x.device)[None, :] < fill[:, None])[:, :, None, None]
+    lo = torch.where(valid, x, float("inf")).amin(1)
+    hi = torch.where(valid, x, float("-inf")).amax(1)
+    params = torch.stack((e4m3_bits(lo, up=False), e4m3_bits(hi, up=True)), dim=-2)
+    lo, step = int4_key_ranges(params)
+    levels = torch.where(step[:, None] > 0, (x - lo[:, None]) / step[:, None], 0.0).round().clamp(0, 15)
+    return pack_int4(torch.where(valid, levels, 0.0).to(torch.uint8)), params
+
+
+def dequantize_int4_keys(packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """float32 keys of whole int4 blocks ``packed`` ([blocks, block_size, kv_heads, head_dim / 2]) with
+    their ranges ``params`` ([blocks, kv_heads, 2, head_dim])."""
+    lo, step = int4_key_ranges(params)
+    return lo[:, None] + step[:, None] * unpack_int4(packed).float()
 
 
 @functools.cache
@@ -109,7 +174,7 @@ def _rotation(head_dim: int) -> torch.Tensor:
 
 
 def int4_rotation(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The fixed orthogonal ``[head_dim, head_dim]`` matrix an int4 cache stores K and V rotated by (a
+    """The fixed orthogonal ``[head_dim, head_dim]`` matrix an int4 cache stores V rotated by (a
     Hadamard matrix with seeded random signs on its rows for powers of two, a seeded random orthogonal one
     otherwise); ``x @ R`` rotates, ``y @ R.T`` rotates back."""
     return _rotation(head_dim).to(dtype=dtype, device=device)
@@ -119,10 +184,11 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     """Values of ``stored`` ([..., kv_heads, head_dim]) in ``dtype``.
 
     ``scale`` is None, per head ([kv_heads]) or per token-head (``stored.shape[:-1]``); a ``uint8`` ``stored``
-    is packed int4 (its values' last dim is twice its own).
+    is packed int4 values (its last dim is half theirs; int4 keys: ``dequantize_int4_keys``).
     """
     if stored.dtype == INT4_DTYPE:
-        stored = unpack_int4(stored)
+        stored = unpack_int4(stored).to(torch.int8) - 8
+        scale = e4m3_values(scale)
     if scale is None:
         return stored.to(dtype)
     return (stored.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.cpu_extension import DTYPES, cpu_op
+from kvmesh.kernels.int4_store import TailPlan, plan_writes, store_int4_keys
 from kvmesh.kernels.metadata import AttentionMetadata
-from kvmesh.kernels.quant import as_bytes, dequantize, quantize
+from kvmesh.kernels.quant import INT4_DTYPE, as_bytes, dequantize, dequantize_int4_keys, quantize
 
 _workspace = threading.local()
 PREFILL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,16 +38,25 @@ def store_kv_torch(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    plan: TailPlan | None = None,
+    tail: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ([tokens, kv_heads, head_dim]) into the paged caches; slot -1 is skipped.
 
-    Quantized caches (``kvmesh/kernels/quant.py``) store scaled values; int8 also writes each token's scales.
+    Quantized caches (``kvmesh/kernels/quant.py``) store scaled values; int8 and int4 also write each token's
+    scales. An int4 cache's keys are written whole blocks at a time (``kvmesh/kernels/int4_store.py``), as
+    ``plan`` says, from the exact keys kept in ``tail`` (without a plan: from the stored ones).
     """
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     kvh, d = k_cache.shape[-2:]
-    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+    pairs = ((key, k_cache, k_scale), (value, v_cache, v_scale))
+    if k_cache.dtype == INT4_DTYPE:
+        plan = plan_writes(slot_mapping, k_cache.shape[1]) if plan is None else plan
+        store_int4_keys(key, k_cache, k_scale, plan, tail)
+        pairs = pairs[1:]
+    for x, cache, scale in pairs:
         stored, token_scales = quantize(x, cache.dtype, scale)
         as_bytes(cache).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(stored))
         if token_scales is not None:
@@ -81,6 +91,9 @@ def _gather(
     ids = block_tables[:, :nb].reshape(-1).long()
     out = _scratch(name, ids.numel() * block_size * kvh * d, cache).view(-1, block_size, kvh, d)
     torch.index_select(as_bytes(cache), 0, ids, out=as_bytes(out))
+    if scale is not None and scale.dim() == 4:  # int4 keys: ranges per block and channel
+        out = dequantize_int4_keys(out, scale.index_select(0, ids)).to(dtype)
+        return out.view(batch, nb * block_size, kvh, -1)[:, :length].transpose(1, 2)
     out = out.view(batch, nb * block_size, kvh, d)[:, :length]
     if cache.dtype != dtype:  # a quantized cache: dequantize what was gathered
         if scale is not None and scale.dim() == 3:  # per-token scales travel with their slots

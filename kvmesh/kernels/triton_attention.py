@@ -19,8 +19,9 @@ the whole batch and exit early for sequences that belong to the other kernel, so
 the batch is needed. Softmax and accumulation are fp32; fp32 inputs use IEEE-precision dots (no TF32).
 
 Quantized caches (``kvmesh/kernels/quant.py``; ``QUANT`` 1 = fp8 with per-head scales, 2 = int8 with per-slot
-scales, 3 = int4 packed two per byte with per-slot scales) are quantized by the store kernel and dequantized
-tile by tile as the attention kernels load them.
+scales, 3 = int4 packed two per byte: keys with per-block channel ranges, values with per-slot scales) are
+quantized by the store kernel (int4: by ``store_kv_torch``, whole key blocks at a time) and dequantized tile
+by tile as the attention kernels load them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.metadata import AttentionMetadata, decode_splits
-from kvmesh.kernels.quant import FP8_DTYPES, INT4_DTYPE, INT4_MAX, INT8_MAX
+from kvmesh.kernels.quant import FP8_DTYPES, INT4_DTYPE, INT8_MAX
+from kvmesh.kernels.torch_attention import store_kv_torch
 
 FULL = 1 << 30
 """The ``window`` of full attention: further back than any context."""
@@ -72,36 +74,6 @@ def _quantize(
 
 
 @triton.jit
-def _store_int4(
-    src,
-    cache,
-    scale_ptr,
-    slot,
-    h,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One token's head vector at ``src`` into a packed int4 cache: its scale (``absmax / 7``, float16) and
-    its values as ``level + 8``, element ``2i`` in byte ``i``'s low nibble and ``2i + 1`` in its high one."""
-    i = tl.arange(0, BLOCK_D // 2)[None, :]
-    mask = i < HEAD_DIM // 2
-    even = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
-    s = tl.maximum(amax / 7.0, 6.103515625e-05).to(tl.float16)
-    tl.store(scale_ptr + slot * tl.num_programs(1) + h + tl.arange(0, 1), s)
-    inv = 1.0 / s.to(tl.float32)[:, None]
-    lo = (tl.clamp(tl.floor(even * inv + 0.5), -7.0, 7.0) + 8.0).to(tl.int32)
-    hi = (tl.clamp(tl.floor(odd * inv + 0.5), -7.0, 7.0) + 8.0).to(tl.int32)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + i
-    tl.store(cache + dst, (lo | (hi << 4)).to(tl.uint8), mask=mask)
-
-
-@triton.jit
 def _store_kv_kernel(
     key,
     value,
@@ -125,49 +97,22 @@ def _store_kv_kernel(
     MANT: tl.constexpr,
     EMIN: tl.constexpr,
 ):
-    """One program per (token, KV head): a head's vector is the unit an int8 or int4 scale covers."""
+    """One program per (token, KV head): a head's vector is the unit an int8 scale covers (int4 caches are
+    written by ``store_kv_torch``: their keys are quantized whole blocks at a time)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot >= 0:
-        if QUANT == 3:
-            _store_int4(
-                key + t * stride_kt + h * stride_kh,
-                k_cache,
-                k_scale,
-                slot,
-                h,
-                stride_cb,
-                stride_cs,
-                stride_ch,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                BLOCK_D,
-            )
-            _store_int4(
-                value + t * stride_vt + h * stride_vh,
-                v_cache,
-                v_scale,
-                slot,
-                h,
-                stride_cb,
-                stride_cs,
-                stride_ch,
-                HEAD_DIM,
-                BLOCK_SIZE,
-                BLOCK_D,
-            )
-        else:
-            slot_head = slot * tl.num_programs(1) + h  # int8 scales: [blocks, block_size, kv_heads]
-            d = tl.arange(0, BLOCK_D)[None, :]
-            mask = d < HEAD_DIM
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-            k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-            v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
-            k = _quantize(k, k_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
-            v = _quantize(v, v_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
-            tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-            tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+        slot_head = slot * tl.num_programs(1) + h  # int8 scales: [blocks, block_size, kv_heads]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = d < HEAD_DIM
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        k = _quantize(k, k_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
+        v = _quantize(v, v_scale, h, slot_head, QUANT, LIMIT, MANT, EMIN)
+        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,15 +162,22 @@ def _attend(
         if QUANT == 3:  # packed int4: value d is byte d // 2's low or high nibble
             byte = off[:, None] + d[None, :] // 2
             shift = (d[None, :] % 2) * 4
-            k = ((tl.load(k_cache + byte, mask=kvmask, other=0).to(tl.int32) >> shift) & 15) - 8
-            v = ((tl.load(v_cache + byte, mask=kvmask, other=0).to(tl.int32) >> shift) & 15) - 8
+            k = ((tl.load(k_cache + byte, mask=kvmask, other=0).to(tl.int32) >> shift) & 15).to(tl.float32)
+            v = (((tl.load(v_cache + byte, mask=kvmask, other=0).to(tl.int32) >> shift) & 15) - 8).to(tl.float32)
+            # keys: lo + (hi - lo) / 15 * nibble, their block's range per channel ([blocks, kv_heads, 2, head_dim])
+            rng = ((blk * num_kv_heads + kv_head) * 2 * HEAD_DIM)[:, None] + d[None, :]
+            lo = tl.load(k_scale + rng, mask=kvmask, other=0.0).to(tl.float32)
+            hi = tl.load(k_scale + rng + HEAD_DIM, mask=kvmask, other=0.0).to(tl.float32)
+            k = (lo + (hi - lo) / 15.0 * k).to(qt.dtype)
+            sidx = (blk * BLOCK_SIZE + n % BLOCK_SIZE) * num_kv_heads + kv_head
+            v = (v * tl.load(v_scale + sidx, mask=nmask, other=0.0).to(tl.float32)[:, None]).to(qt.dtype)
         else:
             k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
         if QUANT == 1:
             k = (k.to(tl.float32) * tl.load(k_scale + kv_head)).to(qt.dtype)
             v = (v.to(tl.float32) * tl.load(v_scale + kv_head)).to(qt.dtype)
-        elif QUANT >= 2:
+        elif QUANT == 2:
             sidx = (blk * BLOCK_SIZE + n % BLOCK_SIZE) * num_kv_heads + kv_head
             ks = tl.load(k_scale + sidx, mask=nmask, other=0.0).to(tl.float32)
             vs = tl.load(v_scale + sidx, mask=nmask, other=0.0).to(tl.float32)
@@ -462,13 +414,18 @@ def _check_cache(cache: torch.Tensor) -> None:
 def _grid(cache: torch.Tensor) -> dict:
     """A quantized cache's largest magnitude, mantissa bits and smallest normal exponent (for ``_quantize``)."""
     if cache.dtype not in FP8_DTYPES:
-        return {"LIMIT": INT4_MAX if cache.dtype == INT4_DTYPE else INT8_MAX, "MANT": 0, "EMIN": 0}
+        return {"LIMIT": INT8_MAX, "MANT": 0, "EMIN": 0}
     info = torch.finfo(cache.dtype)
     return {"LIMIT": info.max, "MANT": -round(math.log2(info.eps)), "EMIN": round(math.log2(info.smallest_normal))}
 
 
-def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def store_kv_triton(
+    key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, plan=None, tail=None
+) -> None:
     _check_cache(k_cache)
+    if k_cache.dtype == INT4_DTYPE:  # keys go whole blocks at a time, from the exact keys (int4_store.py)
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, plan, tail)
+        return
     n, kvh, d = key.shape
     if n == 0:
         return
@@ -493,6 +450,14 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_
         QUANT=_quant_mode(k_cache),
         **_grid(k_cache),
     )
+
+
+def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """The scale arguments of the attention kernels: the cache itself where there are none (never read),
+    int4's e4m3 bytes as fp8 so that the kernels load them as numbers."""
+    if cache.dtype == INT4_DTYPE:
+        return k_scale.view(torch.float8_e4m3fn), v_scale.view(torch.float8_e4m3fn)
+    return (cache if k_scale is None else k_scale), (cache if v_scale is None else v_scale)
 
 
 def paged_attention_triton(
@@ -533,8 +498,7 @@ def paged_attention_triton(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        k_cache if k_scale is None else k_scale,
-        v_cache if v_scale is None else v_scale,
+        *_scales(k_cache, k_scale, v_scale),
         kvh,
         window or FULL,
         scale,

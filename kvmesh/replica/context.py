@@ -12,22 +12,24 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels import AttentionMetadata, Kernels
+from kvmesh.kernels.int4_store import TailPlan
 
 
 @dataclass
 class LayerCache:
     """One layer's paged KV cache: K and V, each [num_blocks, block_size, kv_heads, head_dim], and, for a
     quantized cache, their scales (``kvmesh/kernels/quant.py``: per KV head for fp8, per slot and KV head for
-    int8 and int4). An int4 cache packs two values per byte (its last dim is ``head_dim / 2``) and holds K and
-    V rotated by ``rotation`` ([head_dim, head_dim], orthogonal), which attention applies to Q and undoes on
-    its output, and keys less ``k_offset`` ([kv_heads, head_dim], rotated; attention is exact without it)."""
+    int8 and int4's values, per block, KV head and channel for int4's keys). An int4 cache packs two values
+    per byte (its last dim is ``head_dim / 2``), holds V rotated by ``rotation`` ([head_dim, head_dim],
+    orthogonal; attention undoes it on its output), and keeps the exact keys of blocks being filled in
+    ``k_tail`` ([tail slots, block_size, kv_heads, head_dim], ``kvmesh/kernels/int4_store.py``)."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
-    k_offset: torch.Tensor | None = None
+    k_tail: torch.Tensor | None = None
 
     def per_block(self) -> list[torch.Tensor]:
         """The tensors indexed by block id (K, V, and int8/int4's per-slot scales): what a block copy moves."""
@@ -41,6 +43,8 @@ class ForwardContext:
     """One per layer."""
     kernels: Kernels
     """The kernels of the runner's device, picked once when the runner was built."""
+    tails: TailPlan | None = None
+    """int4: where the step's keys go and which tails hold their blocks' earlier keys (every layer alike)."""
 
 
 _current: ForwardContext | None = None

@@ -56,6 +56,8 @@ class DeviceStep:
         self.runner.copy_blocks(plan.copies)
         if plan.swaps is not None:
             self.swap.copy_in(plan.swaps)
+            for _, device_ids in plan.swaps.ins:
+                self.runner.forget_key_tails(torch.tensor(device_ids))
 
     def _shape(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Biases, penalties and grammar masks, in place."""

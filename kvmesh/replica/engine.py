@@ -168,7 +168,8 @@ class LLMEngine(StepRecovery):
             max_blocks_per_seq,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
-        if device.type == "cuda" and not config.enforce_eager:
+        # int4 keys are written whole blocks at a time from their tails, a step the graphs cannot capture
+        if device.type == "cuda" and not config.enforce_eager and config.kv_cache_dtype != "int4":
             sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
             started = time.perf_counter()

@@ -108,11 +108,10 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         ctx = get_context()
         kv = ctx.kv_caches[self.layer_idx]
-        if kv.rotation is not None:  # an int4 cache holds K and V rotated: so is Q, and the output is undone
-            q, k, v = q @ kv.rotation, k @ kv.rotation, v @ kv.rotation
-            if kv.k_offset is not None:  # keys less their calibrated mean: attention is unchanged
-                k = k - kv.k_offset
-        ctx.kernels.store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale)
+        if kv.rotation is not None:  # an int4 cache holds V rotated: the output is rotated back
+            v = v @ kv.rotation
+        tails = {} if kv.k_tail is None else {"plan": ctx.tails, "tail": kv.k_tail}
+        ctx.kernels.store_kv(k, v, kv.k, kv.v, ctx.attn.slot_mapping, kv.k_scale, kv.v_scale, **tails)
         o = ctx.kernels.paged_attention(
             q, kv.k, kv.v, ctx.attn, self.scale, k_scale=kv.k_scale, v_scale=kv.v_scale, window=self.window
         )

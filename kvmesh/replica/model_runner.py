@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvmesh.kernels import AttentionMetadata, model_kernels
+from kvmesh.kernels.int4_store import KeyTails
 from kvmesh.kernels.metadata import slot_mapping, token_positions
 from kvmesh.kernels.quant import (
     FP8_DTYPES,
@@ -33,7 +34,7 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype,
     """Bytes one KV block takes in a runner's cache of ``kv_cache_dtype`` (scales included)."""
     attn = loaded.model.layers[0].self_attn
     per_token = kv_bytes_per_token(
-        len(loaded.model.layers), attn.num_kv_heads, attn.head_dim, kv_cache_dtype, dtype.itemsize
+        len(loaded.model.layers), attn.num_kv_heads, attn.head_dim, kv_cache_dtype, dtype.itemsize, block_size
     )
     return per_token * block_size
 
@@ -58,11 +59,15 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         # Zero-filled: padded block-table entries point at real (masked) memory that must not hold NaN.
-        self.kv_caches = [self._layer_cache(shape, storage) for _ in self.model.layers]
+        self.key_tails: KeyTails | None = None
+        """int4: which block each key tail slot serves (``kvmesh/kernels/int4_store.py``)."""
+        tails = 0
+        if storage == INT4_DTYPE:  # at most one partial block per sequence a step, and those not scheduled
+            tails = 2 * max_num_seqs + 8
+            self.key_tails = KeyTails(num_blocks, tails, self.device)
+        self.kv_caches = [self._layer_cache(shape, storage, tails) for _ in self.model.layers]
         if storage in FP8_DTYPES:
             self._calibrate_fp8_scales(storage)
-        if storage == INT4_DTYPE:
-            self._calibrate_int4_offsets()
         self._inputs = [
             StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
         ]
@@ -73,7 +78,10 @@ class ModelRunner:
 
     def capture_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
         """Capture a CUDA graph of a decode step per batch size in ``sizes`` (``capture=False``: the same
-        padded static path run eagerly, for tests on the CPU)."""
+        padded static path run eagerly, for tests on the CPU). Not for int4: its key writes (whole blocks from
+        their tails, ``kvmesh/kernels/int4_store.py``) are planned per step, which a graph cannot replay."""
+        if self.key_tails is not None:
+            raise ValueError("an int4 KV cache runs decode steps eagerly: no CUDA graphs")
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -85,16 +93,23 @@ class ModelRunner:
             capture,
         )
 
-    def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype) -> LayerCache:
-        rotation = None
-        if storage == INT4_DTYPE:  # two per byte, stored rotated (kvmesh/kernels/quant.py)
-            rotation = int4_rotation(shape[-1], self.dtype, self.device)
-        shape = (*shape[:-1], shape[-1] // values_per_element(storage))
+    def _layer_cache(self, shape: tuple[int, ...], storage: torch.dtype, tails: int = 0) -> LayerCache:
+        head_dim = shape[-1]
+        shape = (*shape[:-1], head_dim // values_per_element(storage))
         k = torch.zeros(shape, dtype=storage, device=self.device)
         v = torch.zeros(shape, dtype=storage, device=self.device)
-        if storage in (torch.int8, INT4_DTYPE):  # a float16 scale per slot and KV head
+        if storage == INT4_DTYPE:  # kvmesh/kernels/quant.py: key ranges per block, value scales per slot
+            return LayerCache(
+                k,
+                v,
+                torch.zeros((shape[0], shape[2], 2, head_dim), dtype=torch.uint8, device=self.device),
+                torch.zeros(shape[:-1], dtype=torch.uint8, device=self.device),
+                int4_rotation(head_dim, self.dtype, self.device),
+                torch.zeros((tails, *shape[1:-1], head_dim), dtype=self.dtype, device=self.device),
+            )
+        if storage == torch.int8:  # a float16 scale per slot and KV head
             zeros = torch.zeros(shape[:-1], dtype=torch.float16, device=self.device)
-            return LayerCache(k, v, zeros, zeros.clone(), rotation)
+            return LayerCache(k, v, zeros, zeros.clone())
         if storage in FP8_DTYPES:  # per-head scales, set by _calibrate_fp8_scales
             ones = torch.ones(shape[2], dtype=torch.float32, device=self.device)
             return LayerCache(k, v, ones, ones.clone())
@@ -124,14 +139,6 @@ class ModelRunner:
             for scale, values in ((layer.k_scale, k), (layer.v_scale, v)):
                 scale.copy_(fp8_scale_from_amax(values.abs().amax(dim=(0, 2)), storage))
 
-    def _calibrate_int4_offsets(self) -> None:
-        """Set each layer's int4 key offset: the calibration keys' mean per KV head, rotated.
-
-        Subtracting one vector from every key leaves attention exact (softmax ignores a score shift common
-        to all keys), and keys share a large mean that would otherwise spend most of four bits' range."""
-        for layer, (k, _) in zip(self.kv_caches, self._calibration_kv(), strict=True):
-            layer.k_offset = k.float().mean(0).to(self.dtype) @ layer.rotation
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``(source, destination)`` in every layer's caches: copy-on-write of forked
         sequences, done once per step before the forward pass. Each tensor gathers all sources before
@@ -143,6 +150,12 @@ class ModelRunner:
         for layer in self.kv_caches:
             for tensor in map(as_bytes, layer.per_block()):
                 tensor[dst] = tensor[src]
+        self.forget_key_tails(dst)
+
+    def forget_key_tails(self, blocks: torch.Tensor) -> None:
+        """Blocks written by a copy, not by the store (forks, swap-ins): their int4 key tails are stale."""
+        if self.key_tails is not None:
+            self.key_tails.forget(blocks.to(self.device).long())
 
     def prepare(
         self, batch: list[ScheduledRequest], tables: np.ndarray, extra_rows: list[int] | None = None
@@ -220,7 +233,8 @@ class ModelRunner:
             dst, src = (t.to(self.device, non_blocking=True) for t in step.fill)
             ids[dst] = last_tokens[src]
         positions = inp.device("positions", total)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels)):
+        tails = None if self.key_tails is None else self.key_tails.plan(meta.slot_mapping, self.block_size)
+        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels, tails)):
             return self.model(ids, positions, inp.device("logits_rows", step.num_logits))
 
 

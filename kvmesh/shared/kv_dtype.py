@@ -8,9 +8,9 @@ per KV head, for K and for V alike:
 - ``fp8_e4m3``, ``fp8_e5m2``: ``head_dim`` bytes. Their scales are static, a few floats per layer and KV
   head, so they cost nothing per token.
 - ``int8``: ``head_dim`` bytes plus one float16 scale (symmetric, absmax / 127) per token and KV head.
-- ``int4``: ``head_dim / 2`` bytes (two 4-bit values per byte) plus one float16 scale (symmetric, absmax /
-  7) per token and KV head; keys are first divided by a static per-channel factor calibrated at start-up,
-  which costs nothing per token (``kvmesh/kernels/quant.py``).
+- ``int4``: ``head_dim / 2`` bytes (two 4-bit values per byte) for each of K and V; values add one e4m3
+  scale byte per token and KV head, keys share two e4m3 bytes per channel (their range) per block and KV
+  head: ``2 * head_dim / block_size`` bytes per token (``kvmesh/kernels/quant.py``).
 
 Torch-free, so the planner and the ingress side of the project can use it without loading torch.
 """
@@ -22,20 +22,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVLayout:
-    """How one token's K (or V) vector for one KV head is stored."""
+    """How one token's K and V vectors for one KV head are stored."""
 
     element_bits: int | None
     """Bits per element; ``None`` means the model dtype's."""
-    scale_bytes: int
-    """Bytes of quantization scale stored with each token's vector (0 where scales are per layer)."""
+    scale_bytes: tuple[int, int]
+    """Bytes of quantization scale stored with each token's K and V vector (0 where scales are per layer)."""
+    key_range_bytes: int = 0
+    """Bytes per key channel shared by a block's tokens (int4's per-block ranges)."""
 
 
 KV_LAYOUTS: dict[str, KVLayout] = {
-    "auto": KVLayout(element_bits=None, scale_bytes=0),
-    "fp8_e4m3": KVLayout(element_bits=8, scale_bytes=0),
-    "fp8_e5m2": KVLayout(element_bits=8, scale_bytes=0),
-    "int8": KVLayout(element_bits=8, scale_bytes=2),  # one float16 scale per token per KV head
-    "int4": KVLayout(element_bits=4, scale_bytes=2),  # two per byte, one float16 scale per token per KV head
+    "auto": KVLayout(element_bits=None, scale_bytes=(0, 0)),
+    "fp8_e4m3": KVLayout(element_bits=8, scale_bytes=(0, 0)),
+    "fp8_e5m2": KVLayout(element_bits=8, scale_bytes=(0, 0)),
+    "int8": KVLayout(element_bits=8, scale_bytes=(2, 2)),  # one float16 scale per token per KV head
+    "int4": KVLayout(element_bits=4, scale_bytes=(0, 1), key_range_bytes=2),  # keys: lo/hi per block and channel
 }
 KV_CACHE_DTYPES: tuple[str, ...] = tuple(KV_LAYOUTS)
 """``("auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4")``"""
@@ -55,9 +57,15 @@ def model_dtype_name(name: str) -> str:
 
 
 def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, model_dtype_bytes: int
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_cache_dtype: str,
+    model_dtype_bytes: int,
+    block_size: int = 16,
 ) -> int:
-    """Bytes of KV cache one token occupies across all layers: K and V, every KV head, scales included.
+    """Bytes of KV cache one token occupies across all layers: K and V, every KV head, scales included (int4's
+    per-block key ranges spread over the block's ``block_size`` tokens).
 
     ``model_dtype_bytes`` (the model's element size) only matters for ``auto``."""
     layout = KV_LAYOUTS.get(kv_cache_dtype)
@@ -73,4 +81,10 @@ def kv_bytes_per_token(
         bits = 8 * model_dtype_bytes
     if head_dim * bits % 8:
         raise ValueError(f"{kv_cache_dtype} packs two values per byte: head_dim must be even, got {head_dim}")
-    return 2 * num_layers * num_kv_heads * (head_dim * bits // 8 + layout.scale_bytes)
+    ranges = head_dim * layout.key_range_bytes
+    if ranges % block_size:
+        raise ValueError(
+            f"{kv_cache_dtype}: {block_size}-token blocks cannot share {ranges} bytes of key ranges evenly"
+        )
+    per_head = 2 * (head_dim * bits // 8) + sum(layout.scale_bytes) + ranges // block_size
+    return num_layers * num_kv_heads * per_head

@@ -1,9 +1,11 @@
 // What the paged attention kernels share: the scales of a quantized cache and the dispatch on its dtype.
 //
 // Quantized caches (kernels/quant.py) hold int8, int4 or fp8 with scales: none (the cache holds q's dtype), one
-// float per KV head (fp8), or one half per slot and KV head (int8, int4). A scale is constant along head_dim,
-// so kernels multiply a finished q.k score or a V row's weight by it instead of every element. An int4 cache
-// (uint8 storage) packs two values per byte: a row of head_dim values is head_dim / 2 elements `Int4x2`.
+// float per KV head (fp8), one half per slot and KV head (int8) or one e4m3 byte per slot and KV head (int4's
+// values). A scale is constant along head_dim, so kernels multiply a finished q.k score or a V row's weight
+// by it instead of every element. An int4 cache (uint8 storage) packs two values per byte: a row of head_dim
+// values is head_dim / 2 elements `Int4x2`. int4 keys carry no scale: a block's keys share a range per KV
+// head and channel (`KeyRanges`), so a query is scaled per channel once per block instead.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,25 +40,60 @@ inline float load(const Int4x2* row, int64_t i) {
   return static_cast<float>(static_cast<int>((i & 1) ? (b >> 4) : (b & 15)) - 8);
 }
 
-// The scale of one cached row: 1, per KV head, or per slot and KV head.
+inline float e4m3_to_float(uint8_t bits) {
+  return static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
+}
+
+// The scale of one cached row: 1, per KV head, or per slot and KV head (half, or e4m3 bytes). int4 keys'
+// per-block ranges ([blocks, kv_heads, 2, head_dim]) are not a row scale: 1 here, `KeyRanges` reads them.
 struct Scale {
   const float* per_head = nullptr;
   const c10::Half* per_slot = nullptr;
+  const uint8_t* per_slot_e4m3 = nullptr;
   int64_t kv_heads = 1;
 
   explicit Scale(const std::optional<at::Tensor>& t, int64_t kvh) : kv_heads(kvh) {
-    if (!t.has_value()) return;
+    if (!t.has_value() || t->dim() == 4) return;
     if (t->dim() == 1) {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == kvh, "per-head scales must be float [kv_heads]");
       per_head = t->data_ptr<float>();
+    } else if (t->scalar_type() == at::kByte) {
+      TORCH_CHECK(t->is_contiguous(), "per-slot e4m3 scales must be contiguous");
+      per_slot_e4m3 = t->data_ptr<uint8_t>();
     } else {
       TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous(), "per-slot scales must be contiguous half");
       per_slot = t->data_ptr<c10::Half>();
     }
   }
   inline float at(int64_t slot, int64_t h) const {
+    if (per_slot_e4m3) return e4m3_to_float(per_slot_e4m3[slot * kv_heads + h]);
     if (per_slot) return static_cast<float>(per_slot[slot * kv_heads + h]);
     return per_head ? per_head[h] : 1.f;
+  }
+};
+
+// int4 keys' ranges: per block, KV head and channel, lo and hi as e4m3 bytes ([blocks, kv_heads, 2, head_dim]);
+// a key is lo + step * nibble with step = (hi - lo) / 15, i.e. mid + step * (nibble - 8), mid = lo + 8 step.
+struct KeyRanges {
+  const uint8_t* ranges = nullptr;
+  int64_t kv_heads = 1, head_dim = 0;
+
+  explicit KeyRanges(const std::optional<at::Tensor>& t) {
+    if (!t.has_value() || t->dim() != 4) return;
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->is_contiguous() && t->size(2) == 2,
+                "int4 key ranges must be contiguous uint8 [blocks, kv_heads, 2, head_dim]");
+    ranges = t->data_ptr<uint8_t>();
+    kv_heads = t->size(1);
+    head_dim = t->size(3);
+  }
+  // mid and step ([head_dim] each) of block `block`'s keys under KV head h.
+  inline void get(int64_t block, int64_t h, float* mid, float* step) const {
+    const uint8_t* row = ranges + (block * kv_heads + h) * 2 * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) {
+      const float lo = e4m3_to_float(row[c]), s = (e4m3_to_float(row[head_dim + c]) - lo) / 15.f;
+      step[c] = s;
+      mid[c] = lo + 8.f * s;
+    }
   }
 };
 

@@ -94,7 +94,8 @@ inline void for_each_key(const int32_t* table, int64_t block_size, int64_t first
 
 template <int64_t D, typename Q, typename C>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const Scale& k_scale, const Scale& v_scale, const at::Tensor& block_tables,
+                   const Scale& k_scale, const Scale& v_scale, const kvmesh::KeyRanges& ranges,
+                   const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& rows,
                    double scale, int64_t window) {
   const int64_t heads = q.size(1), d = q.size(2);
@@ -119,6 +120,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = span * group;  // query heads of a task
     std::vector<float> qf(width * d), acc(width * d), scores;
+    // int4 keys: per block, q scaled by the block's steps (qs) and q . mid (bias), for each query row.
+    std::vector<float> qs(width * d), bias(width), mid(d), step(d);
+    std::vector<int64_t> current(span);
     for (const auto task : c10::irange(begin, end)) {
       const int64_t seq = row_ids[task / per_seq], h0 = (task % per_seq) * span;
       const int64_t token = starts[seq], first = window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
@@ -131,10 +135,32 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       scores.resize(width * len);
       const int64_t offset = static_cast<int64_t>(sizeof(C)) * h0 * d / P;
       const int64_t bytes = static_cast<int64_t>(sizeof(C)) * span * d / P;
+      std::fill(current.begin(), current.end(), -1);
       for_each_key(table, block_size, first, len, reinterpret_cast<const char*>(kp), row_bytes, offset, bytes,
                    [&](int64_t slot, int64_t i) {
                      for (int64_t h = h0; h < h0 + span; ++h) {
                        const C* krow = kp + slot * row_stride + h * d / P;
+                       if constexpr (P == 2) {  // int4 keys: mid + step * level per channel, per block
+                         const int64_t block = slot / block_size;
+                         if (block != current[h - h0]) {
+                           current[h - h0] = block;
+                           ranges.get(block, h, mid.data(), step.data());
+                           for (const auto g : c10::irange(group)) {
+                             const int64_t w = (h - h0) * group + g;
+                             float b = 0.f;
+                             for (const auto c : c10::irange(d)) {
+                               qs[w * d + c] = qf[w * d + c] * step[c];
+                               b += qf[w * d + c] * mid[c];
+                             }
+                             bias[w] = b;
+                           }
+                         }
+                         for (const auto g : c10::irange(group)) {
+                           const int64_t w = (h - h0) * group + g;
+                           scores[w * len + i] = bias[w] + dot<D>(qs.data() + w * d, krow, d);
+                         }
+                         continue;
+                       }
                        const float ks = k_scale.at(slot, h);
                        for (const auto g : c10::irange(group)) {
                          const int64_t w = (h - h0) * group + g;
@@ -179,6 +205,8 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   kvmesh::check_paged_args("paged_decode", out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows);
   const int64_t kvh = k_cache.size(2);
   const Scale ks(k_scale, kvh), vs(v_scale, kvh);
+  const kvmesh::KeyRanges kr(k_scale);
+  TORCH_CHECK((k_cache.scalar_type() == at::kByte) == (kr.ranges != nullptr), "int4 keys need their block ranges");
   const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const auto starts = query_start_loc.contiguous(), rows_c = rows.contiguous();
   const auto cache_type = k_cache.scalar_type();
@@ -188,11 +216,11 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
       using C = decltype(cache_tag);
       const int64_t d = q.size(2);
       if (d == 64) {
-        decode_kernel<64, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+        decode_kernel<64, Q, C>(out, q, k_cache, v_cache, ks, vs, kr, tables, lens, starts, rows_c, scale, window);
       } else if (d == 128) {
-        decode_kernel<128, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+        decode_kernel<128, Q, C>(out, q, k_cache, v_cache, ks, vs, kr, tables, lens, starts, rows_c, scale, window);
       } else {
-        decode_kernel<0, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+        decode_kernel<0, Q, C>(out, q, k_cache, v_cache, ks, vs, kr, tables, lens, starts, rows_c, scale, window);
       }
     };
     kvmesh::with_cache_type<Q>(cache_type, q.scalar_type(), run);

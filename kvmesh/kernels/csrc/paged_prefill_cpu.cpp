@@ -121,7 +121,8 @@ inline void tile_values(v16* o, const v16* p, const float* corr, const v16* v, i
 
 template <int64_t D, typename Q, typename C>
 void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const Scale& k_scale, const Scale& v_scale, const at::Tensor& block_tables,
+                    const Scale& k_scale, const Scale& v_scale, const kvmesh::KeyRanges& ranges,
+                    const at::Tensor& block_tables,
                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const at::Tensor& rows,
                     double scale, int64_t window) {
   constexpr int64_t VC = D / 16;                 // v16 vectors per head_dim row
@@ -162,6 +163,8 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(max_rows * D), m(max_rows), l(max_rows), corr(max_rows);
     std::vector<v16> kt(D), vt(kKeys * VC), s(max_rows), o(max_rows * VC);
+    std::vector<float> mid(D), step(D);  // int4 keys: the ranges of the block last read
+    int64_t current = -1;
     // This thread's tasks: those whose work ends in its share of the total.
     const auto lo = std::lower_bound(done.begin(), done.end(), total * part_begin / parts - 1e-9) - done.begin();
     const auto hi = part_end == parts ? static_cast<int64_t>(tasks.size())
@@ -184,6 +187,7 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       std::fill(m.begin(), m.end(), 0.f);
       std::fill(corr.begin(), corr.end(), 1.f);
       const int64_t key_end = pos0 + npos;
+      current = -1;
       for (int64_t k0 = first_key(pos0); k0 < key_end; k0 += kKeys) {
         const int64_t nk = std::min(kKeys, key_end - k0);
         for (const auto i : c10::irange(kKeys)) {
@@ -196,7 +200,16 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           const C* krow = kp + slot * row_stride + h * D / P;
           const C* vrow = vp + slot * row_stride + h * D / P;
           const float ks = k_scale.at(slot, h), vs = v_scale.at(slot, h);
-          for (const auto d : c10::irange(D)) kt[d][i] = ks * kvmesh::load(krow, d);
+          if constexpr (P == 2) {  // int4 keys: mid + step * level per channel, per block
+            const int64_t block = table[key / block_size];
+            if (block != current) {
+              current = block;
+              ranges.get(block, h, mid.data(), step.data());
+            }
+            for (const auto d : c10::irange(D)) kt[d][i] = mid[d] + step[d] * kvmesh::load(krow, d);
+          } else {
+            for (const auto d : c10::irange(D)) kt[d][i] = ks * kvmesh::load(krow, d);
+          }
           float* vf = reinterpret_cast<float*>(vt.data() + i * VC);
           for (const auto d : c10::irange(D)) vf[d] = vs * kvmesh::load(vrow, d);
         }
@@ -243,6 +256,8 @@ void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cach
   const int64_t kvh = k_cache.size(2), d = q.size(2);
   TORCH_CHECK(d == 64 || d == 128, "paged_prefill takes head_dim 64 or 128, got ", d);
   const Scale ks(k_scale, kvh), vs(v_scale, kvh);
+  const kvmesh::KeyRanges kr(k_scale);
+  TORCH_CHECK((k_cache.scalar_type() == at::kByte) == (kr.ranges != nullptr), "int4 keys need their block ranges");
   const auto tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const auto starts = query_start_loc.contiguous(), rows_c = rows.contiguous();
   auto for_q = [&](auto q_tag) {
@@ -250,9 +265,9 @@ void paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cach
     auto run = [&](auto cache_tag) {
       using C = decltype(cache_tag);
       if (d == 64) {
-        prefill_kernel<64, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+        prefill_kernel<64, Q, C>(out, q, k_cache, v_cache, ks, vs, kr, tables, lens, starts, rows_c, scale, window);
       } else {
-        prefill_kernel<128, Q, C>(out, q, k_cache, v_cache, ks, vs, tables, lens, starts, rows_c, scale, window);
+        prefill_kernel<128, Q, C>(out, q, k_cache, v_cache, ks, vs, kr, tables, lens, starts, rows_c, scale, window);
       }
     };
     kvmesh::with_cache_type<Q>(k_cache.scalar_type(), q.scalar_type(), run);

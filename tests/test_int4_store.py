@@ -1,0 +1,105 @@
+"""int4 key writes (``kvmesh/kernels/int4_store.py``): a block filled token by token from its tail holds
+exactly what writing it whole would, and the tails' bookkeeping survives recycling, copies and overflow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.kernels.int4_store import KeyTails, plan_writes
+from kvmesh.kernels.quant import dequantize_int4_keys, e4m3_bits, e4m3_values, int4_key_ranges
+from kvmesh.kernels.torch_attention import store_kv_torch
+
+BS, KVH, D = 16, 2, 64
+
+
+def caches(blocks: int = 8):
+    shape = (blocks, BS, KVH, D // 2)
+    k, v = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    ranges = torch.zeros((blocks, KVH, 2, D), dtype=torch.uint8)
+    return k, v, ranges, torch.zeros((blocks, BS, KVH), dtype=torch.uint8)
+
+
+def write(cache, keys, slots, tails=None, tail=None):
+    k, v, ranges, v_scale = cache
+    slots = torch.tensor(slots)
+    plan = tails.plan(slots, BS) if tails is not None else None
+    store_kv_torch(keys, keys.clone(), k, v, slots, ranges, v_scale, plan, tail)
+
+
+def test_a_block_filled_token_by_token_holds_what_one_write_of_it_would():
+    """Decode writes one key a step: with tails, each step re-derives the block from exact keys, so the
+    stored bytes equal a single write of the same keys (a prefill), after every step."""
+    keys = torch.randn(BS, KVH, D) * torch.linspace(0.1, 5, D)  # channels of very different ranges
+    keys[:, :, 3] += 7.0  # and an offset that in-place re-rounding would smear
+    one, steps = caches(), caches()
+    tails = KeyTails(num_blocks=8, slots=4, device=torch.device("cpu"))
+    tail = torch.zeros((4, BS, KVH, D))
+    for i in range(BS):
+        write(steps, keys[i : i + 1], [5 * BS + i], tails, tail)
+        one = caches()
+        write(one, keys[: i + 1], list(range(5 * BS, 5 * BS + i + 1)))
+        assert torch.equal(steps[0][5], one[0][5]) and torch.equal(steps[2][5], one[2][5]), f"after key {i}"
+    assert int(tails.tail_of[5]) == -1  # full: its tail went back to the pool
+
+
+def test_without_a_tail_a_continued_block_is_rederived_from_its_stored_keys():
+    """The fallback (a tail lost to a copy or a swap): the newest key within half a step, the earlier ones
+    re-rounded once per write (at most half a step each time), not the exact one-write result."""
+    keys = torch.randn(BS, KVH, D) * 3
+    cache = caches()
+    for i in range(BS):
+        write(cache, keys[i : i + 1], [2 * BS + i])  # no tails: plan_writes rebuilds every continued block
+    _, step = int4_key_ranges(cache[2][2:3])
+    err = (dequantize_int4_keys(cache[0][2:3], cache[2][2:3])[0] - keys).abs()
+    assert bool((err[-1] <= 0.5001 * step[0] + 1e-6).all())
+    assert float(err.max()) <= BS * 0.5001 * float(step.max())
+
+
+def test_tail_slots_are_recycled_least_recently_written_first_and_copies_forget_theirs():
+    tails = KeyTails(num_blocks=16, slots=2, device=torch.device("cpu"))
+    p = tails.plan(torch.tensor([0 * BS, 1 * BS]), BS)  # two new partial blocks take both slots
+    assert p.read_tail.tolist() == [-1, -1] and sorted(p.save_tail.tolist()) == [0, 1]
+    p = tails.plan(torch.tensor([1 * BS + 1]), BS)  # block 1 continues from its tail
+    assert p.read_tail.tolist() == [int(tails.tail_of[1])] and p.rebuild.numel() == 0
+    p = tails.plan(torch.tensor([2 * BS]), BS)  # block 2 takes block 0's slot: written least recently
+    assert int(tails.tail_of[0]) == -1 and int(tails.tail_of[2]) >= 0
+    p = tails.plan(torch.tensor([0 * BS + 1]), BS)  # block 0 lost its tail: re-derived from the cache
+    assert p.rebuild.tolist() == [0] and p.read_tail.tolist() == [-1]
+    tails.forget(torch.tensor([1]))  # a copy or a swap-in replaced block 1's keys
+    p = tails.plan(torch.tensor([1 * BS + 2]), BS)
+    assert p.rebuild.tolist() == [0]
+    with pytest.raises(RuntimeError, match="3 partial key blocks in a step, 2 tails"):
+        tails.plan(torch.tensor([5 * BS, 6 * BS, 7 * BS]), BS)
+
+
+def test_a_whole_block_in_one_write_takes_no_tail():
+    tails = KeyTails(num_blocks=4, slots=2, device=torch.device("cpu"))
+    p = tails.plan(torch.arange(BS) + BS, BS)
+    assert p.save_tail.tolist() == [-1] and p.fill.tolist() == [BS] and int(tails.owner.max()) == -1
+    writes = plan_writes(torch.tensor([-1, 3 * BS + 4, 3 * BS + 5, -1]), BS)
+    assert writes.blocks.tolist() == [3] and writes.fill.tolist() == [6] and writes.rebuild.tolist() == [0]
+
+
+def test_the_decode_graphs_are_refused_for_int4(tiny_llama_dir):
+    from kvmesh.replica import LLM
+
+    engine = LLM(str(tiny_llama_dir), kv_cache_dtype="int4", num_kv_blocks=8).engine
+    with pytest.raises(ValueError, match="int4 KV cache runs decode steps eagerly"):
+        engine.runner.capture_decode_graphs([1, 2], capture=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=-500, max_value=500, allow_nan=False, width=32))
+def test_e4m3_ranges_round_outward_to_the_nearest_grid_point(x):
+    """A block's range is stored as e4m3 rounded outward, so it still contains every key it was taken from,
+    and by no more than one step of the grid."""
+    t = torch.tensor([x])
+    down, up = float(e4m3_values(e4m3_bits(t, up=False))), float(e4m3_values(e4m3_bits(t, up=True)))
+    clamped = min(max(x, -448.0), 448.0)
+    assert down <= clamped <= up
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)]
+    assert not bool(((grid > down) & (grid < clamped)).any()) and not bool(((grid < up) & (grid > clamped)).any())
