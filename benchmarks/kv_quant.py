@@ -1,10 +1,13 @@
-"""Quantized KV cache: sequences admitted at a fixed KV budget, and what the quantization costs in quality.
+"""Quantized KV cache: sequences admitted at a fixed KV budget, the speed of each format, and what it costs in quality.
 
 1. Concurrency: the same byte budget per dtype (sized to hold ``--fit`` sequences in the model dtype),
    ``--requests`` requests of ``--prompt`` random tokens + ``--output`` tokens submitted at once, no prefix
    sharing; reports the pool's blocks and the most sequences running at once. Run for a bf16 model (the
    GPU case: ``auto`` = 2 bytes, goal fp8 exactly 2x) and the fp32 CPU default (``auto`` = 4 bytes).
-2. Quality (fp32 SmolLM2, the CPU default): a fixed set of chat prompts, ``--max-tokens`` greedy tokens
+2. Speed: ``--speed-requests`` requests of ``--prompt`` random tokens + ``--speed-output`` tokens served at
+   once by an fp32 engine whose pool holds them all, per dtype (median of ``--repeats``): what quantized
+   stores and attention cost per step, apart from admission.
+3. Quality (fp32 SmolLM2, the CPU default): a fixed set of chat prompts, ``--max-tokens`` greedy tokens
    with the full-precision cache; then for each quantized dtype (a) free-running greedy agreement (the
    share of generated tokens before the first difference, and whole sequences identical) and (b) teacher
    forced on the full-precision continuation: mean |log p| difference of its tokens and top-1 agreement,
@@ -12,7 +15,7 @@
    ``--ppl-chunks`` x ``--ppl-tokens`` tokens of Python's pydoc topics text, teacher forced the same way.
 
     python -m benchmarks.kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
-        [--skip-concurrency]
+        [--skip-concurrency] [--speed-requests 16] [--speed-output 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -48,6 +51,30 @@ PROMPTS = [
     "How do vaccines train the immune system?",
     "What is the difference between weather and climate?",
 ]
+
+
+def speed(model: str, requests: int, prompt: int, output: int, repeats: int) -> list[dict]:
+    """Seconds to serve the same requests all at once with every KV dtype, the pool big enough for all (fp32
+    model): what each dtype's store and attention cost, apart from how many sequences it admits."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(100, 40000, prompt).tolist() for _ in range(requests)]
+    params = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
+    rows = []
+    for kv in KV_CACHE_DTYPES:
+        llm = LLM(model, kv_cache_dtype=kv, max_num_seqs=requests, num_kv_blocks=requests * -(-(prompt + output) // 16))
+        llm.generate(prompts[:2], params)  # warm-up
+        times = []
+        for _ in range(repeats):
+            llm.engine.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            times.append(time.perf_counter() - t0)
+        rows.append({"kv_cache_dtype": kv, "seconds": float(np.median(times)), "runs": times})
+        print(f"  speed {kv}: {np.median(times):.2f} s", flush=True)
+    for r in rows:
+        r["output_tok_s"] = requests * output / r["seconds"]
+        r["vs_auto"] = rows[0]["seconds"] / r["seconds"]
+    return rows
 
 
 def concurrency(model: str, dtype: str, requests: int, prompt: int, output: int, fit: int) -> list[dict]:
@@ -166,8 +193,11 @@ def main() -> None:
     ap.add_argument("--ppl-chunks", type=int, default=8, help="perplexity: chunks of the pydoc topics text")
     ap.add_argument("--ppl-tokens", type=int, default=1024, help="perplexity: tokens per chunk")
     ap.add_argument("--skip-concurrency", action="store_true")
+    ap.add_argument("--speed-requests", type=int, default=16, help="speed: requests served at once")
+    ap.add_argument("--speed-output", type=int, default=64, help="speed: output tokens each")
+    ap.add_argument("--repeats", type=int, default=3, help="speed: runs per dtype (median)")
     args = ap.parse_args()
-    out: dict = {"concurrency": [], "quality": []}
+    out: dict = {"concurrency": [], "quality": [], "speed": []}
     for dtype in () if args.skip_concurrency else ("bfloat16", "float32"):
         out["concurrency"] += concurrency(args.model, dtype, args.requests, args.prompt, args.output, args.fit)
     print_table(
@@ -185,6 +215,11 @@ def main() -> None:
             ]
             for r in out["concurrency"]
         ],
+    )
+    out["speed"] = speed(args.model, args.speed_requests, args.prompt, args.speed_output, args.repeats)
+    print_table(
+        ["KV dtype (fp32 model)", "median s", "output tok/s", "vs auto"],
+        [[r["kv_cache_dtype"], r["seconds"], r["output_tok_s"], f"{r['vs_auto']:.2f}x"] for r in out["speed"]],
     )
     out["quality"] = quality(args.model, args.max_tokens, args.ppl_chunks, args.ppl_tokens)
     ppl0 = out["quality"][0]["perplexity"]

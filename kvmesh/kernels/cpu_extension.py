@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
-    CSRC / f"{name}_cpu.cpp" for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear")
+    CSRC / f"{name}_cpu.cpp"
+    for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear", "int4_keys")
 ]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"

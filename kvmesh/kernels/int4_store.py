@@ -22,22 +22,24 @@ from kvmesh.kernels.quant import dequantize_int4_keys, quantize_int4_keys
 
 @dataclass(frozen=True)
 class TailPlan:
-    """Where one step's key writes go, the same for every layer: the blocks they touch, in order, and for
-    each its tail slot (-1: none), how many slots it holds after the step, and where its earlier keys come
-    from."""
+    """Where one step's key writes go, the same for every layer: the blocks they touch, how many slots each
+    holds after the step, where each block's earlier keys come from and which blocks' keys are kept after.
+    Rows are indices into ``blocks``; slots are tail slots."""
 
     blocks: torch.Tensor
     """[n] int64: the blocks the step writes keys into."""
     fill: torch.Tensor
     """[n] int64: slots of each holding keys after the step."""
-    read_tail: torch.Tensor
-    """[n] int64: the tail slot holding the block's earlier keys, -1 where it has none (new, or whole)."""
+    read_rows: torch.Tensor
+    """Blocks continued from their tails (at ``read_slots``)."""
+    read_slots: torch.Tensor
     rebuild: torch.Tensor
-    """int64 indices into ``blocks``: blocks continued without a tail, re-derived from their stored keys."""
-    save_tail: torch.Tensor
-    """[n] int64: the tail slot the block's keys are kept in after the step, -1 for a block now full."""
+    """Blocks continued without a tail: re-derived from their stored keys."""
+    save_rows: torch.Tensor
+    """Blocks left partial: their keys are kept in ``save_slots``."""
+    save_slots: torch.Tensor
     token_block: torch.Tensor
-    """[tokens] int64: each written token's index into ``blocks`` (written tokens only, slot >= 0)."""
+    """[tokens] int64: each written token's row (written tokens only, slot >= 0)."""
     token_offset: torch.Tensor
     """[tokens] int64: its slot within the block."""
 
@@ -55,21 +57,24 @@ class KeyTails:
     def plan(self, slot_mapping: torch.Tensor, block_size: int) -> TailPlan:
         """The step's plan for the keys written at ``slot_mapping`` (-1: not written), tail slots assigned."""
         self.step += 1
-        writes = plan_writes(slot_mapping, block_size)
+        writes, continued = _writes(slot_mapping, block_size)
         held = self.tail_of[writes.blocks]
-        continued = writes.read_tail == 0  # plan_writes marks continued blocks with 0
         partial = writes.fill < block_size
-        save_tail = torch.where(partial, held, -1)
+        save = torch.where(partial, held, -1)
         need = partial & (held < 0)
         if bool(need.any()):
-            save_tail[need] = self._assign(writes.blocks[need], protect=held[held >= 0])
-        self.stamp[save_tail[save_tail >= 0]] = self.step
+            save[need] = self._assign(writes.blocks[need], protect=held[held >= 0])
+        self.stamp[save[save >= 0]] = self.step
         self.forget(writes.blocks[~partial & (held >= 0)])  # full now: their tails go back to the pool
+        read_rows = torch.nonzero(continued & (held >= 0)).flatten()
+        save_rows = torch.nonzero(save >= 0).flatten()
         return replace(
             writes,
-            read_tail=torch.where(continued, held, -1),
+            read_rows=read_rows,
+            read_slots=held[read_rows],
             rebuild=torch.nonzero(continued & (held < 0)).flatten(),
-            save_tail=save_tail,
+            save_rows=save_rows,
+            save_slots=save[save_rows],
         )
 
     def _assign(self, blocks: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
@@ -94,23 +99,22 @@ class KeyTails:
 
 
 def plan_writes(slot_mapping: torch.Tensor, block_size: int) -> TailPlan:
-    """The plan of a step that keeps no tails: every continued block is re-derived from its stored keys.
-    (``read_tail`` is 0 for a continued block here, -1 otherwise; ``KeyTails.plan`` replaces it.)"""
+    """The plan of a step that keeps no tails: every continued block is re-derived from its stored keys."""
+    return _writes(slot_mapping, block_size)[0]
+
+
+def _writes(slot_mapping: torch.Tensor, block_size: int) -> tuple[TailPlan, torch.Tensor]:
+    """The tail-less plan, and which of its blocks continue one written before (their first write is past
+    slot 0)."""
     slots = slot_mapping[slot_mapping >= 0].long()
     blocks, token_block = torch.unique(slots // block_size, return_inverse=True)
     offset = slots % block_size
     fill = torch.zeros_like(blocks).scatter_reduce_(0, token_block, offset + 1, "amax", include_self=False)
     first = torch.full_like(blocks, block_size).scatter_reduce_(0, token_block, offset, "amin")
     continued = first > 0
-    return TailPlan(
-        blocks=blocks,
-        fill=fill,
-        read_tail=torch.where(continued, 0, -1),
-        rebuild=torch.nonzero(continued).flatten(),
-        save_tail=torch.full_like(blocks, -1),
-        token_block=token_block,
-        token_offset=offset,
-    )
+    none = blocks[:0]
+    plan = TailPlan(blocks, fill, none, none, torch.nonzero(continued).flatten(), none, none, token_block, offset)
+    return plan, continued
 
 
 def store_int4_keys(
@@ -124,16 +128,15 @@ def store_int4_keys(
     blocks re-derived from exact keys: the tail's (``tail``: [slots, block_size, kv_heads, head_dim]), else
     the block's stored ones (``plan.rebuild``)."""
     rows = torch.zeros((plan.blocks.numel(), k_cache.shape[1], *key.shape[1:]), dtype=torch.float32, device=key.device)
-    has = torch.nonzero(plan.read_tail >= 0).flatten() if tail is not None else plan.read_tail[:0]
-    if has.numel():
-        rows[has] = tail[plan.read_tail[has]].float()
-    if plan.rebuild.numel():
-        ids = plan.blocks[plan.rebuild]
-        rows[plan.rebuild] = dequantize_int4_keys(k_cache[ids], k_ranges[ids])
+    if tail is not None and plan.read_rows.numel():
+        rows[plan.read_rows] = tail[plan.read_slots].float()
+    rebuild = plan.rebuild if tail is not None else torch.cat((plan.rebuild, plan.read_rows))
+    if rebuild.numel():
+        ids = plan.blocks[rebuild]
+        rows[rebuild] = dequantize_int4_keys(k_cache[ids], k_ranges[ids])
     rows[plan.token_block, plan.token_offset] = key.float()
     packed, ranges = quantize_int4_keys(rows, plan.fill)
     k_cache[plan.blocks] = packed
     k_ranges[plan.blocks] = ranges
-    keep = torch.nonzero(plan.save_tail >= 0).flatten()
-    if tail is not None and keep.numel():
-        tail[plan.save_tail[keep]] = rows[keep].to(tail.dtype)
+    if tail is not None and plan.save_rows.numel():
+        tail[plan.save_slots] = rows[plan.save_rows].to(tail.dtype)
