@@ -40,7 +40,7 @@ import torch
 import kvmesh.kernels.torch_attention as torch_attention
 from benchmarks.kv_quant import PROMPTS, perplexity, perplexity_text, teacher_forced_logprobs
 from kvmesh.bench.report import print_table, write_json
-from kvmesh.kernels.quant import int4_rotation
+from kvmesh.kernels.quant import e4m3_bits, e4m3_values, int4_rotation
 from kvmesh.replica import LLM, SamplingParams
 from kvmesh.replica.model_runner import CALIBRATION_TOKENS
 
@@ -84,16 +84,8 @@ def mse(x: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3(x: torch.Tensor, up: bool) -> torch.Tensor:
-    """``x`` on fp8 e4m3's grid, rounded toward +inf (``up``) or -inf."""
-    f = x.float().to(torch.float8_e4m3fn)
-    off = (f.double() < x) if up else (f.double() > x)
-    bits = f.view(torch.uint8).to(torch.int16)
-    mag, neg = bits & 127, bits >= 128
-    step = torch.where(neg, -1, 1) * (1 if up else -1)  # one grid step toward the wanted direction
-    mag = mag + step
-    neg = torch.where(mag < 0, ~neg, neg)
-    moved = (mag.abs() | neg.to(torch.int16) * 128).to(torch.uint8).view(torch.float8_e4m3fn)
-    return torch.where(off, moved.double(), f.double())
+    """``x`` on fp8 e4m3's grid, rounded toward +inf (``up``) or -inf, as the engine stores int4 ranges."""
+    return e4m3_values(e4m3_bits(x, up)).double()
 
 
 def per_channel(g: torch.Tensor, params: str) -> torch.Tensor:

@@ -112,10 +112,15 @@ def _dequantized(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if stored.dtype == torch.uint8:
         nibbles = torch.stack((stored.long() % 16, stored.long() // 16), dim=-1).flatten(-2).double()
         if scale.dim() == 4:
-            lo, hi = (scale[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
+            lo, hi = _key_ranges(scale)
             return lo[:, None] + (hi - lo)[:, None] / 15 * nibbles
         return (nibbles - 8) * scale.view(torch.float8_e4m3fn).double()[..., None]
     return stored.double() * scale.double()[..., None]
+
+
+def _key_ranges(ranges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(lo, hi)`` of int4 key ranges ([blocks, kv_heads, 2, head_dim] e4m3 bytes)."""
+    return tuple(ranges[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
 
 
 def _rounding_bound(x: torch.Tensor, scale: torch.Tensor, storage, slots, kvh: int, block_size: int) -> torch.Tensor:
@@ -123,7 +128,7 @@ def _rounding_bound(x: torch.Tensor, scale: torch.Tensor, storage, slots, kvh: i
     and int4 (int4 keys: their block's step in that channel), half an ulp of fp8 (relative, above its
     subnormals)."""
     if scale.dim() == 4:
-        lo, hi = (scale[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
+        lo, hi = _key_ranges(scale)
         return 0.5001 * ((hi - lo) / 15)[slots // block_size]
     if scale.dtype == torch.uint8:
         return 0.5001 * scale.view(torch.float8_e4m3fn).double().view(-1, kvh)[slots][..., None]

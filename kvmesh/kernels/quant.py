@@ -94,9 +94,7 @@ def quantize(x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor
         stored = (x.float() / scales.float()[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return stored, scales
     if cache_dtype == INT4_DTYPE:  # values (keys go per block: quantize_int4_keys)
-        amax = (x.float().abs().amax(-1) / INT4_MAX).clamp(max=E4M3_MAX)
-        near = amax.to(torch.float8_e4m3fn)  # rounded up below: e4m3_bits(amax, up=True) for amax >= 0
-        scales = near.view(torch.uint8) + (near.float() < amax).to(torch.uint8)
+        scales = e4m3_bits(x.float().abs().amax(-1) / INT4_MAX, up=True)
         s = e4m3_values(scales)[..., None]
         levels = torch.where(s > 0, x.float() / s, 0.0).round().clamp(-INT4_MAX, INT4_MAX).to(torch.int8) + 8
         return pack_int4(levels.to(torch.uint8)), scales

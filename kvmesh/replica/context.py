@@ -32,7 +32,8 @@ class LayerCache:
     k_tail: torch.Tensor | None = None
 
     def per_block(self) -> list[torch.Tensor]:
-        """The tensors indexed by block id (K, V, and int8/int4's per-slot scales): what a block copy moves."""
+        """The tensors indexed by block id (K, V, int8/int4's per-slot scales, int4's key ranges): what a block
+        copy moves."""
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None and t.dim() > 1]
 
 

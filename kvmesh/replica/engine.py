@@ -169,7 +169,7 @@ class LLMEngine(StepRecovery):
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
         # int4 keys are written whole blocks at a time from their tails, a step the graphs cannot capture
-        if device.type == "cuda" and not config.enforce_eager and config.kv_cache_dtype != "int4":
+        if device.type == "cuda" and not config.enforce_eager and self.runner.key_tails is None:
             sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
             started = time.perf_counter()

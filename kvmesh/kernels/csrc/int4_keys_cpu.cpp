@@ -17,6 +17,8 @@
 #include <cmath>
 #include <vector>
 
+#include "paged_cache.h"
+
 namespace {
 
 // x on e4m3's grid, rounded toward +inf (up) or -inf, as its byte; saturates at +-448.
@@ -35,10 +37,6 @@ inline uint8_t e4m3_directed(float x, bool up) {
     bits = static_cast<uint8_t>((negative << 7) | magnitude);
   }
   return bits;
-}
-
-inline float e4m3_value(uint8_t bits) {
-  return static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
 }
 
 void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tensor packed, at::Tensor ranges) {
@@ -69,8 +67,8 @@ void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tens
         }
         r[c] = e4m3_directed(mn, false);
         r[d + c] = e4m3_directed(mx, true);
-        lo[c] = e4m3_value(r[c]);
-        step[c] = (e4m3_value(r[d + c]) - lo[c]) / 15.f;
+        lo[c] = kvmesh::e4m3_to_float(r[c]);
+        step[c] = (kvmesh::e4m3_to_float(r[d + c]) - lo[c]) / 15.f;
       }
       for (int64_t s = 0; s < bs; ++s) {
         uint8_t* dst = out + ((b * bs + s) * kvh + h) * d / 2;
