@@ -6,7 +6,8 @@ Each candidate is simulated in the engine's own torch attention path (gather rou
 stores is quantized and dequantized by the candidate (in float64) and written back in full precision, so
 only the rounding differs between candidates. Quality as ``benchmarks.kv_quant`` measures it (teacher-forced
 top-1 agreement with the full-precision cache's greedy continuations of 16 chat prompts, and perplexity on
-Python's pydoc topics text). Per token and KV head, unless said otherwise:
+Python's pydoc topics text, and the top-1 agreement at each position of that text). Per token and KV head,
+unless said otherwise:
 
 - ``sym``: symmetric, ``absmax / 7`` (15 levels); ``asym``: 16 levels from the vector's min to max (a scale
   and a zero point); ``mse``: ``sym`` with the clipping ratio of least squared error; ``g32``: a scale (and
@@ -15,9 +16,12 @@ Python's pydoc topics text). Per token and KV head, unless said otherwise:
   ``c``: keys less their calibrated mean (exact for attention); ``s``: keys scaled per channel by
   ``sqrt(rms(q) / rms(k))`` from the calibration pass (queries by the inverse; exact for attention).
 - ``block``: keys quantized **per channel over each 16-token cache block** (KIVI's axis), asymmetric, the
-  block's min and max per channel kept as float16 or as fp8 e4m3 (min rounded down, max up); ``written
+  block's min and max per channel kept as float16 or as fp8 e4m3 (min rounded down, max up; ``least-squares
+  ends``: kvmesh's, each end rounded down or up, the pair of least squared error); ``written
   token by token``: as a paged cache would have to without a full-precision copy of the block being
   filled, each new key widens the block's ranges and re-rounds the keys already stored from their levels.
+- ``sym16``: 16 levels -8..7, the e4m3 scale ``absmax / 8`` signed to put the largest magnitude on -8;
+  ``int4 values``: kvmesh's (``quantize_int4_values``), that with the least-squares of a few clipped scales.
 - ``k only`` / ``v only``: the other tensor left in full precision, to see which one the loss comes from;
   ``first token exact`` / ``first block exact``: a sequence's first 1 / 16 tokens left in full precision
   (what keeping the attention sink exact would buy).
@@ -38,9 +42,17 @@ import numpy as np
 import torch
 
 import kvmesh.kernels.torch_attention as torch_attention
-from benchmarks.kv_quant import PROMPTS, perplexity, perplexity_text, teacher_forced_logprobs
+from benchmarks.kv_quant import PROMPTS, perplexity_text, teacher_forced_logprobs, text_scores
 from kvmesh.bench.report import print_table, write_json
-from kvmesh.kernels.quant import e4m3_bits, e4m3_values, int4_rotation
+from kvmesh.kernels.quant import (
+    dequantize,
+    dequantize_int4_keys,
+    e4m3_bits,
+    e4m3_values,
+    int4_rotation,
+    quantize_int4_keys,
+    quantize_int4_values,
+)
 from kvmesh.replica import LLM, SamplingParams
 from kvmesh.replica.model_runner import CALIBRATION_TOKENS
 
@@ -64,6 +76,20 @@ def sym_e4m3(x: torch.Tensor) -> torch.Tensor:
     """``sym`` with its scale kept in one byte: fp8 e4m3, rounded up so that no value clips."""
     s = e4m3(x.abs().amax(-1, keepdim=True) / 7, up=True).clamp_min(1e-8)
     return (x / s).round().clamp(-7, 7) * s
+
+
+def sym16_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """16 levels -8..7 (``sym_e4m3`` leaves one unused): the scale, ``absmax / 8`` in one e4m3 byte, takes
+    the sign that puts the vector's largest magnitude at -8."""
+    top = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    s = e4m3(x.abs().amax(-1, keepdim=True) / 8, up=True).clamp_min(1e-8) * torch.where(top > 0, -1.0, 1.0)
+    return (x / s).round().clamp(-8, 7) * s
+
+
+def int4_values(x: torch.Tensor) -> torch.Tensor:
+    """kvmesh's int4 values: ``sym16_e4m3`` with the least-squares scale of ``INT4_VALUE_DIVISORS``."""
+    packed, scales = quantize_int4_values(x)
+    return dequantize(packed, scales, torch.float64)
 
 
 def asym(x: torch.Tensor, group: int = 0) -> torch.Tensor:
@@ -97,6 +123,14 @@ def per_channel(g: torch.Tensor, params: str) -> torch.Tensor:
         lo, hi = torch.minimum(lo.half().double(), lo), torch.maximum(hi.half().double(), hi)
     s = ((hi - lo) / 15).clamp_min(1e-10)
     return ((g - lo) / s).round().clamp(0, 15) * s + lo
+
+
+def int4_keys(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """kvmesh's int4 keys (``quantize_int4_keys``: e4m3 range ends of least squared error), whole blocks."""
+    n, pad = x.shape[0], -x.shape[0] % BLOCK
+    g = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]).reshape(-1, BLOCK, *x.shape[1:])
+    packed, ranges = quantize_int4_keys(g, torch.full((g.shape[0],), BLOCK))
+    return dequantize_int4_keys(packed, ranges).double().flatten(0, 1)[:n]
 
 
 def block_channel(params: str, token_by_token: bool = False) -> Rounding:
@@ -164,12 +198,14 @@ class Candidate:
 
 ROT_SYM = per_token(sym, True)
 BLOCK_E4M3 = fixed(block_channel("e4m3"))
+INT4_V = per_token(int4_values, True)
+KEYS = fixed(int4_keys)
 CANDIDATES = [
     Candidate("sym", per_token(sym, False), per_token(sym, False), 34),
     Candidate("rot sym (kvmesh's rotation alone)", ROT_SYM, ROT_SYM, 34),
     Candidate("rot sym, k only", ROT_SYM, None),
     Candidate("rot sym, v only", None, ROT_SYM),
-    Candidate("rot c sym (kvmesh int4)", per_token(sym, True, True), ROT_SYM, 34),
+    Candidate("rot c sym (kvmesh's int4 until 2026-11-27)", per_token(sym, True, True), ROT_SYM, 34),
     Candidate("rot mse", per_token(mse, True), per_token(mse, True), 34),
     Candidate("rot asym", per_token(asym, True), per_token(asym, True), 36),
     Candidate("rot c s sym", per_token(sym, True, True, True), ROT_SYM, 34),
@@ -182,19 +218,20 @@ CANDIDATES = [
     ),
     Candidate("rot sym g32", per_token(lambda x: sym(x, 32), True), per_token(lambda x: sym(x, 32), True), 36),
     Candidate("rot sym e4m3-scale, v only", None, per_token(sym_e4m3, True)),
+    Candidate("rot sym16 e4m3 signed scale, v only", None, per_token(sym16_e4m3, True)),
+    Candidate("rot int4 values (least-squares signed scale), v only", None, INT4_V),
     Candidate("block fp16, k only", fixed(block_channel("fp16")), None),
     Candidate("block e4m3, k only", BLOCK_E4M3, None),
     Candidate("block e4m3 written token by token, k only", fixed(block_channel("e4m3", True)), None),
     Candidate("block e4m3 + rot sym", BLOCK_E4M3, ROT_SYM, 37),
     Candidate("block e4m3 + rot sym e4m3-scale", BLOCK_E4M3, per_token(sym_e4m3, True), 36.5),
-    Candidate("... first token exact", first_exact(BLOCK_E4M3, 1), first_exact(per_token(sym_e4m3, True), 1)),
-    Candidate("... first block exact", first_exact(BLOCK_E4M3, 16), first_exact(per_token(sym_e4m3, True), 16)),
-    Candidate(
-        "block e4m3 token by token + rot sym e4m3-scale",
-        fixed(block_channel("e4m3", True)),
-        per_token(sym_e4m3, True),
-        36.5,
-    ),
+    Candidate("block e4m3 + rot sym16 e4m3 signed scale", BLOCK_E4M3, per_token(sym16_e4m3, True), 36.5),
+    Candidate("block e4m3 + rot int4 values", BLOCK_E4M3, INT4_V, 36.5),
+    Candidate("block e4m3 least-squares ends, k only", KEYS, None),
+    Candidate("block e4m3 least-squares ends + rot int4 values (kvmesh's int4)", KEYS, INT4_V, 36.5),
+    Candidate("... first token exact", first_exact(KEYS, 1), first_exact(INT4_V, 1)),
+    Candidate("... first block exact", first_exact(KEYS, 16), first_exact(INT4_V, 16)),
+    Candidate("block e4m3 token by token + rot int4 values", fixed(block_channel("e4m3", True)), INT4_V, 36.5),
 ]
 
 
@@ -238,6 +275,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ppl-chunks", type=int, default=8)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
+    ap.add_argument("--only", default="", help="run only the candidates whose name contains this")
     args = ap.parse_args()
     torch_attention.cpu_op = lambda name: None  # the gather route: the only one that calls ``quantize``
     llm = LLM(args.model)
@@ -246,11 +284,11 @@ def main() -> None:
     outs = [o.token_ids for o in llm.generate(chats, params)]
     ids = llm.engine.tokenizer.encode(perplexity_text())
     chunks = [ids[i * args.ppl_tokens : (i + 1) * args.ppl_tokens] for i in range(args.ppl_chunks)]
-    base = perplexity(llm, chunks)
+    base, ref_top = text_scores(llm, chunks)
     consts = calibration(llm)
     layers, original = len(llm.engine.runner.kv_caches), torch_attention.quantize
     rows, results = [], []
-    for c in CANDIDATES:
+    for c in (c for c in CANDIDATES if args.only in c.name):
         k, v = (None if bind is None else bind(consts) for bind in (c.k, c.v))
         torch_attention.quantize = simulate(k, v, layers)
         try:
@@ -258,7 +296,7 @@ def main() -> None:
                 float((teacher_forced_logprobs(llm, p + o, len(p)).argmax(-1) == torch.tensor(o)).float().mean())
                 for p, o in zip(chats, outs, strict=True)
             ]
-            ppl = perplexity(llm, chunks)
+            ppl, top = text_scores(llm, chunks)
         finally:
             torch_attention.quantize = original
         capacity = None if c.bytes is None else 2 * HEAD_DIM / c.bytes
@@ -268,6 +306,7 @@ def main() -> None:
                 "bytes_per_token_head": c.bytes,
                 "capacity_vs_16bit": capacity,
                 "teacher_forced_top1": float(np.mean(top1)),
+                "text_top1": float((top == ref_top).float().mean()),
                 "perplexity": ppl,
             }
         )
@@ -276,12 +315,15 @@ def main() -> None:
                 c.name,
                 "-" if c.bytes is None else f"{c.bytes:g} ({capacity:.2f}x)",
                 f"{100 * np.mean(top1):.1f}%",
+                f"{100 * float((top == ref_top).float().mean()):.2f}%",
                 f"{ppl:.3f} ({100 * (ppl / base - 1):+.2f}%)",
             ]
         )
         print(f"  {c.name}: done", flush=True)
     print(f"\nfull-precision perplexity {base:.3f}; calibration: {CALIBRATION_TOKENS} pseudo-random tokens")
-    print_table(["candidate", "bytes / token-head", "teacher-forced top-1", "perplexity"], rows)
+    print_table(["candidate", "bytes / token-head", "teacher-forced top-1", "text top-1", "perplexity"], rows)
+    if args.only:  # a subset: the results file keeps the whole table
+        return
     write_json("kv_int4_variants", {"args": vars(args), "full_precision_perplexity": base, "candidates": results})
 
 

@@ -12,7 +12,9 @@
    share of generated tokens before the first difference, and whole sequences identical) and (b) teacher
    forced on the full-precision continuation: mean |log p| difference of its tokens and top-1 agreement,
    from one forward over prompt + continuation through the paged (quantized) cache; and (c) perplexity of
-   ``--ppl-chunks`` x ``--ppl-tokens`` tokens of Python's pydoc topics text, teacher forced the same way.
+   ``--ppl-chunks`` x ``--ppl-tokens`` tokens of Python's pydoc topics text, teacher forced the same way,
+   and its text top-1: how often the top prediction at each of those positions is the full cache's (eight
+   times the positions of (b), so a finer reading of the same agreement).
 
     python -m benchmarks.kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
         [--skip-concurrency] [--speed-requests 16] [--speed-output 64] [--repeats 3]
@@ -137,15 +139,20 @@ def perplexity_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def perplexity(llm: LLM, chunks: list[list[int]]) -> float:
-    """exp of the mean negative log-likelihood of every token after each chunk's first, teacher forced."""
-    nll = [-teacher_forced_logprobs(llm, c, 1).gather(1, torch.tensor(c[1:])[:, None]).mean().item() for c in chunks]
-    return float(np.exp(np.mean(nll)))
+def text_scores(llm: LLM, chunks: list[list[int]]) -> tuple[float, torch.Tensor]:
+    """Teacher forced over each chunk: the perplexity of every token after its first (exp of the mean negative
+    log-likelihood), and the top-1 prediction at each of those positions (concatenated)."""
+    nll, top = [], []
+    for c in chunks:
+        lp = teacher_forced_logprobs(llm, c, 1)
+        nll.append(-lp.gather(1, torch.tensor(c[1:])[:, None]).mean().item())
+        top.append(lp.argmax(-1))
+    return float(np.exp(np.mean(nll))), torch.cat(top)
 
 
 def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    results, ref_outs, ref_lps = [], [], []
+    results, ref_outs, ref_lps, ref_top = [], [], [], None
     for kv in KV_CACHE_DTYPES:  # "auto" first: the reference
         llm = LLM(model, kv_cache_dtype=kv)
         if kv == "auto":
@@ -165,6 +172,8 @@ def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> li
             target = torch.tensor(ref_out)[:, None]
             dlogp.append(float((lp.gather(1, target) - ref_lp.gather(1, target)).abs().mean()))
             top1.append(float((lp.argmax(-1) == target[:, 0]).float().mean()))
+        ppl, top = text_scores(llm, chunks)
+        ref_top = top if ref_top is None else ref_top
         results.append(
             {
                 "kv_cache_dtype": kv,
@@ -174,8 +183,9 @@ def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> li
                 "identical_sequences": identical,
                 "mean_abs_logprob_diff": float(np.mean(dlogp)),
                 "teacher_forced_top1": float(np.mean(top1)),
-                "perplexity": perplexity(llm, chunks),
+                "perplexity": ppl,
                 "perplexity_tokens": ppl_chunks * (ppl_tokens - 1),
+                "text_top1": float((top == ref_top).float().mean()),
             }
         )
         print(f"  quality {kv}: done", flush=True)
@@ -224,7 +234,15 @@ def main() -> None:
     out["quality"] = quality(args.model, args.max_tokens, args.ppl_chunks, args.ppl_tokens)
     ppl0 = out["quality"][0]["perplexity"]
     print_table(
-        ["KV dtype", "greedy prefix agreement", "identical seqs", "mean |dlogp|", "teacher-forced top-1", "perplexity"],
+        [
+            "KV dtype",
+            "greedy prefix agreement",
+            "identical seqs",
+            "mean |dlogp|",
+            "teacher-forced top-1",
+            "text top-1",
+            "perplexity",
+        ],
         [
             [
                 r["kv_cache_dtype"],
@@ -232,6 +250,7 @@ def main() -> None:
                 f"{r['identical_sequences']}/{r['prompts']}",
                 f"{r['mean_abs_logprob_diff']:.4f}",
                 f"{100 * r['teacher_forced_top1']:.1f}%",
+                f"{100 * r['text_top1']:.2f}%",
                 f"{r['perplexity']:.3f} ({100 * (r['perplexity'] / ppl0 - 1):+.2f}%)",
             ]
             for r in out["quality"]

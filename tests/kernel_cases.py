@@ -123,15 +123,21 @@ def _key_ranges(ranges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(ranges[..., i, :].view(torch.float8_e4m3fn).double() for i in (0, 1))
 
 
+def _beyond(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """How far ``x`` lies outside ``[lo, hi]``: what clipping to a quantizer's levels adds to its rounding."""
+    return (lo - x.double()).clamp_min(0) + (x.double() - hi).clamp_min(0)
+
+
 def _rounding_bound(x: torch.Tensor, scale: torch.Tensor, storage, slots, kvh: int, block_size: int) -> torch.Tensor:
     """How far a stored value may be from its input ``x`` ([slots, kv_heads, head_dim]): half a step for int8
-    and int4 (int4 keys: their block's step in that channel), half an ulp of fp8 (relative, above its
-    subnormals)."""
-    if scale.dim() == 4:
-        lo, hi = _key_ranges(scale)
-        return 0.5001 * ((hi - lo) / 15)[slots // block_size]
-    if scale.dtype == torch.uint8:
-        return 0.5001 * scale.view(torch.float8_e4m3fn).double().view(-1, kvh)[slots][..., None]
+    and int4 (int4 keys: their block's step in that channel), plus for int4 how far beyond its levels ``x``
+    lies (both choose ranges that may clip); half an ulp of fp8 (relative, above its subnormals)."""
+    if scale.dim() == 4:  # int4 keys: their block's range per channel
+        lo, hi = (t[slots // block_size] for t in _key_ranges(scale))
+        return 0.5001 * (hi - lo) / 15 + _beyond(x, lo, hi)
+    if scale.dtype == torch.uint8:  # int4 values: levels -8..7 times a signed scale
+        s = scale.view(torch.float8_e4m3fn).double().view(-1, kvh)[slots][..., None]
+        return 0.5001 * s.abs() + _beyond(x, torch.minimum(-8 * s, 7 * s), torch.maximum(-8 * s, 7 * s))
     s = scale.view(-1, kvh)[slots].double() if scale.dim() == 3 else scale.double().expand(len(slots), kvh)
     if storage == torch.int8:
         return 0.5001 * s[..., None]

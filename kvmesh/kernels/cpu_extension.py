@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / f"{name}_cpu.cpp"
-    for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear", "int4_keys")
+    for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear", "int4_quant")
 ]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"

@@ -15,17 +15,19 @@ A quantized cache stores K and V in one byte per element and carries scales besi
   their outliers lie (KIVI; ``benchmarks/kv_int4_variants.py`` measures the alternatives):
 
   - **keys per channel over each cache block**: a block's keys share, per KV head and channel, the range
-    ``[lo, hi]`` of that channel over the block's tokens, kept as two fp8 e4m3 bytes (lo rounded down, hi
-    up: ``k_scale`` is ``[num_blocks, kv_heads, 2, head_dim]`` uint8), and each key stores
-    ``round((k - lo) / step)`` (0..15, ``step = (hi - lo) / 15``) as its nibble. Within a block each channel
+    ``[lo, hi]`` of that channel over the block's tokens, kept as two fp8 e4m3 bytes (each end rounded down
+    or up, whichever pair rounds the block's keys best: ``INT4_KEY_RANGE_ENDS``; ``k_scale`` is
+    ``[num_blocks, kv_heads, 2, head_dim]`` uint8), and each key stores ``clamp(round((k - lo) / step), 0,
+    15)`` (``step = (hi - lo) / 15``) as its nibble. Within a block each channel
     of a RoPE'd key moves little, so its own range is narrow, where a per-token scale spends its levels on
     the largest channels. The levels must be rounded once from the exact keys: a block being filled keeps
     its keys in full precision beside the cache (``kvmesh/kernels/int4_store.py``) and is re-derived from
     them on every write.
   - **values per token**: rotated by a fixed randomized Hadamard matrix (``int4_rotation``, QuaRot's
     trick: outlier channels spread over all of them; the output is rotated back, so attention is exact),
-    then symmetric with ``absmax / 7`` kept as one fp8 e4m3 byte rounded up (``v_scale`` is ``[num_blocks,
-    block_size, kv_heads]`` uint8), each value stored as ``level + 8``.
+    then on 16 levels -8..7 with a signed scale near ``absmax / 8`` kept as one fp8 e4m3 byte (``v_scale``
+    is ``[num_blocks, block_size, kv_heads]`` uint8; ``quantize_int4_values``), each value stored as
+    ``level + 8``.
 
 Kernels receive ``k_scale``/``v_scale`` as None (the cache holds the compute dtype), a 1-D per-head tensor
 (fp8), a 3-D per-slot tensor (int8; int4's values, as e4m3 bytes) or int4's 4-D per-block key ranges, and
@@ -51,7 +53,6 @@ KV_CACHE_STORAGE: dict[str, torch.dtype | None] = {
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INT8_MAX = 127.0
-INT4_MAX = 7.0
 INT4_DTYPE = torch.uint8
 FP8_HEADROOM = 8.0
 """Calibrated fp8 scales map the calibration pass's largest |K|/|V| to 1/8 of the format's range: real text
@@ -94,11 +95,45 @@ def quantize(x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor
         stored = (x.float() / scales.float()[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return stored, scales
     if cache_dtype == INT4_DTYPE:  # values (keys go per block: quantize_int4_keys)
-        scales = e4m3_bits(x.float().abs().amax(-1) / INT4_MAX, up=True)
-        s = e4m3_values(scales)[..., None]
-        levels = torch.where(s > 0, x.float() / s, 0.0).round().clamp(-INT4_MAX, INT4_MAX).to(torch.int8) + 8
-        return pack_int4(levels.to(torch.uint8)), scales
+        return quantize_int4_values(x)
     return x.to(cache_dtype), None
+
+
+INT4_VALUE_DIVISORS = (7.0, 8.0, 8.5, 9.0, 9.5, 10.0)
+"""An int4 value scale is ``absmax / divisor`` for the divisor of least squared error: 8 puts the largest
+magnitude on level -8, more clips it for finer steps, 7 is plain symmetric rounding (never beaten)."""
+
+
+def quantize_int4_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 values ([..., head_dim], already rotated): packed nibbles and e4m3 scale bytes (``[...]``).
+
+    All 16 levels are used: ``value = (nibble - 8) * scale``, levels -8..7, the scale signed so that the
+    vector's largest magnitude lands on the negative side (the e4m3 sign bit is free, a scale being positive
+    otherwise); of the scales ``INT4_VALUE_DIVISORS`` allow, each vector keeps the one of least squared error.
+    On the CPU the compiled ``quantize_int4_values`` does the same in one pass (its ties may round apart).
+    """
+    op = cpu_op("quantize_int4_values") if x.device.type == "cpu" else None
+    if op is None:
+        return quantize_int4_values_torch(x)
+    rows = x.float().contiguous().view(-1, x.shape[-1])
+    packed = torch.empty((rows.shape[0], rows.shape[1] // 2), dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], dtype=torch.uint8)
+    op(rows, packed, scales)
+    return packed.view(*x.shape[:-1], -1), scales.view(x.shape[:-1])
+
+
+def quantize_int4_values_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int4_values`` in torch operations (any device)."""
+    x = x.float()
+    top = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    magnitudes = e4m3_bits(x.abs().amax(-1, keepdim=True) / x.new_tensor(INT4_VALUE_DIVISORS), up=True)
+    bits = magnitudes | torch.where(top > 0, 128, 0).to(torch.uint8)  # [..., divisors]
+    s = e4m3_values(bits).unsqueeze(-2)  # [..., 1, divisors]
+    levels = (x.unsqueeze(-1) / torch.where(s != 0, s, 1.0)).round().clamp(-8, 7) * (s != 0)
+    err = (levels.double() * s - x.unsqueeze(-1)).square().sum(-2)  # [..., divisors]
+    best = err.argmin(-1, keepdim=True)  # ties: the first
+    chosen = levels.gather(-1, best.unsqueeze(-2).expand(*levels.shape[:-1], 1)).squeeze(-1)
+    return pack_int4((chosen + 8).to(torch.uint8)), bits.gather(-1, best).squeeze(-1)
 
 
 def pack_int4(nibbles: torch.Tensor) -> torch.Tensor:
@@ -140,10 +175,18 @@ def int4_key_ranges(params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, (hi - lo) / 15
 
 
+INT4_KEY_RANGE_ENDS = ((False, True), (False, False), (True, True), (True, False))
+"""The e4m3 neighbours a key range may take for its (lo, hi): each rounded down or up (``up``), the outward
+pair first. A block's channel keeps the pair of least squared error over its keys: outward contains every key,
+but at a channel far from zero e4m3's grid (3 mantissa bits) can widen it several times over; an end rounded
+inward clips its extreme keys a little instead."""
+
+
 def quantize_int4_keys(rows: torch.Tensor, fill: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of keys ``rows`` ([blocks, block_size, kv_heads, head_dim]) as an int4 cache stores them,
     of which each block's first ``fill`` slots hold keys: ``(packed, ranges)``, the packed nibbles (the
-    slots past ``fill`` get 0) and the per-channel ranges ``[blocks, kv_heads, 2, head_dim]`` (e4m3 bytes).
+    slots past ``fill`` get 0) and the per-channel ranges ``[blocks, kv_heads, 2, head_dim]`` (e4m3 bytes,
+    ``INT4_KEY_RANGE_ENDS``).
     On the CPU the compiled ``quantize_int4_keys`` does the same in one pass (its ties may round apart)."""
     op = cpu_op("quantize_int4_keys") if rows.device.type == "cpu" else None
     if op is not None:
@@ -161,9 +204,14 @@ def quantize_int4_keys_torch(rows: torch.Tensor, fill: torch.Tensor) -> tuple[to
     valid = (torch.arange(x.shape[1], device=x.device)[None, :] < fill[:, None])[:, :, None, None]
     lo = torch.where(valid, x, float("inf")).amin(1)
     hi = torch.where(valid, x, float("-inf")).amax(1)
-    params = torch.stack((e4m3_bits(lo, up=False), e4m3_bits(hi, up=True)), dim=-2)
-    lo, step = int4_key_ranges(params)
-    levels = torch.where(step[:, None] > 0, (x - lo[:, None]) / step[:, None], 0.0).round().clamp(0, 15)
+    ends = [(e4m3_bits(lo, up=lo_up), e4m3_bits(hi, up=hi_up)) for lo_up, hi_up in INT4_KEY_RANGE_ENDS]
+    params = torch.stack([torch.stack(pair, dim=-2) for pair in ends])  # [ends, blocks, kv_heads, 2, head_dim]
+    lo, step = (t[:, :, None] for t in int4_key_ranges(params))
+    levels = torch.where(step > 0, (x - lo) / step, 0.0).round().clamp(0, 15)
+    err = torch.where(valid, (lo.double() + step.double() * levels - x).square(), 0.0).sum(2)
+    best = torch.where(step[:, :, 0] >= 0, err, float("inf")).argmin(0)  # ties: the first, outward
+    levels = levels.gather(0, best[None, :, None].expand(1, *levels.shape[1:]))[0]
+    params = params.gather(0, best[None, :, :, None].expand(1, *params.shape[1:]))[0]
     return pack_int4(torch.where(valid, levels, 0.0).to(torch.uint8)), params
 
 
