@@ -125,12 +125,18 @@ def per_channel(g: torch.Tensor, params: str) -> torch.Tensor:
     return ((g - lo) / s).round().clamp(0, 15) * s + lo
 
 
+def as_blocks(x: torch.Tensor) -> torch.Tensor:
+    """A sequence's ``x`` ([tokens, ...]) as cache blocks ([blocks, BLOCK, ...]; a teacher-forced sequence
+    starts at slot 0), the last one padded with copies of its last token (they move no range)."""
+    pad = -x.shape[0] % BLOCK
+    return torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]).reshape(-1, BLOCK, *x.shape[1:])
+
+
 def int4_keys(x: torch.Tensor, layer: int) -> torch.Tensor:
     """kvmesh's int4 keys (``quantize_int4_keys``: e4m3 range ends of least squared error), whole blocks."""
-    n, pad = x.shape[0], -x.shape[0] % BLOCK
-    g = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]).reshape(-1, BLOCK, *x.shape[1:])
+    g = as_blocks(x)
     packed, ranges = quantize_int4_keys(g, torch.full((g.shape[0],), BLOCK))
-    return dequantize_int4_keys(packed, ranges).double().flatten(0, 1)[:n]
+    return dequantize_int4_keys(packed, ranges).double().flatten(0, 1)[: x.shape[0]]
 
 
 def block_channel(params: str, token_by_token: bool = False) -> Rounding:
@@ -138,8 +144,7 @@ def block_channel(params: str, token_by_token: bool = False) -> Rounding:
     key arrives (no full-precision copy of the block being filled)."""
 
     def rounding(x: torch.Tensor, layer: int) -> torch.Tensor:
-        n, pad = x.shape[0], -x.shape[0] % BLOCK  # a teacher-forced sequence starts at slot 0 of a block
-        g = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]).reshape(-1, BLOCK, *x.shape[1:])
+        n, g = x.shape[0], as_blocks(x)
         if not token_by_token:
             return per_channel(g, params).flatten(0, 1)[:n]
         stored = g.clone()

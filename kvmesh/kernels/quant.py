@@ -99,6 +99,12 @@ def quantize(x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor
     return x.to(cache_dtype), None
 
 
+@functools.cache
+def _constant(values: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A tuple of this module's as a CPU tensor, made once: how the compiled passes receive their choices."""
+    return torch.tensor(values, dtype=dtype)
+
+
 INT4_VALUE_DIVISORS = (7.0, 8.0, 8.5, 9.0, 9.5, 10.0)
 """An int4 value scale is ``absmax / divisor`` for the divisor of least squared error: 8 puts the largest
 magnitude on level -8, more clips it for finer steps, 7 is plain symmetric rounding (never beaten)."""
@@ -118,7 +124,7 @@ def quantize_int4_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.float().contiguous().view(-1, x.shape[-1])
     packed = torch.empty((rows.shape[0], rows.shape[1] // 2), dtype=torch.uint8)
     scales = torch.empty(rows.shape[0], dtype=torch.uint8)
-    op(rows, packed, scales)
+    op(rows, _constant(INT4_VALUE_DIVISORS, torch.float32), packed, scales)
     return packed.view(*x.shape[:-1], -1), scales.view(x.shape[:-1])
 
 
@@ -193,7 +199,7 @@ def quantize_int4_keys(rows: torch.Tensor, fill: torch.Tensor) -> tuple[torch.Te
         x = rows.float().contiguous()
         packed = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
         params = torch.empty((x.shape[0], x.shape[2], 2, x.shape[3]), dtype=torch.uint8)
-        op(x, fill.long(), packed, params)
+        op(x, fill.long(), _constant(INT4_KEY_RANGE_ENDS, torch.bool), packed, params)
         return packed, params
     return quantize_int4_keys_torch(rows, fill)
 

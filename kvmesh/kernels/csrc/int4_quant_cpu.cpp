@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "paged_cache.h"
@@ -46,15 +45,16 @@ inline uint8_t e4m3_directed(float x, bool up) {
   return bits;
 }
 
-// The (lo, hi) roundings tried for a channel's range, outward first (quant.py: INT4_KEY_RANGE_ENDS).
-constexpr std::pair<bool, bool> kRangeEnds[] = {{false, true}, {false, false}, {true, true}, {true, false}};
 
 // The nibble of key k in a range starting at lo with step st (0 for an empty range).
 inline float level_of(float k, float lo, float st) {
   return st > 0.f ? std::min(std::max(std::nearbyint((k - lo) / st), 0.f), 15.f) : 0.f;
 }
 
-void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tensor packed, at::Tensor ranges) {
+// `ends` [pairs, 2] bool: the (lo, hi) roundings tried for a channel's range, up or not, in order of preference
+// (quant.py: INT4_KEY_RANGE_ENDS).
+void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, const at::Tensor& ends, at::Tensor packed,
+                        at::Tensor ranges) {
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 4,
               "rows must be contiguous float32 [blocks, block_size, kv_heads, head_dim] on the CPU");
   const int64_t n = rows.size(0), bs = rows.size(1), kvh = rows.size(2), d = rows.size(3);
@@ -63,7 +63,12 @@ void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tens
               "packed must be contiguous uint8 [blocks, block_size, kv_heads, head_dim / 2]");
   TORCH_CHECK(ranges.scalar_type() == at::kByte && ranges.is_contiguous() && ranges.numel() == n * kvh * 2 * d,
               "ranges must be contiguous uint8 [blocks, kv_heads, 2, head_dim]");
+  TORCH_CHECK(ends.scalar_type() == at::kBool && ends.dim() == 2 && ends.size(1) == 2 && ends.size(0) > 0,
+              "ends must be bool [pairs, 2]");
   const auto fills = fill.contiguous();
+  const auto ends_c = ends.contiguous();
+  const bool* up = ends_c.data_ptr<bool>();
+  const int64_t pairs = ends_c.size(0);
   const float* x = rows.data_ptr<float>();
   const int64_t* f = fills.data_ptr<int64_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -83,7 +88,8 @@ void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tens
         }
         bool found = false;
         double best = 0.0;
-        for (const auto& [lo_up, hi_up] : kRangeEnds) {
+        for (int64_t p = 0; p < pairs; ++p) {
+          const bool lo_up = up[2 * p], hi_up = up[2 * p + 1];
           const uint8_t lo_bits = e4m3_directed(mn, lo_up), hi_bits = e4m3_directed(mx, hi_up);
           const float l = kvmesh::e4m3_to_float(lo_bits), st = (kvmesh::e4m3_to_float(hi_bits) - l) / 15.f;
           if (!(st >= 0.f)) continue;
@@ -116,14 +122,12 @@ void quantize_int4_keys(const at::Tensor& rows, const at::Tensor& fill, at::Tens
   });
 }
 
-// The value scale divisors (quant.py: INT4_VALUE_DIVISORS).
-constexpr float kValueDivisors[] = {7.f, 8.f, 8.5f, 9.f, 9.5f, 10.f};
-
 inline float value_level(float v, float s) {
   return s != 0.f ? std::min(std::max(std::nearbyint(v / s), -8.f), 7.f) : 0.f;
 }
 
-void quantize_int4_values(const at::Tensor& rows, at::Tensor packed, at::Tensor scales) {
+// `divisors` [k] float32: the scales absmax / divisor tried, in order of preference (quant.py: INT4_VALUE_DIVISORS).
+void quantize_int4_values(const at::Tensor& rows, const at::Tensor& divisors, at::Tensor packed, at::Tensor scales) {
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2,
               "rows must be contiguous float32 [n, head_dim] on the CPU");
   const int64_t n = rows.size(0), d = rows.size(1);
@@ -131,6 +135,10 @@ void quantize_int4_values(const at::Tensor& rows, at::Tensor packed, at::Tensor 
               "packed must be contiguous uint8 [n, head_dim / 2]");
   TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.numel() == n,
               "scales must be contiguous uint8 [n]");
+  TORCH_CHECK(divisors.scalar_type() == at::kFloat && divisors.dim() == 1 && divisors.numel() > 0,
+              "divisors must be float32 [k]");
+  const auto divs_c = divisors.contiguous();
+  const std::vector<float> divs(divs_c.data_ptr<float>(), divs_c.data_ptr<float>() + divs_c.numel());
   const float* x = rows.data_ptr<float>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   uint8_t* sc = scales.data_ptr<uint8_t>();
@@ -148,7 +156,7 @@ void quantize_int4_values(const at::Tensor& rows, at::Tensor packed, at::Tensor 
       double best = 0.0;
       uint8_t bits = 0;
       float s = 0.f;
-      for (const float divisor : kValueDivisors) {
+      for (const float divisor : divs) {
         const uint8_t b = e4m3_directed(amax / divisor, true) | (top > 0.f ? 128 : 0);
         const float cand = kvmesh::e4m3_to_float(b);
         double err = 0.0;
@@ -176,8 +184,8 @@ void quantize_int4_values(const at::Tensor& rows, at::Tensor packed, at::Tensor 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
-  m.def("quantize_int4_keys(Tensor rows, Tensor fill, Tensor(a!) packed, Tensor(b!) ranges) -> ()");
-  m.def("quantize_int4_values(Tensor rows, Tensor(a!) packed, Tensor(b!) scales) -> ()");
+  m.def("quantize_int4_keys(Tensor rows, Tensor fill, Tensor ends, Tensor(a!) packed, Tensor(b!) ranges) -> ()");
+  m.def("quantize_int4_values(Tensor rows, Tensor divisors, Tensor(a!) packed, Tensor(b!) scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh_cpu, CPU, m) {
