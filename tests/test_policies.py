@@ -325,6 +325,26 @@ def test_replicas_interchangeable_on_what_the_router_knows_are_reported_tied():
         KVAwarePolicy(tie_margin=-1)
 
 
+def test_near_ties_are_offered_least_recently_used_first():
+    """One of two idle replicas looks a hair busier (a gauge polled while its last request ran): the two are
+    tied, and Ray, finding both live queues empty, takes the first offered. Offered cheapest first, that is
+    the same replica every time; offered least recently used first, sequential new prompts take turns."""
+    policy = KVAwarePolicy()
+    reps = replicas(3)
+    reps[1].num_running = 1  # r1 stale-busy, within one prefill of the others
+    reps[2].pending_prefill_tokens = 4000  # r2 clearly busy: never tied
+    chosen = []
+    for p in range(6):
+        req = request(list(range(1000 * p, 1000 * p + 320)))
+        d = policy.rank(req, reps, {})
+        assert d.ranked[0] == "r0" and d.tied == 2 and set(d.tied_group) == {"r0", "r1"}
+        chosen.append(d.tied_group[0])  # equal live queues: Ray takes the first
+        policy.on_routed(req, chosen[-1], d)
+    assert chosen[1:] == ["r1", "r0"] * 2 + ["r1"] or chosen[1:] == ["r0", "r1"] * 2 + ["r0"], chosen
+    untied = KVAwarePolicy(tie_margin=0).rank(request(list(range(320))), reps, {})
+    assert untied.tied == 1 and untied.tied_group == ["r0"]
+
+
 def test_routers_sharing_counts_of_conversation_starts_balance_together():
     """Eight router processes (Ray Serve runs one per handle-holding process) each placing two new
     conversations, all preferring the replica holding the system prompt: counted per router, every router

@@ -60,8 +60,7 @@ class LocalRouter:
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
         decision = self.policy.rank(req, [self._load(url) for url in live], device, None, host)
         self.decisions[decision.reason] += 1
-        tied = decision.ranked[: decision.tied]
-        chosen = min(tied, key=lambda url: self.workers[url].in_flight)  # the freshest view of a near-tie
+        chosen = min(decision.tied_group, key=lambda url: self.workers[url].in_flight)  # fresher than the costs
         self.policy.on_routed(req, chosen, decision)
         return chosen, device[chosen]
 

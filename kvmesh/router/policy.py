@@ -110,12 +110,21 @@ class Decision:
     tied: int = 1
     """How many of the first ``ranked`` are interchangeable on what the router knows: the caller lets a
     fresher signal choose among them (Ray probes their live queue lengths)."""
+    tie_order: list[str] | None = None
+    """The tied replicas in the order to offer them, the one this router used least recently first (None:
+    ``ranked``'s): where the fresher signal is equal too, the first wins, and cost differences within a tie
+    (a gauge one poll stale) would otherwise hand it the same replica every time."""
     opens_session: bool = False
     """A new conversation on a shared prefix (some replica holds part of the prompt, none half of it: its
     own history; or it branches off a prefix conversations grow from): counted as a conversation start
     where it goes."""
     known_blocks: int = 0
     """Leading blocks of the prompt this router had routed before (its own memory, not the index's)."""
+
+    @property
+    def tied_group(self) -> list[str]:
+        """The near-tied replicas, in the order to offer them."""
+        return self.tie_order or self.ranked[: self.tied]
 
 
 class RoutingPolicy(Protocol):
@@ -262,7 +271,7 @@ class KVAwarePolicy:
         costs, own_prefill_s, own_s, churn = self._price(
             req, replicas, device_hits, depth, on_disk, median_rate, pressure
         )
-        # Equal costs: the replica this router used least recently, then chance (no herding on the first id).
+        # Equal costs (and near-ties, in tie_order): the replica this router used least recently, then chance.
         jitter = {rid: (self._chosen.get(rid, -1), self._rng.random()) for rid in costs}
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
         holder = max(ranked, key=lambda rid: depth[rid])  # longest match (either tier); cheapest among equals
@@ -295,7 +304,8 @@ class KVAwarePolicy:
         home = self.sessions.home(req.session_id)
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
             ranked, tied, reason, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, "session", ""
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, opens, known)
+        order = sorted(ranked[:tied], key=jitter.__getitem__) if tied > 1 else None
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known)
 
     def _merged_hits(
         self, req: RouteRequest, ids: list[str], device_hits: dict[str, int] | None

@@ -204,10 +204,11 @@ class KVAwareRequestRouter(RequestRouter):
             index_ids = {r.replica_id: index_id for r, index_id in zip(candidate_replicas, ids, strict=True)}
             self._plan(rid, _Planned(time.monotonic(), req, device_hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
-            self._track(rid, by_id[ranked[0]].replica_id, req, device_hits or {}, ranked[0])
+            first = decision.tied_group[0]
+            self._track(rid, by_id[first].replica_id, req, device_hits or {}, first)
         # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
         # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours.
-        return [[by_id[rid] for rid in ranked[:tied]], *([by_id[rid]] for rid in ranked[tied:])]
+        return [[by_id[rid] for rid in decision.tied_group], *([by_id[rid]] for rid in ranked[tied:])]
 
     def _background(self, coro) -> bool:
         """Fire-and-forget on the router's loop (the hook itself must not block); False if there is none."""
