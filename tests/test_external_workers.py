@@ -22,6 +22,7 @@ from kvmesh.cluster.worker_proxy import worker_deployment
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import LoadReport
 from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -108,7 +109,7 @@ async def call(handle, model, tokens, max_tokens=4):
 
 def test_kvmesh_engine_serves_openai_clients(workers):
     """``kvmesh engine`` as any router or client sees it: chat (whole and streamed) through the official client,
-    tokenize, metrics, a prefix-cache reset that its KV events announce."""
+    tokenize, metrics, its load report, a prefix-cache reset that its KV events announce."""
     import openai
 
     _, model, _, procs = workers
@@ -121,6 +122,8 @@ def test_kvmesh_engine_serves_openai_clients(workers):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
     assert httpx.post(url + "/tokenize", json={"model": model, "prompt": "hello world"}).json()["count"] >= 2
     assert "kvmesh_replica_requests_running" in httpx.get(url + "/metrics").text
+    load = LoadReport.from_dict(httpx.get(url + "/load").json())  # what kvmesh's routers price it by
+    assert load.prefill_tok_s > 0 and load.max_num_seqs == 8 and load.kv_total_blocks == 160
     assert httpx.post(url + "/reset_prefix_cache").json() == {"status": "ok"}
     prompts = httpx.get(url + "/status").json()["replicas"]
     assert next(iter(prompts.values()))["num_cached_blocks"] == 0

@@ -47,14 +47,21 @@ class EngineServer(HttpApi):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "busy", "reason": "requests hold blocks"}, status_code=409)
 
+    async def load(self) -> JSONResponse:
+        """``GET /load``: the engine's ``LoadReport`` (measured prefill and decode rates, free KV blocks, batch
+        limit), what kvmesh's routers price a replica by; a router in front of ``kvmesh engine`` servers reads
+        it beside ``/metrics``, where a vLLM worker offers only request counts."""
+        return JSONResponse(self.replica.record_routing_stats())
+
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         return {self.replica.index_id: self.replica.status()}
 
 
 def build_app(server: EngineServer) -> FastAPI:
-    """The front door's routes bound to ``server``, and vLLM's ``POST /reset_prefix_cache``."""
+    """The front door's routes bound to ``server``, vLLM's ``POST /reset_prefix_cache`` and ``GET /load``."""
     engine_app = bound_app(server, "kvmesh engine")
     engine_app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
+    engine_app.add_api_route("/load", server.load, methods=["GET"])
     return engine_app
 
 

@@ -65,6 +65,8 @@ class LocalRouter:
         return chosen, device[chosen]
 
     def _load(self, url: str) -> ReplicaLoad:
+        """The worker as the policy prices it: its measured speed and capacity where it reports them (``kvmesh
+        engine``; else the defaults) and, for requests, what this router has in flight there."""
         worker, waiting = self.workers[url], self._waiting[url]
         return ReplicaLoad(
             index_id=url,
@@ -73,6 +75,7 @@ class LocalRouter:
             num_waiting=len(waiting),
             routed_prefill_tokens=sum(waiting.values()),
             kv_usage=worker.gauges.get("kv_usage", 0.0),
+            **worker.measured(),
         )
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:

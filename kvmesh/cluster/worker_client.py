@@ -3,8 +3,9 @@ Ray: requests forwarded to its ``/v1/completions`` as token ids (the ingress tok
 tokenizer, so the router's block hashes are the worker's prompt), streaming, with the tenant's ``cache_salt``;
 chunks, usage and its cached-token count back, errors as it said them. Its cache in kvmesh's hashes from its
 KV events (``kvmesh/router/kv_event_subscriber.py``, ``kvmesh/router/worker_blocks.py``); its load from what
-was sent to it and its ``/metrics`` gauges, read every second; after two unanswered reads it is down (its
-cache forgotten) until it answers again (its cache then rebuilt from its event stream).
+was sent to it and its ``/metrics`` gauges, read every second, and from a ``kvmesh engine`` also its measured
+rates (``GET /load``, a ``LoadReport``); after two unanswered reads it is down (its cache forgotten) until it
+answers again (its cache then rebuilt from its event stream).
 
 Ray Serve's ``WorkerProxy`` (``kvmesh/cluster/worker_proxy.py``) and the Ray-free ``kvmesh router``
 (``kvmesh/cluster/router_server.py``) both drive workers through ``Worker``.
@@ -27,7 +28,7 @@ from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
 from kvmesh.shared.errors import InvalidRequest, RequestFailed
 from kvmesh.shared.hashing import model_seed
 from kvmesh.shared.kv_event_wire import EventBatch
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
 from kvmesh.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,21 @@ DOWN_AFTER = 2
 """Consecutive unanswered polls (one a second) after which a worker counts as down."""
 START_TIMEOUT_S = 10.0
 """How long a start waits for the worker's ``/health``."""
+MEASURED_FIELDS = (
+    "prefill_tok_s",
+    "decode_s_per_seq",
+    "step_s",
+    "mean_output_tokens",
+    "cache_fill",
+    "max_num_seqs",
+    "kv_free_blocks",
+    "kv_total_blocks",
+    "host_load_tok_s",
+    "disk_load_tok_s",
+    "prefill_busy",
+)
+"""What a router takes from a worker's own ``LoadReport``: its speed and capacity. Request counts it takes from
+what it sent itself (fresher than a poll) and from the gauges."""
 
 
 class WorkerUnreachable(RuntimeError):
@@ -151,6 +167,9 @@ class Worker:
         self.in_flight = 0
         self.down = False
         self.gauges: dict[str, float] = {}
+        self.report: LoadReport | None = None
+        """The worker's last ``GET /load`` (``kvmesh engine`` serves one; None: not offered, or not yet read)."""
+        self._offers_load = True
         self.prompt_tokens = self.cached_tokens = 0
         self.subscriber: KVEventSubscriber | None = None
         self._poller: asyncio.Task | None = None
@@ -251,6 +270,8 @@ class Worker:
                 answered = response.status_code < 500
                 if response.status_code == 200:
                     self.gauges = prometheus_gauges(response.text)
+                if answered:
+                    await self._read_load()
             except httpx.HTTPError:
                 answered = False
             failures = 0 if answered else failures + 1
@@ -264,6 +285,29 @@ class Worker:
                 if self.subscriber is not None:
                     self.subscriber.request_rebuild()
             await asyncio.sleep(METRICS_PERIOD_S)
+
+    async def _read_load(self) -> None:
+        """The worker's ``LoadReport`` from ``GET /load``; a worker without one (404: vLLM, SGLang) is not asked
+        again."""
+        if not self._offers_load:
+            return
+        try:
+            response = await self.client.get("/load", timeout=2.0)
+        except httpx.HTTPError:
+            return  # the next poll asks again; the last report stands meanwhile
+        if response.status_code == 404:
+            self._offers_load = False
+        elif response.status_code == 200:
+            try:
+                self.report = LoadReport.from_dict(response.json())
+            except (ValueError, TypeError) as exc:
+                log.warning("worker %s: unreadable /load (%r); its rates are not used", self.spec.url, exc)
+                self._offers_load = False
+
+    def measured(self) -> dict:
+        """The worker's measured speed and capacity (``MEASURED_FIELDS`` of its last report; empty without one)."""
+        report = self.report
+        return {} if report is None else {name: getattr(report, name) for name in MEASURED_FIELDS}
 
     def status(self, node: str = "") -> ReplicaStatus:
         """What ``kvmesh status`` shows of the worker: its gauges, and the prefix hits of what this proxy sent."""

@@ -1,0 +1,76 @@
+"""Unit: what kvmesh's routers learn of an external worker's speed. A ``kvmesh engine`` serves its ``LoadReport`` at
+``GET /load``; ``Worker`` reads it beside ``/metrics`` (a worker without one, vLLM or SGLang, is not asked again)
+and ``kvmesh router`` prices the worker by its measured rates instead of the defaults. The HTTP side is an
+``httpx.MockTransport`` standing for the worker's pages; ``tests/test_external_workers.py`` reads a real one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from kvmesh.cluster.router_server import LocalRouter
+from kvmesh.cluster.worker_client import Worker
+from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.router.policy import RouteRequest
+from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.messages import GenerateCall, LoadReport
+from kvmesh.shared.sampling_params import SamplingParams
+
+MODEL = "m"
+
+
+def worker(url: str, pages: dict[str, httpx.Response]) -> tuple[Worker, list[str]]:
+    """A ``Worker`` whose HTTP client answers from ``pages`` (404 elsewhere); the paths it asked for."""
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return pages.get(request.url.path, httpx.Response(404))
+
+    w = Worker(WorkerSpec(url=url), MODEL, MODEL, 16)
+    w.client = httpx.AsyncClient(base_url=url, transport=httpx.MockTransport(answer))
+    return w, asked
+
+
+def test_a_kvmesh_engines_load_report_is_read_and_a_worker_without_one_is_not_asked_again():
+    report = LoadReport(index_id="engine-1", prefill_tok_s=812.5, decode_s_per_seq=0.004, max_num_seqs=8)
+    kvmesh, kvmesh_asked = worker("http://a:1", {"/load": httpx.Response(200, json=report.as_dict())})
+    vllm, vllm_asked = worker("http://b:1", {})
+
+    async def main():
+        for _ in range(3):
+            await kvmesh._read_load()
+            await vllm._read_load()
+
+    asyncio.run(main())
+    assert kvmesh.report == report and kvmesh_asked == ["/load"] * 3
+    assert kvmesh.measured()["prefill_tok_s"] == 812.5 and kvmesh.measured()["max_num_seqs"] == 8
+    assert vllm.report is None and vllm.measured() == {} and vllm_asked == ["/load"]  # 404 once: never again
+    garbled, _ = worker("http://c:1", {"/load": httpx.Response(200, text="not json")})
+    asyncio.run(garbled._read_load())
+    assert garbled.report is None and not garbled._offers_load
+
+
+def test_kvmesh_router_prices_workers_by_their_measured_rates():
+    """Two idle workers, a new prompt: at the default rates they tie; once one reports prefilling three times as
+    fast as the other (more than the prompt's own prefill apart), the new prompt goes to it, and alone."""
+    fast, _ = worker("http://fast:1", {})
+    slow, _ = worker("http://slow:1", {})
+    router = LocalRouter([fast, slow])
+    tokens = list(range(640))
+    req = RouteRequest(hash_blocks(tokens, 16, model_seed(MODEL)), len(tokens), 16)
+    assert router.policy.rank(req, [router._load(u) for u in router.workers], {}).tied == 2
+    fast.report = LoadReport(index_id="f", prefill_tok_s=2400.0, cache_fill=0.0)
+    slow.report = LoadReport(index_id="s", prefill_tok_s=800.0, cache_fill=0.0)
+    loads = {u: router._load(u) for u in router.workers}
+    assert loads["http://fast:1"].prefill_tok_s == 2400.0 and loads["http://fast:1"].index_id == "http://fast:1"
+    call = GenerateCall(
+        request_id="r1",
+        prompt_token_ids=tokens,
+        block_hashes=req.block_hashes,
+        block_size=16,
+        params=SamplingParams(max_tokens=4),
+    )
+    assert router.choose(call) == ("http://fast:1", 0)
+    assert router.policy.rank(req, list(loads.values()), {}).tied == 1
