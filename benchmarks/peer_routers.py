@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="engines on the last core, routers and this client on the others (as routers run beside GPU engines)",
     )
+    ap.add_argument("--routers", help="only these of the routers above (comma-separated names, as in the table)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     engine_cpus = None
@@ -302,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     kinds = ["kvmesh_router"] + ([] if args.vllm_python else ["kvmesh_serve"])  # Ray's stack: kvmesh engines only
     kinds += ["smg_cache_aware", "round_robin"] if args.smg else []
     kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
+    if args.routers:
+        unknown = set(args.routers.split(",")) - set(kinds)
+        if unknown:
+            ap.error(f"--routers: {', '.join(sorted(unknown))} not among {', '.join(kinds)} (give their commands)")
+        kinds = [k for k in kinds if k in args.routers.split(",")]
     names = args.workloads.split(",")
     runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}
     with tempfile.TemporaryDirectory(prefix="peer-routers-") as tmp:

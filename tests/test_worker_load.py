@@ -33,23 +33,44 @@ def worker(url: str, pages: dict[str, httpx.Response]) -> tuple[Worker, list[str
     return w, asked
 
 
-def test_a_kvmesh_engines_load_report_is_read_and_a_worker_without_one_is_not_asked_again():
-    report = LoadReport(index_id="engine-1", prefill_tok_s=812.5, decode_s_per_seq=0.004, max_num_seqs=8)
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+def test_a_kvmesh_engines_load_report_replaces_its_metrics_and_other_workers_are_read_from_metrics():
+    report = LoadReport(index_id="engine-1", prefill_tok_s=812.5, num_running=3, kv_usage=0.5, max_num_seqs=8)
     kvmesh, kvmesh_asked = worker("http://a:1", {"/load": httpx.Response(200, json=report.as_dict())})
-    vllm, vllm_asked = worker("http://b:1", {})
+    vllm, vllm_asked = worker("http://b:1", {"/metrics": httpx.Response(200, text=VLLM_METRICS)})
 
     async def main():
-        for _ in range(3):
-            await kvmesh._read_load()
-            await vllm._read_load()
+        return [(await kvmesh._read_load(), await vllm._read_load()) for _ in range(3)]
 
-    asyncio.run(main())
-    assert kvmesh.report == report and kvmesh_asked == ["/load"] * 3
+    assert asyncio.run(main()) == [(True, True)] * 3
+    assert kvmesh.report == report and kvmesh_asked == ["/load"] * 3  # one read a poll, no /metrics to parse
+    assert kvmesh.gauges == {"running": 3, "waiting": 0, "kv_usage": 0.5}
     assert kvmesh.measured()["prefill_tok_s"] == 812.5 and kvmesh.measured()["max_num_seqs"] == 8
-    assert vllm.report is None and vllm.measured() == {} and vllm_asked == ["/load"]  # 404 once: never again
-    garbled, _ = worker("http://c:1", {"/load": httpx.Response(200, text="not json")})
-    asyncio.run(garbled._read_load())
-    assert garbled.report is None and not garbled._offers_load
+    assert vllm_asked == ["/load", "/metrics", "/metrics", "/metrics"]  # 404 once: never asked again
+    assert vllm.report is None and vllm.measured() == {}
+    assert vllm.gauges == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25}  # summed over engines
+    garbled, asked = worker("http://c:1", {"/load": httpx.Response(200, text="not json")})
+    assert asyncio.run(garbled._read_load()) and asked == ["/load", "/metrics"] and garbled.report is None
+    down, _ = worker("http://d:1", {"/load": httpx.Response(503)})
+    assert not asyncio.run(down._read_load())  # counts towards the worker being down
 
 
 def test_kvmesh_router_prices_workers_by_their_measured_rates():

@@ -43,16 +43,17 @@ MEASURED_FIELDS = (
     "decode_s_per_seq",
     "step_s",
     "mean_output_tokens",
-    "cache_fill",
     "max_num_seqs",
     "kv_free_blocks",
     "kv_total_blocks",
     "host_load_tok_s",
     "disk_load_tok_s",
-    "prefill_busy",
 )
-"""What a router takes from a worker's own ``LoadReport``: its speed and capacity. Request counts it takes from
-what it sent itself (fresher than a poll) and from the gauges."""
+"""What a router takes from a worker's own ``LoadReport``: its speed and room. Request counts it takes from what
+it sent itself (fresher than a poll) and from the gauges. Cache fill and prefill busy stay at the defaults (full,
+busy: every miss evicts at full price): priced by a worker's own figures, kvmesh router spread RAG documents
+evenly over three workers sharing two cores and served 2-3 points fewer prompt tokens from cache
+(``benchmarks/results/README.md``)."""
 
 
 class WorkerUnreachable(RuntimeError):
@@ -108,30 +109,45 @@ def completion_body(call: GenerateCall, model: str) -> dict:
     return body | {k: v for k, v in extras.items() if v is not None}
 
 
+GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:token_usage": "kv_usage",
+    "kvmesh_replica_requests_running": "running",
+    "kvmesh_replica_requests_waiting": "waiting",
+    "kvmesh_replica_kv_usage_ratio": "kv_usage",
+}
+"""The load gauges read from a worker's ``/metrics`` page, by metric name."""
+_GAUGE_PREFIXES = tuple(GAUGES)
+
+
 def prometheus_gauges(text: str) -> dict[str, float]:
     """A worker's load gauges from its ``/metrics`` page (vLLM's, SGLang's or ``kvmesh engine``'s names), summed
     over label sets: running and waiting requests, KV usage (0-1)."""
-    wanted = {
-        "vllm:num_requests_running": "running",
-        "vllm:num_requests_waiting": "waiting",
-        "vllm:kv_cache_usage_perc": "kv_usage",
-        "vllm:gpu_cache_usage_perc": "kv_usage",
-        "sglang:num_running_reqs": "running",
-        "sglang:num_queue_reqs": "waiting",
-        "sglang:token_usage": "kv_usage",
-        "kvmesh_replica_requests_running": "running",
-        "kvmesh_replica_requests_waiting": "waiting",
-        "kvmesh_replica_kv_usage_ratio": "kv_usage",
-    }
+    # Parse only the wanted families' lines: an engine's page is mostly histograms, which cost the router more
+    # to parse than everything else it does per worker.
+    lines = [line for line in text.splitlines() if _metric_name(line).startswith(_GAUGE_PREFIXES)]
     out: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            key = wanted.get(family.name)
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            key = GAUGES.get(family.name)
             if key is not None:
                 out[key] = sum(sample.value for sample in family.samples)
     except ValueError:  # not a Prometheus page: no gauges
         return {}
     return out
+
+
+def _metric_name(line: str) -> str:
+    """The metric a line of a Prometheus page is about (its sample's, or its ``# HELP``/``# TYPE`` comment's)."""
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return parts[2] if len(parts) > 2 else ""
+    return line
 
 
 def _worker_error(status: int, text: str) -> Exception:
@@ -260,20 +276,12 @@ class Worker:
         )
 
     async def _poll_metrics(self) -> None:
-        """Read the worker's gauges every second; after ``DOWN_AFTER`` unanswered polls it is down: its cache view
+        """Read the worker's load every second; after ``DOWN_AFTER`` unanswered polls it is down: its cache view
         goes at once and routers rank it last, until it answers again (its cache is then rebuilt from its event
         stream)."""
         failures = 0
         while True:
-            try:
-                response = await self.client.get("/metrics", timeout=2.0)
-                answered = response.status_code < 500
-                if response.status_code == 200:
-                    self.gauges = prometheus_gauges(response.text)
-                if answered:
-                    await self._read_load()
-            except httpx.HTTPError:
-                answered = False
+            answered = await self._read_load()
             failures = 0 if answered else failures + 1
             if failures == DOWN_AFTER:
                 log.warning("worker %s stopped answering: its index entries are removed", self.spec.url)
@@ -286,23 +294,40 @@ class Worker:
                     self.subscriber.request_rebuild()
             await asyncio.sleep(METRICS_PERIOD_S)
 
-    async def _read_load(self) -> None:
-        """The worker's ``LoadReport`` from ``GET /load``; a worker without one (404: vLLM, SGLang) is not asked
-        again."""
-        if not self._offers_load:
-            return
+    async def _read_load(self) -> bool:
+        """Whether the worker answered a read of its load: its ``LoadReport`` (``GET /load``, a ``kvmesh engine``'s,
+        gauges included), else its ``/metrics`` gauges. A worker without ``/load`` (404: vLLM, SGLang) is not
+        asked for it again."""
         try:
-            response = await self.client.get("/load", timeout=2.0)
-        except httpx.HTTPError:
-            return  # the next poll asks again; the last report stands meanwhile
-        if response.status_code == 404:
-            self._offers_load = False
-        elif response.status_code == 200:
-            try:
-                self.report = LoadReport.from_dict(response.json())
-            except (ValueError, TypeError) as exc:
-                log.warning("worker %s: unreadable /load (%r); its rates are not used", self.spec.url, exc)
+            if self._offers_load:
+                response = await self.client.get("/load", timeout=2.0)
+                if response.status_code == 200 and self._take_report(response):
+                    return True
+                if response.status_code != 404 and self._offers_load:
+                    return response.status_code < 500
                 self._offers_load = False
+            response = await self.client.get("/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return False  # the last figures stand until the worker counts as down
+        if response.status_code == 200:
+            self.gauges = prometheus_gauges(response.text)
+        return response.status_code < 500
+
+    def _take_report(self, response: httpx.Response) -> bool:
+        """Keep the ``LoadReport`` in ``response`` and its gauges; False (and never asked again) if unreadable."""
+        try:
+            report = LoadReport.from_dict(response.json())
+        except (ValueError, TypeError) as exc:
+            report, reason = None, repr(exc)
+        else:
+            reason = "no index_id"
+        if report is None:
+            log.warning("worker %s: unreadable /load (%s); reading /metrics instead", self.spec.url, reason)
+            self._offers_load = False
+            return False
+        self.report = report
+        self.gauges = {"running": report.num_running, "waiting": report.num_waiting, "kv_usage": report.kv_usage}
+        return True
 
     def measured(self) -> dict:
         """The worker's measured speed and capacity (``MEASURED_FIELDS`` of its last report; empty without one)."""
