@@ -14,6 +14,7 @@ from kvmesh.cluster.worker_client import Worker
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.policy import RouteRequest
 from kvmesh.shared.hashing import hash_blocks, model_seed
+from kvmesh.shared.kv_event_wire import EventBatch, StoredBlocks
 from kvmesh.shared.messages import GenerateCall, LoadReport
 from kvmesh.shared.sampling_params import SamplingParams
 
@@ -95,3 +96,33 @@ def test_kvmesh_router_prices_workers_by_their_measured_rates():
     )
     assert router.choose(call) == ("http://fast:1", 0)
     assert router.policy.rank(req, list(loads.values()), {}).tied == 1
+
+
+def test_a_new_prompt_among_near_tied_workers_goes_to_the_smallest_cache():
+    """Idle workers tie on a new prompt; the one whose cache holds least takes it, so the first requests of
+    different hot documents land on different workers (SGLang's router places a miss by its trees' sizes
+    alike). Here no events follow the requests, so the emptier worker keeps taking them."""
+    a, _ = worker("http://a:1", {})
+    b, _ = worker("http://b:1", {})
+    doc = list(range(10_000, 10_320))  # 20 blocks a holds already
+    a.blocks.apply(
+        EventBatch(
+            ts=0.0,
+            events=[
+                StoredBlocks(block_hashes=list(range(1, 21)), parent_block_hash=None, token_ids=doc, block_size=16)
+            ],
+        )
+    )
+    assert len(a.blocks) == 20 and len(b.blocks) == 0
+    router = LocalRouter([a, b])
+    for p in range(4):
+        tokens = list(range(1000 * p, 1000 * p + 320))
+        call = GenerateCall(
+            request_id=f"r{p}",
+            prompt_token_ids=tokens,
+            block_hashes=hash_blocks(tokens, 16, model_seed(MODEL)),
+            block_size=16,
+            params=SamplingParams(max_tokens=4),
+        )
+        url, hits = router.choose(call)
+        assert url == "http://b:1" and hits == 0, p

@@ -60,7 +60,9 @@ class LocalRouter:
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
         decision = self.policy.rank(req, [self._load(url) for url in live], device, None, host)
         self.decisions[decision.reason] += 1
-        chosen = min(decision.tied_group, key=lambda url: self.workers[url].in_flight)  # fresher than the costs
+        # Among near-ties: the fewest in flight (fresher than the costs), then the smallest cache (new prompts
+        # land apart, as hot documents should), then the order offered.
+        chosen = min(decision.tied_group, key=lambda url: (self.workers[url].in_flight, len(self.workers[url].blocks)))
         self.policy.on_routed(req, chosen, decision)
         return chosen, device[chosen]
 
