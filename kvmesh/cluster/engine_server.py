@@ -49,8 +49,8 @@ class EngineServer(HttpApi):
 
     async def load(self) -> JSONResponse:
         """``GET /load``: the engine's ``LoadReport`` (measured prefill and decode rates, free KV blocks, batch
-        limit), what kvmesh's routers price a replica by; a router in front of ``kvmesh engine`` servers reads
-        it beside ``/metrics``, where a vLLM worker offers only request counts."""
+        limit, gauges), what kvmesh's routers price a replica by; a router in front of ``kvmesh engine`` servers
+        reads it instead of ``/metrics``, where a vLLM worker offers only request counts."""
         return JSONResponse(self.replica.record_routing_stats())
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:

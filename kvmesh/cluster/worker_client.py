@@ -3,9 +3,9 @@ Ray: requests forwarded to its ``/v1/completions`` as token ids (the ingress tok
 tokenizer, so the router's block hashes are the worker's prompt), streaming, with the tenant's ``cache_salt``;
 chunks, usage and its cached-token count back, errors as it said them. Its cache in kvmesh's hashes from its
 KV events (``kvmesh/router/kv_event_subscriber.py``, ``kvmesh/router/worker_blocks.py``); its load from what
-was sent to it and its ``/metrics`` gauges, read every second, and from a ``kvmesh engine`` also its measured
-rates (``GET /load``, a ``LoadReport``); after two unanswered reads it is down (its cache forgotten) until it
-answers again (its cache then rebuilt from its event stream).
+was sent to it and what it reports, read every second: a ``kvmesh engine``'s ``LoadReport`` (``GET /load``:
+gauges and measured rates), other workers' ``/metrics`` gauges; after two unanswered reads it is down (its cache
+forgotten) until it answers again (its cache then rebuilt from its event stream).
 
 Ray Serve's ``WorkerProxy`` (``kvmesh/cluster/worker_proxy.py``) and the Ray-free ``kvmesh router``
 (``kvmesh/cluster/router_server.py``) both drive workers through ``Worker``.
@@ -51,9 +51,8 @@ MEASURED_FIELDS = (
 )
 """What a router takes from a worker's own ``LoadReport``: its speed and room. Request counts it takes from what
 it sent itself (fresher than a poll) and from the gauges. Cache fill and prefill busy stay at the defaults (full,
-busy: every miss evicts at full price): priced by a worker's own figures, kvmesh router spread RAG documents
-evenly over three workers sharing two cores and served 2-3 points fewer prompt tokens from cache
-(``benchmarks/results/README.md``)."""
+busy: every miss evicts at full price): priced by a worker's own, the router copied documents to idle workers
+and lost hits (``benchmarks/results/README.md``)."""
 
 
 class WorkerUnreachable(RuntimeError):
@@ -296,14 +295,16 @@ class Worker:
 
     async def _read_load(self) -> bool:
         """Whether the worker answered a read of its load: its ``LoadReport`` (``GET /load``, a ``kvmesh engine``'s,
-        gauges included), else its ``/metrics`` gauges. A worker without ``/load`` (404: vLLM, SGLang) is not
-        asked for it again."""
+        gauges included), else its ``/metrics`` gauges. A worker without a readable ``/load`` (404: vLLM,
+        SGLang) is read from ``/metrics`` from then on."""
         try:
             if self._offers_load:
                 response = await self.client.get("/load", timeout=2.0)
-                if response.status_code == 200 and self._take_report(response):
+                if response.status_code == 200 and (report := self._report_in(response)) is not None:
+                    self.report = report
+                    self.gauges = dict(running=report.num_running, waiting=report.num_waiting, kv_usage=report.kv_usage)
                     return True
-                if response.status_code != 404 and self._offers_load:
+                if response.status_code not in (200, 404):
                     return response.status_code < 500
                 self._offers_load = False
             response = await self.client.get("/metrics", timeout=2.0)
@@ -313,21 +314,15 @@ class Worker:
             self.gauges = prometheus_gauges(response.text)
         return response.status_code < 500
 
-    def _take_report(self, response: httpx.Response) -> bool:
-        """Keep the ``LoadReport`` in ``response`` and its gauges; False (and never asked again) if unreadable."""
+    def _report_in(self, response: httpx.Response) -> LoadReport | None:
+        """The ``LoadReport`` a ``/load`` answer holds; None (with a log line) if it holds none."""
         try:
             report = LoadReport.from_dict(response.json())
-        except (ValueError, TypeError) as exc:
-            report, reason = None, repr(exc)
-        else:
-            reason = "no index_id"
+        except (ValueError, TypeError):
+            report = None
         if report is None:
-            log.warning("worker %s: unreadable /load (%s); reading /metrics instead", self.spec.url, reason)
-            self._offers_load = False
-            return False
-        self.report = report
-        self.gauges = {"running": report.num_running, "waiting": report.num_waiting, "kv_usage": report.kv_usage}
-        return True
+            log.warning("worker %s: unreadable /load; reading its /metrics instead", self.spec.url)
+        return report
 
     def measured(self) -> dict:
         """The worker's measured speed and capacity (``MEASURED_FIELDS`` of its last report; empty without one)."""
