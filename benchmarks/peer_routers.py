@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from benchmarks.placement_headroom import estimate, idle_ttft
 from kvmesh.bench.load_client import run_sessions
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.bench.serve_process import ServeProcess
@@ -46,6 +47,8 @@ from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
 from kvmesh.cluster.embedded_redis import free_port
 
 MODEL = "smollm2-135m"
+SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s", "held_share", "estimate_s")
+"""What each router's run reports, as medians over the repeats."""
 
 
 class Child:
@@ -249,6 +252,11 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         "router_cpu_s": cpu1 - cpu0,
         "requests_per_engine": [b - a for a, b in zip(admitted0, admitted1, strict=True)],
         "first_error": next((r.error for r in results if r.error is not None), None),
+        "per_request": [
+            {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s}
+            for r in results
+            if r.error is None
+        ],
     }
 
 
@@ -316,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
         try:
+            httpx.post(engines[0][0].url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            idle = idle_ttft(engines[0][0].url, MODEL)
             for repeat in range(args.repeats):
                 for name in names:
                     order = kinds[repeat % len(kinds) :] + kinds[: repeat % len(kinds)]
@@ -329,14 +339,14 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         for kind in kinds:
             reps = runs[name][kind]
+            for r in reps:
+                r.update(estimate(r["per_request"], idle))
 
             def med(key: str, reps=reps) -> float | None:
                 values = [r[key] for r in reps if r[key] is not None]
                 return statistics.median(values) if values else None
 
-            summary.setdefault(name, {})[kind] = {
-                k: med(k) for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s")
-            }
+            summary.setdefault(name, {})[kind] = {k: med(k) for k in SUMMARY_KEYS}
             s = summary[name][kind]
             ms = [1000 * s[k] if s[k] is not None else "-" for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")]
             errors = sum(r["errors"] for r in reps)
@@ -348,11 +358,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.engines} x {engine} ({MODEL}, 1 thread each), medians of {args.repeats} repeats")
     header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
     print_table(header, rows)
+    print_headroom(summary, idle)
     write_json(
         "peer_routers_vllm" if args.vllm_python else "peer_routers",
-        {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs},
+        {"args": {k: str(v) for k, v in vars(args).items()}, "idle_ttft_s": idle, "summary": summary, "runs": runs},
         args.json,
     )
+
+
+def print_headroom(summary: dict, idle: dict[int, float]) -> None:
+    """Per workload and router: the share of requests held by affinity and the mean TTFT placement alone could
+    reach (``benchmarks/placement_headroom.py``), against the best peer router's measured mean."""
+    print("\nidle engine TTFT ms by uncached tokens: " + ", ".join(f"{n}: {1000 * s:.0f}" for n, s in idle.items()))
+    rows = []
+    for name, routers in summary.items():
+        peers = [s["ttft_mean_s"] for k, s in routers.items() if not k.startswith("kvmesh") and s["ttft_mean_s"]]
+        best = min(peers) if peers else None
+        for kind, s in routers.items():
+            ratio = s["estimate_s"] / best if best and s["estimate_s"] else "-"
+            mean, est = 1000 * (s["ttft_mean_s"] or 0), 1000 * (s["estimate_s"] or 0)
+            rows.append([name, kind, mean, f"{100 * (s['held_share'] or 0):.0f}%", est, ratio])
+    header = ["workload", "router", "TTFT mean ms", "held by affinity", "placement estimate ms", "estimate / best peer"]
+    print_table(header, rows)
 
 
 if __name__ == "__main__":
