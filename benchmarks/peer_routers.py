@@ -14,9 +14,10 @@ round_robin``). The peers run from their own virtualenvs
 (never kvmesh dependencies); a router whose binary is not given is left out. Workloads: ``multi_turn`` (chat
 sessions) and ``rag`` (long shared documents, as text completions) of ``kvmesh bench run``.
 Prints a table of medians over the repeats (with each router's CPU seconds: the router process and
-everything under it) and writes ``benchmarks/results/peer_routers.json``. ``--pin`` puts the engines on the
-last core and the routers and the load client on the others, as a router runs on other cores than GPU
-engines; unpinned, on a 2-core machine, a router's own CPU comes out of the engines' time.
+everything under it), then how much of each mean placement alone could still win (an idle engine timed first;
+``benchmarks/placement_headroom.py``), and writes ``benchmarks/results/peer_routers.json``. ``--pin`` puts
+the engines on the last core and the routers and the load client on the others, as a router runs on other
+cores than GPU engines; unpinned, on a 2-core machine, a router's own CPU comes out of the engines' time.
 """
 
 from __future__ import annotations
