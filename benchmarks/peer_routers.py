@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from benchmarks import engine_occupancy
 from benchmarks.placement_headroom import estimate, idle_ttft
 from kvmesh.bench.load_client import run_sessions
 from kvmesh.bench.report import print_table, write_json
@@ -241,7 +242,9 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         time.sleep(1.0)
         prompt0, cached0, admitted0 = engine_counters(engines)
         cpu0 = cpu_seconds(router.proc.pid)
-        results, wall = asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed, False, args)))
+        probe = engine_occupancy.probe([c.url for c, _ in engines]) if args.probe_load else contextlib.nullcontext([])
+        with probe as samples:
+            results, wall = asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed, False, args)))
         cpu1 = cpu_seconds(router.proc.pid)
         prompt1, cached1, admitted1 = engine_counters(engines)
     finally:
@@ -253,6 +256,7 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         "router_cpu_s": cpu1 - cpu0,
         "requests_per_engine": [b - a for a, b in zip(admitted0, admitted1, strict=True)],
         "first_error": next((r.error for r in results if r.error is not None), None),
+        "occupancy": engine_occupancy.summarize(samples),
         "per_request": [
             {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s}
             for r in results
@@ -302,8 +306,15 @@ def main(argv: list[str] | None = None) -> None:
         help="engines on the last core, routers and this client on the others (as routers run beside GPU engines)",
     )
     ap.add_argument("--routers", help="only these of the routers above (comma-separated names, as in the table)")
+    ap.add_argument(
+        "--probe-load",
+        action="store_true",
+        help="sample the kvmesh engines' /load during each run: how many were busy, whether requests queued",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.probe_load and args.vllm_python:
+        ap.error("--probe-load reads kvmesh engines' /load; vLLM servers have none")
     engine_cpus = None
     if args.pin:
         cores = sorted(os.sched_getaffinity(0))
@@ -360,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
     print_table(header, rows)
     print_headroom(summary, idle)
+    if args.probe_load:
+        print_occupancy(runs)
     write_json(
         "peer_routers_vllm" if args.vllm_python else "peer_routers",
         {"args": {k: str(v) for k, v in vars(args).items()}, "idle_ttft_s": idle, "summary": summary, "runs": runs},
@@ -381,6 +394,20 @@ def print_headroom(summary: dict, idle: dict[int, float]) -> None:
             rows.append([name, kind, mean, f"{100 * (s['held_share'] or 0):.0f}%", est, ratio])
     header = ["workload", "router", "TTFT mean ms", "held by affinity", "placement estimate ms", "estimate / best peer"]
     print_table(header, rows)
+
+
+def print_occupancy(runs: dict) -> None:
+    """Per workload and router (each repeat): the share of the run with 0, 1, 2, ... engines busy and with a
+    request waiting in an engine's queue (``benchmarks/engine_occupancy.py``)."""
+    rows = []
+    for name, routers in runs.items():
+        for kind, reps in routers.items():
+            for i, rep in enumerate(reps, 1):
+                occ = rep["occupancy"]
+                busy = "/".join(f"{100 * share:.0f}%" for share in occ["busy_engines_share"])
+                waiting = f"{100 * occ['waiting_share']:.1f}%" if occ["waiting_share"] is not None else "-"
+                rows.append([name, kind, i, occ["samples"], busy, waiting])
+    print_table(["workload", "router", "run", "samples", "engines busy 0/1/2/...", "a request queued"], rows)
 
 
 if __name__ == "__main__":

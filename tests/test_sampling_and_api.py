@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 
@@ -316,3 +317,44 @@ async def hang_up_after_three_tokens(allm, engine, prompt, params: SamplingParam
         await asyncio.sleep(0.01)
     assert not engine.has_unfinished and engine.pool.num_used == 0
     engine.check_integrity()
+
+
+def test_a_request_received_during_a_step_is_reported_waiting(llm, monkeypatch):
+    """A request that arrives while a step runs waits for it to end before the engine sees it; the load a
+    router reads must count it, or an engine mid-step looks idle for as long as its step lasts."""
+    engine = llm.engine
+    running, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        running.set()
+        release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def main():
+        allm = AsyncLLM(engine)
+        first = asyncio.create_task(drain(allm.generate(list(range(100, 140)), params)))
+        try:
+            assert await asyncio.to_thread(running.wait, 30)
+            before = engine.snapshot()
+            second = asyncio.create_task(drain(allm.generate(list(range(200, 264)), params)))
+            await asyncio.sleep(0.05)  # received: queued behind the held step
+            during = allm.snapshot()
+            assert engine.snapshot().num_waiting == before.num_waiting  # the engine itself has not seen it
+            assert during.num_waiting == before.num_waiting + 1
+            assert during.pending_prefill_tokens == before.pending_prefill_tokens + 64
+            assert during.waiting_blocks == before.waiting_blocks + -(-64 // engine.block_size)
+        finally:
+            release.set()
+        await asyncio.gather(first, second)
+        assert allm.snapshot().num_waiting == 0
+        await allm.shutdown()
+
+    asyncio.run(main())
+
+
+async def drain(stream):
+    return [out async for out in stream]

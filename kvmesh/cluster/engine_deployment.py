@@ -158,19 +158,19 @@ class EngineReplica:
 
     def status(self) -> ReplicaStatus:
         """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
-        return ReplicaStatus(**dataclasses.asdict(self.engine.stats()), pid=os.getpid(), node=self.node)
+        return ReplicaStatus(**dataclasses.asdict(self.llm.snapshot().stats()), pid=os.getpid(), node=self.node)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
         preemptions since the last report."""
-        snapshot = self.engine.snapshot()
+        snapshot = self.llm.snapshot()
         pressure = snapshot.kv_pressure(self._preemptions_seen)
         self._preemptions_seen = snapshot.num_preemptions
         return pressure.as_dict()
 
     def record_routing_stats(self) -> dict:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
-        report = self.engine.snapshot().load_report(self.index_id, time.time())
+        report = self.llm.snapshot().load_report(self.index_id, time.time())
         report.node = self.node
         report.index_error = self.publisher.last_error if self.publisher is not None else None
         return report.as_dict()

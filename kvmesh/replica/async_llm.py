@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
+from kvmesh.replica.telemetry import EngineSnapshot
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.errors import RequestFailed
 from kvmesh.shared.hashing import BlockHash
@@ -100,6 +101,18 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's snapshot, with the requests received but not yet handed to it (they wait for the step
+        in progress to end) counted as waiting: a router must not see an engine mid-step as idle. A text
+        prompt's tokens are not known before it is tokenized: it counts as a request, not as tokens."""
+        snapshot = self.engine.snapshot()
+        adds = [op for op in tuple(self._pending) if isinstance(op, _Add)]
+        tokens = sum(len(op.prompt) for op in adds if isinstance(op.prompt, list))
+        snapshot.num_waiting += len(adds)
+        snapshot.pending_prefill_tokens += tokens
+        snapshot.waiting_blocks += -(-tokens // self.engine.block_size)
+        return snapshot
 
     def abort(self, request_id: str) -> None:
         self._pending.append(_Abort(request_id=request_id))
