@@ -389,10 +389,13 @@ def print_headroom(summary: dict, idle: dict[int, float]) -> None:
         peers = [s["ttft_mean_s"] for k, s in routers.items() if not k.startswith("kvmesh") and s["ttft_mean_s"]]
         best = min(peers) if peers else None
         for kind, s in routers.items():
-            ratio = s["estimate_s"] / best if best and s["estimate_s"] else "-"
-            mean, est = 1000 * (s["ttft_mean_s"] or 0), 1000 * (s["estimate_s"] or 0)
-            rows.append([name, kind, mean, f"{100 * (s['held_share'] or 0):.0f}%", est, ratio])
-    header = ["workload", "router", "TTFT mean ms", "held by affinity", "placement estimate ms", "estimate / best peer"]
+            if not s["estimate_s"]:
+                continue
+            mean, est = s["ttft_mean_s"], s["estimate_s"]
+            ratios = [est / mean, est / best if best else "-"]
+            rows.append([name, kind, 1000 * mean, f"{100 * s['held_share']:.0f}%", 1000 * est, *ratios])
+    header = ["workload", "router", "TTFT mean ms", "held by affinity", "placement estimate ms", "/ own mean"]
+    header += ["/ best peer"]
     print_table(header, rows)
 
 
