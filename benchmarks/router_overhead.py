@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    args.vllm_router = None
     kinds = ["kvmesh_router"] + (["smg_cache_aware"] if args.smg else [])
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:

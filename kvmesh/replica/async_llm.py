@@ -108,10 +108,10 @@ class AsyncLLM:
         prompt's tokens are not known before it is tokenized: it counts as a request, not as tokens."""
         snapshot = self.engine.snapshot()
         adds = [op for op in tuple(self._pending) if isinstance(op, _Add)]
-        tokens = sum(len(op.prompt) for op in adds if isinstance(op.prompt, list))
+        lengths = [len(op.prompt) for op in adds if isinstance(op.prompt, list)]
         snapshot.num_waiting += len(adds)
-        snapshot.pending_prefill_tokens += tokens
-        snapshot.waiting_blocks += -(-tokens // self.engine.block_size)
+        snapshot.pending_prefill_tokens += sum(lengths)
+        snapshot.waiting_blocks += sum(-(-n // self.engine.block_size) for n in lengths)  # per request, as the engine's
         return snapshot
 
     def abort(self, request_id: str) -> None:
