@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -52,3 +56,43 @@ def test_the_wheel_installs_only_the_kvmesh_package_and_its_command(tmp_path):
     assert Path(where.stdout.strip()).is_relative_to(site)
     help_text = subprocess.run([venv / "bin" / "kvmesh", "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "serve" in help_text.stdout
+
+
+OPTIONAL_IMPORTS = {
+    "triton": "GPU kernels: CUDA builds of torch bring it; imported only where a kernel is built",
+    "matplotlib": "benchmark pictures (the dev extra); without it benchmarks write no PNG",
+    "grpc_tools": "regenerates the gRPC stubs (the test extra); not run by users",
+}
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_library_the_package_imports_is_a_declared_dependency():
+    """A fresh ``pip install .`` must bring everything ``kvmesh`` imports: a library that only arrives through
+    the test extra, or through another package's dependencies, breaks ``kvmesh serve`` on a user's machine the
+    day that package stops bringing it (httpx once came only with the test extra)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_normalized(re.match(r"[A-Za-z0-9_.-]+", d).group()) for d in project["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    imported: dict[str, str] = {}
+    for path in (ROOT / "kvmesh").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "kvmesh" and top not in OPTIONAL_IMPORTS:
+                    imported.setdefault(top, str(path.relative_to(ROOT)))
+    undeclared = {
+        module: where
+        for module, where in imported.items()
+        if not declared & {_normalized(d) for d in providers.get(module, [module])}
+    }
+    assert "httpx" in imported and "aiohttp" in imported  # the walk sees the package's imports
+    assert not undeclared, f"imported but not in pyproject's dependencies: {undeclared}"

@@ -1,18 +1,21 @@
 """Unit: what kvmesh's routers learn of an external worker's speed. A ``kvmesh engine`` serves its ``LoadReport`` at
 ``GET /load``; ``Worker`` reads it beside ``/metrics`` (a worker without one, vLLM or SGLang, is not asked again)
-and ``kvmesh router`` prices the worker by its measured rates instead of the defaults. The HTTP side is an
-``httpx.MockTransport`` standing for the worker's pages; ``tests/test_external_workers.py`` reads a real one."""
+and ``kvmesh router`` prices the worker by its measured rates instead of the defaults. The worker's pages are
+served by a small aiohttp server on loopback; ``tests/test_external_workers.py`` reads a real engine's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
-import httpx
+import aiohttp
+from aiohttp import web
 
 from kvmesh.cluster.router_server import LocalRouter
 from kvmesh.cluster.worker_client import Worker
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.policy import RouteRequest
+from kvmesh.shared.errors import InvalidRequest, RequestFailed
 from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.kv_event_wire import EventBatch, StoredBlocks
 from kvmesh.shared.messages import GenerateCall, LoadReport
@@ -21,17 +24,36 @@ from kvmesh.shared.sampling_params import SamplingParams
 MODEL = "m"
 
 
-def worker(url: str, pages: dict[str, httpx.Response]) -> tuple[Worker, list[str]]:
-    """A ``Worker`` whose HTTP client answers from ``pages`` (404 elsewhere); the paths it asked for."""
-    asked: list[str] = []
+def worker(url: str) -> Worker:
+    return Worker(WorkerSpec(url=url), MODEL, MODEL, 16)
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        asked.append(request.url.path)
-        return pages.get(request.url.path, httpx.Response(404))
 
-    w = Worker(WorkerSpec(url=url), MODEL, MODEL, 16)
-    w.client = httpx.AsyncClient(base_url=url, transport=httpx.MockTransport(answer))
-    return w, asked
+class Pages:
+    """An HTTP server on loopback answering ``pages`` (path: status and body; 404 elsewhere), and a ``Worker``
+    reading it; ``asked``: the paths it was asked for."""
+
+    def __init__(self, pages: dict[str, tuple[int, str]]) -> None:
+        self.pages, self.asked = pages, []
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        self.asked.append(request.path)
+        status, body = self.pages.get(request.path, (404, ""))
+        return web.Response(status=status, text=body)
+
+    async def __aenter__(self) -> Worker:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._answer)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        host, port = self.runner.addresses[0][:2]
+        self.worker = worker(f"http://{host}:{port}")
+        self.worker.session = aiohttp.ClientSession()  # what ``start`` opens, without its poller
+        return self.worker
+
+    async def __aexit__(self, *_) -> None:
+        await self.worker.aclose()
+        await self.runner.cleanup()
 
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -55,30 +77,101 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 
 def test_a_kvmesh_engines_load_report_replaces_its_metrics_and_other_workers_are_read_from_metrics():
     report = LoadReport(index_id="engine-1", prefill_tok_s=812.5, num_running=3, kv_usage=0.5, max_num_seqs=8)
-    kvmesh, kvmesh_asked = worker("http://a:1", {"/load": httpx.Response(200, json=report.as_dict())})
-    vllm, vllm_asked = worker("http://b:1", {"/metrics": httpx.Response(200, text=VLLM_METRICS)})
+    kv_pages = Pages({"/load": (200, json.dumps(report.as_dict()))})
+    vllm_pages = Pages({"/metrics": (200, VLLM_METRICS)})
 
     async def main():
-        return [(await kvmesh._read_load(), await vllm._read_load()) for _ in range(3)]
+        async with kv_pages as kvmesh, vllm_pages as vllm:
+            reads = [(await kvmesh._read_load(), await vllm._read_load()) for _ in range(3)]
+        return reads, kvmesh, vllm
 
-    assert asyncio.run(main()) == [(True, True)] * 3
-    assert kvmesh.report == report and kvmesh_asked == ["/load"] * 3  # one read a poll, no /metrics to parse
+    reads, kvmesh, vllm = asyncio.run(main())
+    assert reads == [(True, True)] * 3
+    assert kvmesh.report == report and kv_pages.asked == ["/load"] * 3  # one read a poll, no /metrics to parse
     assert kvmesh.gauges == {"running": 3, "waiting": 0, "kv_usage": 0.5}
     assert kvmesh.measured()["prefill_tok_s"] == 812.5 and kvmesh.measured()["max_num_seqs"] == 8
-    assert vllm_asked == ["/load", "/metrics", "/metrics", "/metrics"]  # 404 once: never asked again
+    assert vllm_pages.asked == ["/load", "/metrics", "/metrics", "/metrics"]  # 404 once: never asked again
     assert vllm.report is None and vllm.measured() == {}
     assert vllm.gauges == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25}  # summed over engines
-    garbled, asked = worker("http://c:1", {"/load": httpx.Response(200, text="not json")})
-    assert asyncio.run(garbled._read_load()) and asked == ["/load", "/metrics"] and garbled.report is None
-    down, _ = worker("http://d:1", {"/load": httpx.Response(503)})
-    assert not asyncio.run(down._read_load())  # counts towards the worker being down
+
+
+def test_a_garbled_or_failing_load_page_and_a_silent_worker():
+    """Garbled ``/load``: the worker is read from ``/metrics``; 503: it did not answer (counts towards down), as
+    does a port where nothing listens."""
+    garbled, failing = Pages({"/load": (200, "not json")}), Pages({"/load": (503, "")})
+
+    async def main():
+        async with garbled as g, failing as f:
+            reads = [await g._read_load(), await f._read_load()]
+        silent = worker(g.spec.url)  # the server has stopped: nothing listens there now
+        silent.session = aiohttp.ClientSession()
+        reads.append(await silent._read_load())
+        await silent.aclose()
+        return reads, g
+
+    reads, g = asyncio.run(main())
+    assert reads == [True, False, False]
+    assert garbled.asked == ["/load", "/metrics"] and g.report is None
+
+
+def sse(*events: dict | str) -> str:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+
+
+def test_a_workers_stream_its_refusals_and_a_cut_stream():
+    """What a router relays: each streamed choice chunk (its token ids), then the usage with the worker's cached
+    tokens; a 4xx refusal as the client's error with the worker's message; a stream ending without usage, or in
+    the middle of an event, as a failure, never as a short answer."""
+    tokens = list(range(40))
+    hashes = hash_blocks(tokens, 16, model_seed(MODEL))
+    call = GenerateCall(
+        request_id="r1",
+        prompt_token_ids=tokens,
+        block_hashes=hashes,
+        block_size=16,
+        params=SamplingParams(max_tokens=2),
+    )
+    usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+    good = sse(
+        {"choices": [{"index": 0, "text": "Hi", "token_ids": [5]}]},
+        {"choices": [{"index": 0, "text": "!", "token_ids": [6], "finish_reason": "length"}]},
+        {"choices": [], "usage": usage},
+        "[DONE]",
+    )
+    refusal = json.dumps({"error": {"message": "prompt too long", "type": "BadRequestError"}})
+    pages = {
+        "/good/v1/completions": (200, good),
+        "/refuses/v1/completions": (400, refusal),
+        "/no-usage/v1/completions": (200, good[: good.index('data: {"choices": []')]),
+        "/cut/v1/completions": (200, good[: good.index('"usage"')]),  # ends inside an event
+    }
+
+    async def outcome(server: Worker, prefix: str):
+        w = worker(server.spec.url + prefix)
+        w.session = aiohttp.ClientSession()
+        try:
+            return [c async for c in w.generate(call, "w")]
+        except (InvalidRequest, RequestFailed) as exc:
+            return exc
+        finally:
+            await w.aclose()
+
+    async def main():
+        async with Pages(pages) as p:
+            return [await outcome(p, prefix) for prefix in ("/good", "/refuses", "/no-usage", "/cut")]
+
+    chunks, refused, no_usage, cut = asyncio.run(main())
+    assert [(c.text, c.token_ids, c.finish_reason) for c in chunks[:2]] == [("Hi", [5], None), ("!", [6], "length")]
+    assert chunks[-1].usage.cached_tokens == 32 and chunks[-1].usage.completion_tokens == 2
+    assert isinstance(refused, InvalidRequest) and "prompt too long" in str(refused)
+    assert isinstance(no_usage, RequestFailed) and "without usage" in str(no_usage)
+    assert isinstance(cut, RequestFailed) and "malformed event" in str(cut)
 
 
 def test_kvmesh_router_prices_workers_by_their_measured_rates():
     """Two idle workers, a new prompt: at the default rates they tie; once one reports prefilling three times as
     fast as the other (more than the prompt's own prefill apart), the new prompt goes to it, and alone."""
-    fast, _ = worker("http://fast:1", {})
-    slow, _ = worker("http://slow:1", {})
+    fast, slow = worker("http://fast:1"), worker("http://slow:1")
     router = LocalRouter([fast, slow])
     tokens = list(range(640))
     req = RouteRequest(hash_blocks(tokens, 16, model_seed(MODEL)), len(tokens), 16)
@@ -102,8 +195,7 @@ def test_a_new_prompt_among_near_tied_workers_goes_to_the_smallest_cache():
     """Idle workers tie on a new prompt; the one whose cache holds least takes it, so the first requests of
     different hot documents land on different workers (SGLang's router places a miss by its trees' sizes
     alike). Here no events follow the requests, so the emptier worker keeps taking them."""
-    a, _ = worker("http://a:1", {})
-    b, _ = worker("http://b:1", {})
+    a, b = worker("http://a:1"), worker("http://b:1")
     doc = list(range(10_000, 10_320))  # 20 blocks a holds already
     a.blocks.apply(
         EventBatch(

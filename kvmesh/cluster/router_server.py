@@ -149,9 +149,12 @@ def run_router_server(args: argparse.Namespace) -> int:
         for worker in workers:
             worker.start()
 
+    async def stop_workers() -> None:
+        for worker in workers:
+            await worker.aclose()
+
     app.router.on_startup.append(start_workers)
+    app.router.on_shutdown.append(stop_workers)
     print(f"kvmesh router ready: http://{args.host}:{args.port}/v1 ({served}, {len(workers)} worker(s))", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    for worker in workers:
-        worker.close()
     return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-import httpx
 from ray import serve
 
 from kvmesh.cluster.nodes import node_address
@@ -80,11 +79,11 @@ class WorkerProxy:
     async def check_health(self) -> None:
         """Ray Serve's health check: the worker must answer ``/health``; else Ray replaces this proxy."""
         try:
-            response = await self.worker.client.get("/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+            status, _ = await self.worker.get("/health", HEALTH_TIMEOUT_S)
+        except OSError as exc:
             raise RuntimeError(f"worker {self.worker.spec.url} does not answer: {exc!r}") from exc
-        if response.status_code >= 500:
-            raise RuntimeError(f"worker {self.worker.spec.url} is unhealthy ({response.status_code})")
+        if status >= 500:
+            raise RuntimeError(f"worker {self.worker.spec.url} is unhealthy ({status})")
 
     def status(self) -> ReplicaStatus:
         return self.worker.status(self.node)
