@@ -346,6 +346,7 @@ class Generation:
         t0 = time.perf_counter()
         last, n_out, outcome, usage = t0, 0, "error", None
         last_of_choice: dict[int, float] = {}  # inter-token latency is measured within each choice
+        inter_token = metrics.INTER_TOKEN.labels(model)  # looked up once: observed per chunk
         stream = None
         try:
             for attempt in range(1, RETRY_ATTEMPTS + 1):
@@ -360,7 +361,7 @@ class Generation:
                         if n_out == 0:
                             metrics.TTFT.labels(model).observe(now - t0)
                         elif chunk.token_ids and previous is not None:
-                            metrics.INTER_TOKEN.labels(model).observe((now - previous) / len(chunk.token_ids))
+                            inter_token.observe((now - previous) / len(chunk.token_ids))
                         last = last_of_choice[chunk.index] = now
                         n_out += len(chunk.token_ids)
                         if chunk.usage is not None:

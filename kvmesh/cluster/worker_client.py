@@ -44,6 +44,8 @@ DOWN_AFTER = 2
 START_TIMEOUT_S = 10.0
 """How long a start waits for the worker's ``/health``."""
 POLL_TIMEOUT_S = 2.0
+KEEPALIVE_S = 4.0
+"""How long an idle connection to a worker is kept: under the 5 s after which uvicorn closes it."""
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
 """A generation may stream for as long as it runs; only connecting is bounded."""
 MEASURED_FIELDS = (
@@ -202,8 +204,9 @@ class Worker:
     def start(self) -> Worker:
         """Open the HTTP session, follow the worker's events and read its load; on a running event loop."""
         # No connection limit: the router's admission bounds what is in flight, and a pool limit would queue
-        # requests inside the client, unseen by the policy.
-        connector = aiohttp.TCPConnector(limit=0)
+        # requests inside the client, unseen by the policy. Idle connections are dropped before uvicorn's 5 s
+        # keep-alive (vLLM, SGLang and kvmesh engines all serve with it) closes them under a request.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(headers=self.headers, connector=connector, timeout=STREAM_TIMEOUT)
         if self.spec.kv_events:
             self.subscriber = KVEventSubscriber(
