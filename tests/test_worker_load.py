@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 from aiohttp import web
 
 from kvmesh.cluster.router_server import LocalRouter
@@ -48,7 +47,7 @@ class Pages:
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         host, port = self.runner.addresses[0][:2]
         self.worker = worker(f"http://{host}:{port}")
-        self.worker.session = aiohttp.ClientSession()  # what ``start`` opens, without its poller
+        self.worker.open_session()  # what ``start`` opens, without its poller
         return self.worker
 
     async def __aexit__(self, *_) -> None:
@@ -104,7 +103,7 @@ def test_a_garbled_or_failing_load_page_and_a_silent_worker():
         async with garbled as g, failing as f:
             reads = [await g._read_load(), await f._read_load()]
         silent = worker(g.spec.url)  # the server has stopped: nothing listens there now
-        silent.session = aiohttp.ClientSession()
+        silent.open_session()
         reads.append(await silent._read_load())
         await silent.aclose()
         return reads, g
@@ -119,9 +118,9 @@ def sse(*events: dict | str) -> str:
 
 
 def test_a_workers_stream_its_refusals_and_a_cut_stream():
-    """What a router relays: each streamed choice chunk (its token ids), then the usage with the worker's cached
-    tokens; a 4xx refusal as the client's error with the worker's message; a stream ending without usage, or in
-    the middle of an event, as a failure, never as a short answer."""
+    """What a router relays: each streamed choice chunk (its token ids, however long its text), then the usage
+    with the worker's cached tokens; a 4xx refusal as the client's error with the worker's message; a stream
+    ending without usage, or in the middle of an event, as a failure, never as a short answer."""
     tokens = list(range(40))
     hashes = hash_blocks(tokens, 16, model_seed(MODEL))
     call = GenerateCall(
@@ -138,9 +137,12 @@ def test_a_workers_stream_its_refusals_and_a_cut_stream():
         {"choices": [], "usage": usage},
         "[DONE]",
     )
+    long_text = "word " * 300_000  # one 1.5 MB event: over aiohttp's default line limit (128 KiB)
+    long = sse({"choices": [{"index": 0, "text": long_text, "token_ids": [7]}]}, {"choices": [], "usage": usage})
     refusal = json.dumps({"error": {"message": "prompt too long", "type": "BadRequestError"}})
     pages = {
         "/good/v1/completions": (200, good),
+        "/long/v1/completions": (200, long),
         "/refuses/v1/completions": (400, refusal),
         "/no-usage/v1/completions": (200, good[: good.index('data: {"choices": []')]),
         "/cut/v1/completions": (200, good[: good.index('"usage"')]),  # ends inside an event
@@ -148,7 +150,7 @@ def test_a_workers_stream_its_refusals_and_a_cut_stream():
 
     async def outcome(server: Worker, prefix: str):
         w = worker(server.spec.url + prefix)
-        w.session = aiohttp.ClientSession()
+        w.open_session()
         try:
             return [c async for c in w.generate(call, "w")]
         except (InvalidRequest, RequestFailed) as exc:
@@ -158,11 +160,12 @@ def test_a_workers_stream_its_refusals_and_a_cut_stream():
 
     async def main():
         async with Pages(pages) as p:
-            return [await outcome(p, prefix) for prefix in ("/good", "/refuses", "/no-usage", "/cut")]
+            return [await outcome(p, prefix) for prefix in ("/good", "/long", "/refuses", "/no-usage", "/cut")]
 
-    chunks, refused, no_usage, cut = asyncio.run(main())
+    chunks, long_chunks, refused, no_usage, cut = asyncio.run(main())
     assert [(c.text, c.token_ids, c.finish_reason) for c in chunks[:2]] == [("Hi", [5], None), ("!", [6], "length")]
     assert chunks[-1].usage.cached_tokens == 32 and chunks[-1].usage.completion_tokens == 2
+    assert long_chunks[0].text == long_text and long_chunks[-1].usage is not None
     assert isinstance(refused, InvalidRequest) and "prompt too long" in str(refused)
     assert isinstance(no_usage, RequestFailed) and "without usage" in str(no_usage)
     assert isinstance(cut, RequestFailed) and "malformed event" in str(cut)

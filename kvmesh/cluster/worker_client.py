@@ -6,8 +6,7 @@ KV events (``kvmesh/router/kv_event_subscriber.py``, ``kvmesh/router/worker_bloc
 was sent to it and what it reports, read every second: a ``kvmesh engine``'s ``LoadReport`` (``GET /load``:
 gauges and measured rates), other workers' ``/metrics`` gauges; after two unanswered reads it is down (its cache
 forgotten) until it answers again (its cache then rebuilt from its event stream). The HTTP client is aiohttp's: its C
-parser relays a streamed token for about a quarter less router CPU than httpx's pure-Python one
-(``benchmarks/router_overhead.py``).
+parser relays a streamed token for less router CPU than a pure-Python one (``benchmarks/router_overhead.py``).
 
 Ray Serve's ``WorkerProxy`` (``kvmesh/cluster/worker_proxy.py``) and the Ray-free ``kvmesh router``
 (``kvmesh/cluster/router_server.py``) both drive workers through ``Worker``.
@@ -46,6 +45,9 @@ START_TIMEOUT_S = 10.0
 POLL_TIMEOUT_S = 2.0
 KEEPALIVE_S = 4.0
 """How long an idle connection to a worker is kept: under the 5 s after which uvicorn closes it."""
+READ_BUFSIZE = 1 << 20
+"""aiohttp reads a line of up to twice this: one server-sent event (its default, 64 KiB, refuses events over
+128 KiB, e.g. a long text chunk)."""
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5.0)
 """A generation may stream for as long as it runs; only connecting is bounded."""
 MEASURED_FIELDS = (
@@ -203,17 +205,23 @@ class Worker:
 
     def start(self) -> Worker:
         """Open the HTTP session, follow the worker's events and read its load; on a running event loop."""
-        # No connection limit: the router's admission bounds what is in flight, and a pool limit would queue
-        # requests inside the client, unseen by the policy. Idle connections are dropped before uvicorn's 5 s
-        # keep-alive (vLLM, SGLang and kvmesh engines all serve with it) closes them under a request.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        self.session = aiohttp.ClientSession(headers=self.headers, connector=connector, timeout=STREAM_TIMEOUT)
+        self.open_session()
         if self.spec.kv_events:
             self.subscriber = KVEventSubscriber(
                 self.spec.kv_events, self.spec.replay, self._on_batch, self.forget, self.spec.topic, self.spec.url
             ).start()
         self._poller = asyncio.get_running_loop().create_task(self._poll_metrics())
         return self
+
+    def open_session(self) -> None:
+        """The HTTP session to the worker (``start`` opens it), on the running event loop."""
+        # No connection limit: the router's admission bounds what is in flight, and a pool limit would queue
+        # requests inside the client, unseen by the policy. Idle connections are dropped before uvicorn's 5 s
+        # keep-alive (vLLM, SGLang and kvmesh engines all serve with it) closes them under a request.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(
+            headers=self.headers, connector=connector, timeout=STREAM_TIMEOUT, read_bufsize=READ_BUFSIZE
+        )
 
     def close(self) -> None:
         """Stop following events and polling; the session closes on the running loop if there is one (else its
