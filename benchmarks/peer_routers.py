@@ -233,9 +233,14 @@ def _tokenizer():
     return load_tokenizer(resolve_model_dir(MODEL, weights=False))
 
 
-def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
+def reset_caches(engines: list[tuple[Child, dict]]) -> None:
+    """Empty every engine's prefix cache (vLLM's and ``kvmesh engine``'s ``POST /reset_prefix_cache``)."""
     for child, _ in engines:
         httpx.post(child.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
+    reset_caches(engines)
     router = start_router(kind, args, engines)
     try:
         asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed + 1000, True, args), concurrency=3))
@@ -336,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
         try:
-            httpx.post(engines[0][0].url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            reset_caches(engines[:1])
             idle = idle_ttft(engines[0][0].url, MODEL)
             for repeat in range(args.repeats):
                 for name in names:
