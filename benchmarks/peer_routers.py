@@ -49,7 +49,10 @@ from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
 from kvmesh.cluster.embedded_redis import free_port
 
 MODEL = "smollm2-135m"
-SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s", "held_share", "estimate_s")
+SUMMARY_KEYS = (
+    *("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s"),
+    *("held_share", "estimate_s", "floor_s", "held_wait_s"),
+)
 """What each router's run reports, as medians over the repeats."""
 
 
@@ -386,8 +389,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_headroom(summary: dict, idle: dict[int, float]) -> None:
-    """Per workload and router: the share of requests held by affinity and the mean TTFT placement alone could
-    reach (``benchmarks/placement_headroom.py``), against the best peer router's measured mean."""
+    """Per workload and router: the share of requests held by affinity, the mean TTFT placement alone could
+    reach, the no-wait floor and the held requests' wait (``benchmarks/placement_headroom.py``), against the
+    best peer router's measured mean."""
     print("\nidle engine TTFT ms by uncached tokens: " + ", ".join(f"{n}: {1000 * s:.0f}" for n, s in idle.items()))
     rows = []
     for name, routers in summary.items():
@@ -398,10 +402,10 @@ def print_headroom(summary: dict, idle: dict[int, float]) -> None:
                 continue
             mean, est = s["ttft_mean_s"], s["estimate_s"]
             ratios = [est / mean, est / best if best else "-"]
-            rows.append([name, kind, 1000 * mean, f"{100 * s['held_share']:.0f}%", 1000 * est, *ratios])
+            ms = [1000 * v if v is not None else "-" for v in (s["floor_s"], s["held_wait_s"])]
+            rows.append([name, kind, 1000 * mean, f"{100 * s['held_share']:.0f}%", 1000 * est, *ratios, *ms])
     header = ["workload", "router", "TTFT mean ms", "held by affinity", "placement estimate ms", "/ own mean"]
-    header += ["/ best peer"]
-    print_table(header, rows)
+    print_table([*header, "/ best peer", "no-wait floor ms", "held wait ms"], rows)
 
 
 def print_occupancy(runs: dict) -> None:

@@ -7,13 +7,24 @@ best it could do for one is an idle engine, whose TTFT for that many uncached to
 freshly reset engine. ``estimate`` keeps every held request's measured TTFT and gives every placed one the
 idle engine's: the mean a router would reach by placement alone (an estimate, not a bound: a better
 placement could also spare a held request a neighbour's prefill, and idle engines still share the cores).
+``floor`` gives every request the idle engine's TTFT for its uncached tokens: the mean at that hit rate if
+no request ever waited for another (cached context is not priced, so no router could go below it), and
+``held_wait`` is what the held requests took beyond that, on average: the queues they met where their
+prefix was.
+
+    python -m benchmarks.placement_headroom benchmarks/results/peer_routers.json
+
+recomputes every run of a saved ``benchmarks/peer_routers.py`` result and prints them.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -42,14 +53,49 @@ def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int
 
 
 def estimate(requests: list[dict], idle: dict[int, float]) -> dict:
-    """The share of ``requests`` (rows with ``prompt_tokens``, ``cached_tokens``, ``ttft_s``) held by affinity
-    and the mean TTFT (s) if every other one had found an idle engine."""
+    """The share of ``requests`` (rows with ``prompt_tokens``, ``cached_tokens``, ``ttft_s``) held by affinity,
+    the mean TTFT (s) if every other one had found an idle engine, the no-wait floor and the held requests'
+    mean wait beyond an idle engine's time (module docstring)."""
     rows = [r for r in requests if r["ttft_s"] is not None]
     if not rows:
-        return {"held_share": None, "estimate_s": None}
+        return dict.fromkeys(("held_share", "estimate_s", "floor_s", "held_wait_s"))
     lengths = np.array(sorted(idle), dtype=float)
     idle_s = np.array([idle[n] for n in sorted(idle)])
-    held = [2 * r["cached_tokens"] >= r["prompt_tokens"] for r in rows]
+    held = np.array([2 * r["cached_tokens"] >= r["prompt_tokens"] for r in rows])
     uncached = np.array([r["prompt_tokens"] - r["cached_tokens"] for r in rows], dtype=float)
-    best = np.where(held, [r["ttft_s"] for r in rows], np.interp(uncached, lengths, idle_s))
-    return {"held_share": sum(held) / len(rows), "estimate_s": float(best.mean())}
+    ttft = np.array([r["ttft_s"] for r in rows])
+    alone = np.interp(uncached, lengths, idle_s)  # below the shortest length measured: its time
+    return {
+        "held_share": float(held.mean()),
+        "estimate_s": float(np.where(held, ttft, alone).mean()),
+        "floor_s": float(alone.mean()),
+        "held_wait_s": float((ttft - alone)[held].mean()) if held.any() else None,
+    }
+
+
+def reanalyse(path: Path) -> list[list]:
+    """Per workload, router and run of a saved ``peer_routers`` result: mean TTFT, held share, placement
+    estimate, no-wait floor and held wait (ms), recomputed from its requests and its idle engine's times."""
+    saved = json.loads(path.read_text())
+    idle = {int(n): s for n, s in saved["idle_ttft_s"].items()}
+    rows = []
+    for workload, routers in saved["runs"].items():
+        for router, runs in routers.items():
+            for i, run in enumerate(runs, 1):
+                e = estimate(run["per_request"], idle)
+                ms = [1000 * v if v is not None else "-" for v in (e["estimate_s"], e["floor_s"], e["held_wait_s"])]
+                rows.append([workload, router, i, 1000 * run["ttft_mean_s"], f"{100 * e['held_share']:.0f}%", *ms])
+    return rows
+
+
+def main() -> None:
+    from kvmesh.bench.report import print_table
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m benchmarks.placement_headroom PEER_ROUTERS_RESULT.json")
+    header = ["workload", "router", "run", "TTFT mean ms", "held", "placement estimate ms", "no-wait floor ms"]
+    print_table([*header, "held wait ms"], reanalyse(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

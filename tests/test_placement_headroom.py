@@ -1,8 +1,10 @@
 """The placement estimate of ``benchmarks/peer_routers.py``: which requests a router could still place better."""
 
+import json
+
 import pytest
 
-from benchmarks.placement_headroom import estimate
+from benchmarks.placement_headroom import estimate, reanalyse
 
 IDLE = {16: 0.1, 256: 0.5, 1024: 2.0}
 
@@ -17,10 +19,26 @@ def test_held_requests_keep_their_ttft_and_placed_ones_get_the_idle_engines():
     out = estimate(rows, IDLE)
     assert out["held_share"] == pytest.approx(1 / 3)
     assert out["estimate_s"] == pytest.approx((0.9 + 0.5 + 1.25) / 3)
+    assert out["floor_s"] == pytest.approx((0.1 + 0.5 + 1.25) / 3)  # 16 uncached: the shortest length's time
+    assert out["held_wait_s"] == pytest.approx(0.9 - 0.1)
+
+
+def test_a_saved_run_is_recomputed_request_by_request(tmp_path):
+    requests = [
+        {"prompt_tokens": 400, "cached_tokens": 384, "ttft_s": 0.3},
+        {"prompt_tokens": 256, "cached_tokens": 0, "ttft_s": 0.7},
+    ]
+    run = {"ttft_mean_s": 0.5, "per_request": requests}
+    saved = {"idle_ttft_s": {str(n): s for n, s in IDLE.items()}, "runs": {"multi_turn": {"smg": [run, run]}}}
+    path = tmp_path / "peer_routers.json"
+    path.write_text(json.dumps(saved))
+    rows = reanalyse(path)
+    assert [r[:3] for r in rows] == [["multi_turn", "smg", 1], ["multi_turn", "smg", 2]]
+    mean, held, est, floor, wait = rows[0][3:]
+    assert (mean, held) == (500, "50%")
+    assert (est, floor, wait) == pytest.approx((400, 300, 200))
 
 
 def test_a_run_without_answers_has_no_estimate():
-    assert estimate([{"prompt_tokens": 10, "cached_tokens": 0, "ttft_s": None}], IDLE) == {
-        "held_share": None,
-        "estimate_s": None,
-    }
+    out = estimate([{"prompt_tokens": 10, "cached_tokens": 0, "ttft_s": None}], IDLE)
+    assert out == {"held_share": None, "estimate_s": None, "floor_s": None, "held_wait_s": None}
