@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 from benchmarks import engine_occupancy
-from benchmarks.placement_headroom import estimate, idle_ttft
+from benchmarks.placement_headroom import estimate, idle_chat, idle_ttft
 from kvmesh.bench.load_client import run_sessions
 from kvmesh.bench.report import print_table, write_json
 from kvmesh.bench.serve_process import ServeProcess
@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             reset_caches(engines[:1])
             idle = idle_ttft(engines[0][0].url, MODEL)
+            chat = {} if args.vllm_python else idle_chat(engines[0][0].url, MODEL, idle)
             for repeat in range(args.repeats):
                 for name in names:
                     order = kinds[repeat % len(kinds) :] + kinds[: repeat % len(kinds)]
@@ -379,11 +380,22 @@ def main(argv: list[str] | None = None) -> None:
     header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
     print_table(header, rows)
     print_headroom(summary, idle)
+    if chat:
+        print(
+            "idle engine, chats one at a time: held turns {:.0f} ms (table {:.0f}), first turns {:.0f} ms (table"
+            " {:.0f})".format(*(1000 * chat[k] for k in ("held_s", "held_table_s", "first_s", "first_table_s")))
+        )
     if args.probe_load:
         print_occupancy(runs)
     write_json(
         "peer_routers_vllm" if args.vllm_python else "peer_routers",
-        {"args": {k: str(v) for k, v in vars(args).items()}, "idle_ttft_s": idle, "summary": summary, "runs": runs},
+        {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "idle_ttft_s": idle,
+            "idle_chat": chat,
+            "summary": summary,
+            "runs": runs,
+        },
         args.json,
     )
 

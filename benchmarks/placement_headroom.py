@@ -14,11 +14,14 @@ prefix was.
 
     python -m benchmarks.placement_headroom benchmarks/results/peer_routers.json
 
-recomputes every run of a saved ``benchmarks/peer_routers.py`` result and prints them.
+recomputes every run of a saved ``benchmarks/peer_routers.py`` result and prints them. The idle table times
+bare token ids; ``idle_chat`` times a chat's turns on the same idle engine, one conversation at a time, to
+show what the floor leaves out (the chat template, the cached context's attention).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import statistics
@@ -49,6 +52,25 @@ def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int
                     next(line for line in response.iter_lines() if line.startswith("data: "))
                 times.append(time.perf_counter() - t0)
             out[n] = statistics.median(times)
+    return out
+
+
+def idle_chat(url: str, model: str, idle: dict[int, float], conversations: int = 6) -> dict[str, float]:
+    """Mean TTFT (s) on the idle engine at ``url`` of ``multi_turn`` chats run one at a time: their held turns
+    and their first turns, each beside the idle table's time for the same uncached tokens."""
+    from kvmesh.bench.load_client import run_sessions
+    from kvmesh.bench.workloads import multi_turn_chat
+
+    sessions = multi_turn_chat(-7, conversations, 4, 1.0, max_tokens=16, think_s=0.0)  # a seed no timed run uses
+    results, _ = asyncio.run(run_sessions(url, model, sessions, concurrency=1))
+    lengths = np.array(sorted(idle), dtype=float)
+    idle_s = np.array([idle[n] for n in sorted(idle)])
+    out = {}
+    for name, held in (("held", True), ("first", False)):
+        rows = [r for r in results if r.error is None and (2 * r.cached_tokens >= r.prompt_tokens) == held]
+        table = np.interp([r.prompt_tokens - r.cached_tokens for r in rows], lengths, idle_s)
+        out[f"{name}_s"] = statistics.fmean(r.ttft_s for r in rows)
+        out[f"{name}_table_s"] = float(table.mean())
     return out
 
 
