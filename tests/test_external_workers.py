@@ -228,8 +228,10 @@ def test_worker_settings_are_checked():
         WorkerSpec.parse("h:8000")
     with pytest.raises(ValueError, match="key=value"):
         WorkerSpec.parse("http://h:8000,tcp://h:5557")
-    with pytest.raises(ValueError, match="ZMQ address"):
-        WorkerSpec.parse("http://h:8000,kv_events=h:5557")
+    assert WorkerSpec.parse("http://h:8000,kv_events=tcp://[::1]:5557,replay=ipc:///tmp/r").replay == "ipc:///tmp/r"
+    for bad in ("h:5557", "tcp://h", "tcp://*:5557", "tcp://h:99999", "tcp://h:port", "tcp://:5557", "ipc://"):
+        with pytest.raises(ValueError, match="ZMQ address"):  # refused here, not by a thread of the router later
+            WorkerSpec.parse(f"http://h:8000,kv_events={bad}")
     with pytest.raises(ValueError, match="unexpected keyword"):
         WorkerSpec.parse("http://h:8000,kv_event=tcp://h:5557")
     assert ClusterConfig(replicas=0, workers=[{"url": "http://h:1"}]).engine_replicas == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,8 +24,8 @@ class WorkerSpec:
             raise ValueError(f"worker url must start with http:// or https://, got {self.url!r}")
         for name in ("kv_events", "replay"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"worker {name} must be a ZMQ address (tcp://HOST:PORT), got {value!r}")
+            if value is not None and not _connectable(value):
+                raise ValueError(f"worker {name} must be a ZMQ address (tcp://HOST:PORT or ipc://PATH), got {value!r}")
 
     @classmethod
     def parse(cls, text: str) -> WorkerSpec:
@@ -40,3 +41,17 @@ class WorkerSpec:
             return cls(url=url.strip(), **fields)
         except TypeError as exc:
             raise ValueError(f"--worker {text!r}: {exc}") from None
+
+
+def _connectable(address: str) -> bool:
+    """Whether a router can connect a ZMQ socket to ``address``: ``tcp://`` with a host (not ``*``, which only
+    binds) and a port, or ``ipc://`` with a path. ZMQ itself refuses the rest only once connecting."""
+    if address.startswith("ipc://"):
+        return len(address) > len("ipc://")
+    if not address.startswith("tcp://"):
+        return False
+    try:
+        parts = urlsplit(address)
+        return bool(parts.hostname) and parts.hostname != "*" and parts.port is not None and not parts.path
+    except ValueError:  # a port that is not a number in 0-65535
+        return False

@@ -78,8 +78,8 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(self.endpoint)
         try:
+            sub.connect(self.endpoint)
             time.sleep(0.05)  # let the subscription reach the publisher before asking what it missed
             self._replay(0)
             quiet_since = time.monotonic()
