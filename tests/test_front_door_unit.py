@@ -426,6 +426,15 @@ def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path
     assert "*.safetensors" in asked[1]
 
 
+def test_a_model_the_hub_does_not_give_is_named_with_what_was_tried():
+    """A mistyped model name: the error says what kvmesh looked for (aliases, paths, the hub), not only the
+    hub's own message (here the hub is unreachable; with a network it answers that no such repository exists)."""
+    from kvmesh.shared.model_files import resolve_model_dir
+
+    with pytest.raises(FileNotFoundError, match=r"'kvmesh-tests/smolm2-135m' is not a known alias .*smollm2-135m"):
+        resolve_model_dir("kvmesh-tests/smolm2-135m")
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     """Tokenizing a long prompt must not stall the ingress's other streams: the event loop keeps ticking
     while it runs (the tokenizer releases the GIL in its worker thread). Tokenized on the loop, it would be

@@ -99,7 +99,14 @@ def resolve_model_dir(model: str, weights: bool = True) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.jinja", "tokenizer*", *(["*.safetensors"] if weights else [])]
-    return Path(snapshot_download(model, allow_patterns=patterns))
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except OSError as exc:  # the hub's errors (no such repository, gated, offline, unreachable) are OSErrors
+        why = " ".join(str(exc).split())[:300]
+        raise FileNotFoundError(
+            f"model {model!r} is not a known alias {list(MODEL_ALIASES)}, a local directory or a .gguf file,"
+            f" and the Hugging Face hub did not give it: {why}"
+        ) from None
 
 
 def model_config(model: str) -> dict:
