@@ -20,3 +20,28 @@ def test_generate_rejects_bad_input_with_a_clear_error(tiny_llama_dir):
     assert res.returncode == 2 and "temperature" in res.stderr
     res = run_cli("generate", "x", "--model", "/nonexistent/model")
     assert res.returncode == 2 and "error:" in res.stderr
+
+
+def test_engine_and_router_refuse_a_port_they_cannot_listen_on_before_saying_ready():
+    """A port in use or out of range is a command-line error within seconds (before the model loads or a
+    worker is contacted), never a "ready" line followed by uvicorn's failure or a server that never listens."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    worker = ["--worker", "http://127.0.0.1:9"]
+    try:
+        for args in (["engine", "--port", port], ["router", *worker, "--port", port], ["engine", "--port", "80000"]):
+            res = run_cli(*args, timeout=60)
+            assert res.returncode == 2, (args, res.stdout, res.stderr)
+            assert "ready" not in res.stdout
+            assert "cannot listen" in res.stderr or "out of range" in res.stderr
+    finally:
+        taken.close()
+
+
+def test_router_refuses_a_worker_named_twice():
+    res = run_cli("router", "--worker", "http://127.0.0.1:9", "--worker", "http://127.0.0.1:9/", timeout=60)
+    assert res.returncode == 2 and "named twice" in res.stderr

@@ -239,3 +239,5 @@ def test_worker_settings_are_checked():
         ClusterConfig(replicas=2, workers=[{"url": "http://h:1"}])
     with pytest.raises(ValueError, match="at least 1"):
         ClusterConfig(replicas=0)
+    with pytest.raises(ValueError, match="named twice"):
+        ClusterConfig(replicas=0, workers=[{"url": "http://h:1"}, {"url": "http://h:1/", "kv_events": "tcp://h:2"}])

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from kvmesh.cluster.autoscaling import autoscaling_config
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.worker_spec import WorkerSpec, distinct
 from kvmesh.router.baselines import POLICIES
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.kv_event_wire import KVEventsConfig
@@ -135,8 +135,7 @@ class ClusterConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     def _check_workers(self) -> None:
-        for worker in self.workers:
-            WorkerSpec(**worker)  # raises ValueError naming a bad field
+        distinct([WorkerSpec(**worker) for worker in self.workers])  # raises ValueError naming a bad field
         if self.workers and (self.replicas or self.max_replicas):
             raise ValueError(
                 "external workers and kvmesh engine replicas cannot be mixed yet: set replicas: 0 and run kvmesh's "

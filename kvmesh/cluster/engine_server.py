@@ -20,6 +20,7 @@ from kvmesh.cluster.engine_deployment import EngineReplica
 from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
+from kvmesh.cluster.listen import listen, serve
 from kvmesh.shared.messages import ReplicaStatus
 from kvmesh.shared.sampling_params import MAX_N
 
@@ -66,8 +67,7 @@ def build_app(server: EngineServer) -> FastAPI:
 
 
 def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | None) -> int:
-    import uvicorn
-
+    sock = listen(args.host, args.port)
     replica = EngineReplica(engine, redis_url=None, kv_events=kv_events)
     config = replica.engine.config
     digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
@@ -82,7 +82,7 @@ def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | 
     )
     server = EngineServer(replica, settings)
     events = f", KV events on {replica.kv_events.config.endpoint}" if replica.kv_events else ""
-    print(f"kvmesh engine ready: http://{args.host}:{args.port}/v1 ({settings.served_model_name}{events})", flush=True)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    ready = f"kvmesh engine ready: http://{args.host}:{args.port}/v1 ({settings.served_model_name}{events})"
+    serve(build_app(server), sock, ready)
     replica.__del__()
     return 0

@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse
 from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
 from kvmesh.cluster.ingress import IngressSettings, front_door
+from kvmesh.cluster.listen import listen, serve
 from kvmesh.cluster.worker_client import Worker
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.worker_spec import WorkerSpec, distinct
 from kvmesh.router import metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
@@ -125,13 +126,13 @@ class RouterServer(HttpApi):
 
 
 def run_router_server(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvmesh.shared.model_files import resolve_model_dir
 
+    specs = distinct([WorkerSpec.parse(w) for w in args.worker])
+    sock = listen(args.host, args.port)
     resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
     served = args.served_model_name or args.model
-    workers = [Worker(WorkerSpec.parse(w), args.model, served, args.block_size) for w in args.worker]
+    workers = [Worker(spec, args.model, served, args.block_size) for spec in specs]
     digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
     settings = IngressSettings(
         model=args.model,
@@ -155,6 +156,5 @@ def run_router_server(args: argparse.Namespace) -> int:
 
     app.router.on_startup.append(start_workers)
     app.router.on_shutdown.append(stop_workers)
-    print(f"kvmesh router ready: http://{args.host}:{args.port}/v1 ({served}, {len(workers)} worker(s))", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve(app, sock, f"kvmesh router ready: http://{args.host}:{args.port}/v1 ({served}, {len(workers)} worker(s))")
     return 0

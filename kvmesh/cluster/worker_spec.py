@@ -43,6 +43,16 @@ class WorkerSpec:
             raise ValueError(f"--worker {text!r}: {exc}") from None
 
 
+def distinct(specs: list[WorkerSpec]) -> list[WorkerSpec]:
+    """``specs``, refused if two name the same URL: one engine would be priced, polled and followed twice."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.url.rstrip("/") in seen:
+            raise ValueError(f"worker {spec.url} is named twice")
+        seen.add(spec.url.rstrip("/"))
+    return specs
+
+
 def _connectable(address: str) -> bool:
     """Whether a router can connect a ZMQ socket to ``address``: ``tcp://`` with a host (not ``*``, which only
     binds) and a port, or ``ipc://`` with a path. ZMQ itself refuses the rest only once connecting."""
