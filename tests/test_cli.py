@@ -42,6 +42,12 @@ def test_engine_and_router_refuse_a_port_they_cannot_listen_on_before_saying_rea
         taken.close()
 
 
-def test_router_refuses_a_worker_named_twice():
-    res = run_cli("router", "--worker", "http://127.0.0.1:9", "--worker", "http://127.0.0.1:9/", timeout=60)
+def test_router_refuses_bad_settings_before_serving():
+    from kvmesh.cluster.embedded_redis import free_port
+
+    worker = ["--worker", "http://127.0.0.1:9", "--port", str(free_port())]
+    res = run_cli("router", *worker, "--worker", "http://127.0.0.1:9/", timeout=60)
     assert res.returncode == 2 and "named twice" in res.stderr
+    for flag, message in (("--block-size", "block_size"), ("--max-model-len", "max_model_len")):
+        res = run_cli("router", *worker, flag, "0", timeout=60)
+        assert res.returncode == 2 and f"{message} must be at least 1" in res.stderr, res.stderr

@@ -60,6 +60,12 @@ class IngressSettings:
     no_replica_timeout_s: float = 5.0
     """How long a request waits while no engine replica is alive before its 503."""
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
 
 def front_door(s: IngressSettings, engine_handle) -> tuple[Generation, Admission]:
     """The ``Generation`` over ``engine_handle`` and the ``Admission`` limits of one served model: what an
