@@ -51,3 +51,11 @@ def test_router_refuses_bad_settings_before_serving():
     for flag, message in (("--block-size", "block_size"), ("--max-model-len", "max_model_len")):
         res = run_cli("router", *worker, flag, "0", timeout=60)
         assert res.returncode == 2 and f"{message} must be at least 1" in res.stderr, res.stderr
+
+
+def test_engine_refuses_a_thread_count_or_context_below_one():
+    from kvmesh.cluster.embedded_redis import free_port
+
+    for flag, name in (("--threads", "torch_threads"), ("--max-model-len", "max_model_len")):
+        res = run_cli("engine", "--port", str(free_port()), flag, "-2", timeout=60)
+        assert res.returncode == 2 and f"{name} must be positive" in res.stderr, res.stderr[-500:]

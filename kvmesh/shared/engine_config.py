@@ -92,6 +92,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {bs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        for name in ("max_model_len", "torch_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive (or unset for the default), got {value}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.cuda_graph_sizes is not None and not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
