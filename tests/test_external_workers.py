@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvmesh.cluster.config import ClusterConfig
+from kvmesh.cluster.mixed_deployment import mixed_deployment
 from kvmesh.cluster.worker_proxy import worker_deployment
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.prefix_index import PrefixIndex
@@ -168,6 +169,55 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
         assert router.wait(timeout=30) == 0, log.read_text()[-2000:]
 
 
+def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray_serve):
+    """``replicas: 1`` beside a worker: one deployment of the worker's proxy and a kvmesh engine of its own. New
+    prompts spread over both; each, asked again, goes back to whichever holds it and hits its cache there; the
+    index holds both kinds' blocks (the worker's from its KV events, the engine's from its publisher)."""
+    _, model, url, procs = workers
+    proc = next(p for p in procs if p.poll() is None)
+    spec = spec_of(proc)
+    common = {"redis_url": url, "deployment": "mix"}
+    proxy = {"model": model, "served_name": model, "block_size": 16, **common}
+    engine = {"engine": {"model": model, "num_kv_blocks": 160, "max_num_seqs": 8, "torch_threads": 1}, **common}
+    routing = {"policy": "kv_aware", "policy_kwargs": {}, "stats_period_s": 0.5, **common}
+    routing |= {"max_ongoing_requests": 64, "max_queued_requests": -1}
+    app = mixed_deployment([spec], proxy, engine, 1, routing, {"num_cpus": 0})
+    handle = ray_serve.run(app, name="mixed", route_prefix=None).options(method_name="generate", stream=True)
+    prompts = [[2000 + 89 * p + i for i in range(200)] for p in range(6)]
+
+    async def main():
+        index = PrefixIndex(url, "mix", model, timeout_s=1.0)
+        try:
+            homes = {p: (await call(handle, model, tokens))[2] for p, tokens in enumerate(prompts)}
+            assert len(set(homes.values())) == 2, homes  # the worker and the engine both take new prompts
+            replicas = sorted(set(homes.values()))
+            for p, tokens in enumerate(prompts):
+                chain = hash_blocks(tokens, 16, model_seed(model))
+                deadline = time.monotonic() + 10
+                while (hits := await index.lookup(chain, replicas)).get(homes[p]) != 12 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert hits[homes[p]] == 12, hits
+                _, cached, replica, usage = await call(handle, model, tokens)
+                assert replica == homes[p] and cached >= 192 and usage.completion_tokens == 4
+        finally:
+            await index.close()
+
+    try:
+        time.sleep(1.5)  # first load reports reach the router
+        asyncio.run(main())
+    finally:
+        ray_serve.delete("mixed")
+
+
+def spec_of(proc: subprocess.Popen) -> dict:
+    """The worker entry of a ``kvmesh engine`` process started by ``start_engine``."""
+    import json
+
+    events = json.loads(proc.args[proc.args.index("--kv-events-config") + 1])
+    port = proc.args[proc.args.index("--port") + 1]
+    return {"url": f"http://127.0.0.1:{port}", "kv_events": events["endpoint"], "replay": events["replay_endpoint"]}
+
+
 def test_external_workers_are_routed_by_their_events_and_purged_when_lost(workers):
     handle, model, url, procs = workers
     prompts = [[1000 + 97 * p + i for i in range(200)] for p in range(7)]  # odd: the two workers' shares differ
@@ -234,9 +284,15 @@ def test_worker_settings_are_checked():
             WorkerSpec.parse(f"http://h:8000,kv_events={bad}")
     with pytest.raises(ValueError, match="unexpected keyword"):
         WorkerSpec.parse("http://h:8000,kv_event=tcp://h:5557")
-    assert ClusterConfig(replicas=0, workers=[{"url": "http://h:1"}]).engine_replicas == 1
-    with pytest.raises(ValueError, match="cannot be mixed"):
-        ClusterConfig(replicas=2, workers=[{"url": "http://h:1"}])
+    one = [{"url": "http://h:1"}]
+    assert ClusterConfig(replicas=0, workers=one).engine_replicas == 1
+    assert (ClusterConfig(workers=one).replicas, ClusterConfig().replicas) == (0, 2)  # the defaults
+    assert ClusterConfig(replicas=2, workers=one).engine_replicas == 3  # mixed: the worker, then two engines
+    with pytest.raises(ValueError, match="same resources"):
+        ClusterConfig(replicas=1, workers=one, engine_actor_options={"num_gpus": 1})
+    assert ClusterConfig(replicas=0, workers=one, engine_actor_options={"num_gpus": 1}).replicas == 0
+    with pytest.raises(ValueError, match="autoscaling"):
+        ClusterConfig(replicas=1, workers=one, max_replicas=3)
     with pytest.raises(ValueError, match="at least 1"):
         ClusterConfig(replicas=0)
     with pytest.raises(ValueError, match="named twice"):

@@ -17,6 +17,7 @@ from kvmesh.cluster.admission import key_digests
 from kvmesh.cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
 from kvmesh.cluster.engine_deployment import engine_deployment
 from kvmesh.cluster.ingress import Ingress, IngressSettings
+from kvmesh.cluster.mixed_deployment import mixed_deployment
 from kvmesh.cluster.worker_proxy import worker_deployment
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url
 from kvmesh.shared.sampling_params import MAX_N
@@ -68,8 +69,8 @@ def build_app(
 
 
 def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> serve.Application:
-    """The engine deployment: kvmesh's engines, or one proxy per external worker (``config.workers``), both
-    behind the same router settings."""
+    """The engine deployment: kvmesh's engines, one proxy per external worker (``config.workers``), or both
+    mixed (``kvmesh/cluster/mixed_deployment.py``), behind the same router settings."""
     routing = {
         "redis_url": config.redis_url,
         "deployment": APP_NAME,
@@ -79,8 +80,17 @@ def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> s
         "max_ongoing_requests": config.max_ongoing_requests,
         "max_queued_requests": config.max_queued_requests,
     }
+    block_size = config.engine_config().block_size
+    if config.workers and config.replicas:
+        proxy = {"model": config.model, "served_name": config.name, "block_size": block_size}
+        proxy |= {"redis_url": config.redis_url, "deployment": APP_NAME}
+        engine = {"engine": config.engine_settings(), "redis_url": config.redis_url, "deployment": APP_NAME}
+        engine |= {"replicas_per_node": config.replicas_per_node(engine_nodes), "kv_events": config.kv_events_config}
+        actor = with_env(config.engine_actor_options, env)
+        return mixed_deployment(
+            config.workers, proxy, engine, config.replicas, routing, actor, drain_timeout_s=config.drain_timeout_s
+        )
     if config.workers:
-        block_size = config.engine_config().block_size
         actor = with_env({"num_cpus": 0}, env)
         return worker_deployment(
             config.workers, config.model, config.name, block_size, ray_actor_options=actor, **routing

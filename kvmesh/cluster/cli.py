@@ -245,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", help="YAML file of ClusterConfig settings (engine settings under `engine:`)")
     srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
     srv.add_argument("--served-model-name", help="the name clients send as `model` (default: --model)")
-    srv.add_argument("--replicas", type=int, help="engine replicas (default 2; 0 with --worker)")
+    srv.add_argument(
+        "--replicas", type=int, help="kvmesh engine replicas (default 2; 0 with --worker, or N beside the workers)"
+    )
     srv.add_argument(
         "--worker",
         action="append",

@@ -37,14 +37,19 @@ DEFAULT_GRPC_PORT = 9000
 GRPC_SERVICER = "kvmesh.cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
 
 
+MIXED_REFUSES = ("num_gpus", "resources", "accelerator_type", "memory")
+"""Engine actor options that cannot go with workers mixed in: each worker's proxy would claim them too."""
+
+
 @dataclass
 class ClusterConfig:
     model: str = DEFAULT_MODEL
     """Alias, Hugging Face directory, .gguf file or hub id; every engine replica loads it."""
     served_model_name: str | None = None
     """The name clients send as ``model`` (default: ``model``)."""
-    replicas: int = 2
-    """Engine replicas (the starting count when autoscaling); 0 with ``workers``."""
+    replicas: int | None = None
+    """kvmesh's own engine replicas (the starting count when autoscaling): 2 by default, 0 with ``workers``;
+    more beside ``workers`` mixes them (``kvmesh/cluster/mixed_deployment.py``)."""
     workers: list[dict[str, Any]] = field(default_factory=list)
     """External OpenAI-compatible engines to route (vLLM, SGLang, ``kvmesh engine``): ``url`` and, for KV-aware
     routing, their vLLM-style event endpoints ``kv_events`` and ``replay`` (``kvmesh/cluster/worker_proxy.py``)."""
@@ -136,18 +141,26 @@ class ClusterConfig:
 
     def _check_workers(self) -> None:
         distinct([WorkerSpec(**worker) for worker in self.workers])  # raises ValueError naming a bad field
-        if self.workers and (self.replicas or self.max_replicas):
-            raise ValueError(
-                "external workers and kvmesh engine replicas cannot be mixed yet: set replicas: 0 and run kvmesh's "
-                "own engines as workers too (`kvmesh engine --kv-events-config ...`)"
-            )
+        if self.replicas is None:
+            self.replicas = 0 if self.workers else 2
         if not self.workers and self.replicas < 1:
             raise ValueError(f"replicas must be at least 1 (or 0 with workers), got {self.replicas}")
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.workers and self.max_replicas is not None:
+            raise ValueError("autoscaling (max_replicas) is for kvmesh's own replicas alone, not beside workers")
+        claims = {k: v for k, v in self.engine_actor_options.items() if k in MIXED_REFUSES and v}
+        if self.workers and self.replicas and claims:
+            raise ValueError(
+                f"workers mixed with kvmesh's own replicas share one Ray Serve deployment, whose replicas all get "
+                f"the same resources: each worker's proxy would hold {claims} too. Run kvmesh's engines as "
+                "workers instead (`kvmesh engine --kv-events-config ...`, listed under workers:) with replicas: 0"
+            )
 
     @property
     def engine_replicas(self) -> int:
-        """Replicas of the engine deployment: kvmesh's own engines, or one per external worker."""
-        return len(self.workers) or self.replicas
+        """Replicas of the engine deployment: one per external worker, then kvmesh's own engines."""
+        return len(self.workers) + self.replicas
 
     @property
     def name(self) -> str:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_threads
+from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
 from kvmesh.cluster.router_config import router_config
 from kvmesh.replica import AsyncLLM, EngineConfig
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
@@ -54,7 +54,10 @@ class EngineReplica:
         deployment: str = "kvmesh",
         replicas_per_node: int = 1,
         kv_events: dict | None = None,
+        rank_offset: int = 0,
     ) -> None:
+        """``rank_offset``: replicas of the deployment ranked before this one that are not kvmesh engines (worker
+        proxies, ``kvmesh/cluster/mixed_deployment.py``); its KV-event ports count from the first engine."""
         self.node = node_address()
         engine = dict(engine)
         if engine.get("torch_threads") is None and engine.get("device") in (None, "cpu"):
@@ -68,7 +71,7 @@ class EngineReplica:
             name, rank = context.replica_id.unique_id, context.rank
         except RayServeException:  # outside Serve: unique per process too
             name, rank = f"engine-{uuid.uuid4().hex[:8]}", None
-        self.kv_events = self._kv_event_publisher(kv_events, rank)
+        self.kv_events = self._kv_event_publisher(kv_events, replica_rank(rank) - rank_offset)
         self.publisher = None
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
         if redis_url:
@@ -95,12 +98,11 @@ class EngineReplica:
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
 
-    def _kv_event_publisher(self, settings: dict | None, rank: object) -> ZmqKVEventPublisher | None:
-        """vLLM-compatible KV events (``--kv-events-config``), ports offset by this replica's rank."""
+    def _kv_event_publisher(self, settings: dict | None, number: int) -> ZmqKVEventPublisher | None:
+        """vLLM-compatible KV events (``--kv-events-config``), ports offset by this engine's number."""
         config = KVEventsConfig.parse(settings or {})
         if not config.enabled:
             return None
-        number = rank if isinstance(rank, int) else getattr(rank, "rank", 0)
         publisher = ZmqKVEventPublisher(config.for_rank(number), self.engine.block_size)
         self.engine.kv_event_sinks.append(publisher.publish)
         return publisher

@@ -120,10 +120,10 @@ def serve_cluster(
                 f"a {APP_NAME} application already runs on this cluster; stop its `kvmesh serve` first "
                 f"(or `serve delete {APP_NAME}`)"
             )
+        prepared = []
         if config.workers:
-            prepared = []
             _say(f"routing {len(config.workers)} external worker(s) of {config.name} (policy {config.policy}) ...")
-        else:
+        if config.replicas:
             prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
             _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
         deployed = threading.Event()

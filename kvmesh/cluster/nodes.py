@@ -144,3 +144,8 @@ def prepare_nodes(
             f"model {result.model_s:.1f} s{kernels}"
         )
     return done
+
+
+def replica_rank(rank: object) -> int:
+    """A Serve replica context's ``rank`` as a number (an int, or a ``ReplicaRank`` in newer Rays; 0 outside)."""
+    return rank if isinstance(rank, int) else getattr(rank, "rank", 0)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from kvmesh.cluster.nodes import node_address
+from kvmesh.cluster.nodes import node_address, replica_rank
 from kvmesh.cluster.router_config import router_config
 from kvmesh.cluster.worker_client import Worker, wait_for_worker
 from kvmesh.cluster.worker_spec import WorkerSpec
@@ -44,8 +44,7 @@ class WorkerProxy:
         deployment: str = "kvmesh",
     ) -> None:
         context = serve.get_replica_context()
-        rank = context.rank if isinstance(context.rank, int) else context.rank.rank
-        spec = WorkerSpec(**workers[rank % len(workers)])
+        spec = WorkerSpec(**workers[replica_rank(context.rank) % len(workers)])
         self.node = node_address()
         self.worker = Worker(spec, model, served_name, block_size, on_changes=self._publish)
         wait_for_worker(spec.url, self.worker.headers)
