@@ -170,9 +170,9 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
 
 
 def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray_serve):
-    """``replicas: 1`` beside a worker: one deployment of the worker's proxy and a kvmesh engine of its own. New
-    prompts spread over both; each, asked again, goes back to whichever holds it and hits its cache there; the
-    index holds both kinds' blocks (the worker's from its KV events, the engine's from its publisher)."""
+    """``replicas: 1`` beside a worker: one deployment of the worker's proxy and a kvmesh engine of its own. A
+    burst of new prompts spreads over both; each, asked again, goes back to whichever holds it and hits its cache
+    there; the index holds both kinds' blocks (the worker's from its KV events, the engine's from its publisher)."""
     _, model, url, procs = workers
     proc = next(p for p in procs if p.poll() is None)
     spec = spec_of(proc)
@@ -188,8 +188,9 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
     async def main():
         index = PrefixIndex(url, "mix", model, timeout_s=1.0)
         try:
-            homes = {p: (await call(handle, model, tokens))[2] for p, tokens in enumerate(prompts)}
-            assert len(set(homes.values())) == 2, homes  # the worker and the engine both take new prompts
+            answers = await asyncio.gather(*(call(handle, model, tokens) for tokens in prompts))
+            homes = {p: answer[2] for p, answer in enumerate(answers)}
+            assert len(set(homes.values())) == 2, homes  # a burst of new prompts spreads over worker and engine
             replicas = sorted(set(homes.values()))
             for p, tokens in enumerate(prompts):
                 chain = hash_blocks(tokens, 16, model_seed(model))
