@@ -55,6 +55,13 @@ def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int
     return out
 
 
+def alone_s(uncached, idle: dict[int, float]) -> np.ndarray:
+    """The idle engine's TTFT (s) for each count of ``uncached`` tokens, interpolated in its table (below the
+    shortest length measured: that length's time)."""
+    lengths = sorted(idle)
+    return np.interp(np.asarray(uncached, dtype=float), np.array(lengths, dtype=float), [idle[n] for n in lengths])
+
+
 def idle_chat(url: str, model: str, idle: dict[int, float], conversations: int = 6) -> dict[str, float]:
     """Mean TTFT (s) on the idle engine at ``url`` of ``multi_turn`` chats run one at a time: their held turns
     and their first turns, each beside the idle table's time for the same uncached tokens."""
@@ -63,12 +70,10 @@ def idle_chat(url: str, model: str, idle: dict[int, float], conversations: int =
 
     sessions = multi_turn_chat(-7, conversations, 4, 1.0, max_tokens=16, think_s=0.0)  # a seed no timed run uses
     results, _ = asyncio.run(run_sessions(url, model, sessions, concurrency=1))
-    lengths = np.array(sorted(idle), dtype=float)
-    idle_s = np.array([idle[n] for n in sorted(idle)])
     out = {}
     for name, held in (("held", True), ("first", False)):
         rows = [r for r in results if r.error is None and (2 * r.cached_tokens >= r.prompt_tokens) == held]
-        table = np.interp([r.prompt_tokens - r.cached_tokens for r in rows], lengths, idle_s)
+        table = alone_s([r.prompt_tokens - r.cached_tokens for r in rows], idle)
         out[f"{name}_s"] = statistics.fmean(r.ttft_s for r in rows)
         out[f"{name}_table_s"] = float(table.mean())
     return out
@@ -81,12 +86,10 @@ def estimate(requests: list[dict], idle: dict[int, float]) -> dict:
     rows = [r for r in requests if r["ttft_s"] is not None]
     if not rows:
         return dict.fromkeys(("held_share", "estimate_s", "floor_s", "held_wait_s"))
-    lengths = np.array(sorted(idle), dtype=float)
-    idle_s = np.array([idle[n] for n in sorted(idle)])
     held = np.array([2 * r["cached_tokens"] >= r["prompt_tokens"] for r in rows])
     uncached = np.array([r["prompt_tokens"] - r["cached_tokens"] for r in rows], dtype=float)
     ttft = np.array([r["ttft_s"] for r in rows])
-    alone = np.interp(uncached, lengths, idle_s)  # below the shortest length measured: its time
+    alone = alone_s(uncached, idle)
     return {
         "held_share": float(held.mean()),
         "estimate_s": float(np.where(held, ttft, alone).mean()),

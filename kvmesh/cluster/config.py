@@ -120,6 +120,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.ingress_replicas < 1:
             raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
+        if self.replicas is None:
+            self.replicas = 0 if self.workers else 2
         self._check_workers()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
@@ -141,8 +143,6 @@ class ClusterConfig:
 
     def _check_workers(self) -> None:
         distinct([WorkerSpec(**worker) for worker in self.workers])  # raises ValueError naming a bad field
-        if self.replicas is None:
-            self.replicas = 0 if self.workers else 2
         if not self.workers and self.replicas < 1:
             raise ValueError(f"replicas must be at least 1 (or 0 with workers), got {self.replicas}")
         if self.replicas < 0:
