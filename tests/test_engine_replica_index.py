@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-import kvmesh.cluster.engine_deployment as engine_deployment
+import kvmesh.cluster.engine_replica as engine_replica
 from kvmesh.cluster.embedded_redis import free_port
-from kvmesh.cluster.engine_deployment import EngineReplica, IndexUnreachable
+from kvmesh.cluster.engine_replica import EngineReplica, IndexUnreachable
 
 ENGINE = {"num_kv_blocks": 64, "torch_threads": 1}
 
 
 def test_a_replica_that_cannot_reach_the_index_fails_its_start_naming_it(tiny_llama_dir, monkeypatch):
-    monkeypatch.setattr(engine_deployment, "INDEX_CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(engine_replica, "INDEX_CONNECT_TIMEOUT_S", 1.0)
     port = free_port()  # nothing listens there
     with pytest.raises(IndexUnreachable) as failed:
         EngineReplica({"model": str(tiny_llama_dir), **ENGINE}, redis_url=f"redis://:secret@127.0.0.1:{port}/0")

@@ -57,6 +57,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise TimeoutError(url)
 
 
+def loads_ray(pid: int) -> bool:
+    """Whether process ``pid`` has Ray's core library mapped (importing ``ray`` loads it)."""
+    return "_raylet" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def until(ready, timeout: float = 10.0) -> None:
     """Wait for ``ready()`` (at most ``timeout``; the assertion after it says what was expected)."""
     deadline = time.monotonic() + timeout
@@ -128,6 +133,7 @@ def test_kvmesh_engine_serves_openai_clients(workers):
     assert httpx.post(url + "/reset_prefix_cache").json() == {"status": "ok"}
     prompts = httpx.get(url + "/status").json()["replicas"]
     assert next(iter(prompts.values()))["num_cached_blocks"] == 0
+    assert not loads_ray(procs[1].pid)  # a single-engine server needs no Ray installed, and pays no Ray import
 
 
 def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
@@ -164,6 +170,7 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
         status = httpx.get(url + "/status").json()
         assert set(status["replicas"]) == set(homes.values()) and status["index"]["entries"] >= 6 * 12
         assert sum(d["count"] for d in status["decisions"]) == 12
+        assert not loads_ray(router.pid)
     finally:
         router.send_signal(signal.SIGINT)
         assert router.wait(timeout=30) == 0, log.read_text()[-2000:]

@@ -167,7 +167,7 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
 def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     import asyncio
 
-    from kvmesh.cluster.engine_deployment import EngineReplica
+    from kvmesh.cluster.engine_replica import EngineReplica
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
     call = GenerateCall(
@@ -389,7 +389,7 @@ def test_ingress_never_imports_torch(smollm_dir):
 
 
 def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
-    from kvmesh.cluster.engine_deployment import EngineReplica
+    from kvmesh.cluster.engine_replica import EngineReplica
     from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
 
     server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
@@ -487,6 +487,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
 
     import kvmesh.cluster.generation as generation_module
     from kvmesh.cluster.generation import Generation, ModelLimits, Prepared, new_request_id
+    from kvmesh.cluster.ingress import RAY_HANDLE_ERRORS
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -524,7 +525,7 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
 
     handle = Handle()
     limits = ModelLimits({"m"}, "m", vocab_size=100, max_model_len=64, max_prompt_bytes=1000, max_n=4)
-    generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits)
+    generation = Generation(handle, tokenizer=None, model="m", block_size=16, limits=limits, errors=RAY_HANDLE_ERRORS)
     request_id = new_request_id(chat=False)
     params = SamplingParams(max_tokens=1)
     call = GenerateCall(

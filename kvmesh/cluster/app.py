@@ -16,7 +16,8 @@ from ray import serve
 from kvmesh.cluster.admission import key_digests
 from kvmesh.cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
 from kvmesh.cluster.engine_deployment import engine_deployment
-from kvmesh.cluster.ingress import Ingress, IngressSettings
+from kvmesh.cluster.front_door import IngressSettings
+from kvmesh.cluster.ingress import Ingress
 from kvmesh.cluster.mixed_deployment import mixed_deployment
 from kvmesh.cluster.worker_proxy import worker_deployment
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url

@@ -3,7 +3,7 @@
 The analogue of ``vllm serve``, so any router (SGLang's ``smg``, ``vllm-router``, Dynamo, llm-d, or kvmesh's own
 ``workers:``) can put kvmesh engines behind it: the same routes as the cluster's ingress (chat, completions,
 tokenize, detokenize, models, health, metrics), its KV events on vLLM's wire with ``--kv-events-config``.
-It is the ingress's own front door (``kvmesh.cluster.ingress.front_door``) over an engine in this process:
+It is the ingress's own front door (``kvmesh.cluster.front_door.front_door``) over an engine in this process:
 ``LocalHandle`` stands where the deployment handle would.
 """
 
@@ -16,10 +16,10 @@ import logging
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from kvmesh.cluster.engine_deployment import EngineReplica
+from kvmesh.cluster.engine_replica import EngineReplica
+from kvmesh.cluster.front_door import IngressSettings, front_door
 from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
-from kvmesh.cluster.ingress import IngressSettings, front_door
 from kvmesh.cluster.listen import listen, serve
 from kvmesh.shared.messages import ReplicaStatus
 from kvmesh.shared.sampling_params import MAX_N

@@ -22,9 +22,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
 
 from kvmesh.cluster import metrics
 from kvmesh.cluster.admission import RETRY_AFTER_S
@@ -40,8 +37,18 @@ from kvmesh.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
-"""What a handle raises when the replica serving a call died or became unreachable."""
+
+@dataclass(frozen=True)
+class HandleErrors:
+    """What an engine handle raises when the replica serving a call died or became unreachable (retried before
+    the first token) and when every replica is busy and its queue is full (a 503). Ray Serve's handle has its
+    own (``kvmesh/cluster/ingress.py``); a ``LocalHandle`` raises neither, and keeps this module Ray-free."""
+
+    replica_failed: tuple[type[BaseException], ...] = ()
+    overloaded: tuple[type[BaseException], ...] = ()
+
+
+LOCAL_HANDLE_ERRORS = HandleErrors()
 RETRY_ATTEMPTS, RETRY_BACKOFF_S = 4, 0.25
 """A request whose replica dies before its first token is sent up to three more times, after 0.25, 0.5 and
 1 s: until Serve's long poll tells the routers of the death (about a second), a retry may be offered the
@@ -167,15 +174,18 @@ class Generation:
 
     def __init__(
         self,
-        engine_handle: DeploymentHandle,
+        engine_handle,
         tokenizer,
         model: str,
         block_size: int,
         limits: ModelLimits,
         share_prefix_cache: bool = False,
         no_replica_timeout_s: float = 5.0,
+        errors: HandleErrors = LOCAL_HANDLE_ERRORS,
     ) -> None:
+        """``engine_handle``: a Serve deployment handle or a ``LocalHandle``; ``errors``: what it raises."""
         self.handle = engine_handle.options(method_name="generate", stream=True)
+        self.errors = errors
         self.no_replica_timeout_s = no_replica_timeout_s
         self.tokenizer = tokenizer
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
@@ -368,7 +378,7 @@ class Generation:
                             outcome, usage = "ok", chunk.usage
                         yield chunk
                     break
-                except REPLICA_FAILURES as exc:
+                except self.errors.replica_failed as exc:
                     if n_out or attempt == RETRY_ATTEMPTS:
                         raise
                     stream.cancel()
@@ -379,7 +389,7 @@ class Generation:
                     # Routers learn of a death through Serve's long poll; until then a retry may be offered
                     # the same dead replica, so back off a little before each new attempt.
                     await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
-        except BackPressureError as exc:
+        except self.errors.overloaded as exc:
             outcome = "rejected"
             raise APIError(
                 "Every replica is busy and the queue is full; retry shortly",
@@ -400,7 +410,7 @@ class Generation:
             outcome = "client_error"
             cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
             raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
-        except REPLICA_FAILURES as exc:
+        except self.errors.replica_failed as exc:
             log.warning("request %s: its replica failed after %d tokens: %r", prep.call.request_id, n_out, exc)
             raise APIError(
                 f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens; "

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from kvmesh.cluster.engine_deployment import EngineReplica
+from kvmesh.cluster.engine_replica import EngineReplica
 from kvmesh.cluster.nodes import replica_rank
 from kvmesh.cluster.router_config import router_config
 from kvmesh.cluster.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy

@@ -10,7 +10,10 @@ replica's start, as before.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,14 +46,24 @@ def replica_threads(replicas_per_node: int, claimed_cpus: float | None, cores: i
 
 
 def node_address() -> str:
-    """The address of the Ray node this process runs on (its raylet's), as other nodes reach it."""
-    import ray
+    """The address of the Ray node this process runs on (its raylet's), as other nodes reach it. A process that
+    never imported Ray (``kvmesh engine``) is on no Ray node: the address its host sends from, found as Ray
+    finds it (a UDP socket's own address; nothing is sent), or loopback without a route."""
+    if "ray" in sys.modules:
+        import ray
 
-    return ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address()
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routable address will do
+        return probe.getsockname()[0]
+    return "127.0.0.1"
 
 
 def claimed_cpus() -> float | None:
-    """CPUs Ray assigned to the calling actor or task (None outside one: a driver has no assignment)."""
+    """CPUs Ray assigned to the calling actor or task (None outside one: a driver has no assignment, and a
+    process that never imported Ray runs in none)."""
+    if "ray" not in sys.modules:
+        return None
     import ray
 
     if not ray.is_initialized():

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
+from kvmesh.cluster.front_door import IngressSettings, front_door
 from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
-from kvmesh.cluster.ingress import IngressSettings, front_door
 from kvmesh.cluster.listen import listen, serve
 from kvmesh.cluster.worker_client import Worker
 from kvmesh.cluster.worker_spec import WorkerSpec, distinct

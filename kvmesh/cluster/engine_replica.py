@@ -1,0 +1,196 @@
+"""One kvmesh engine as a serving unit (``EngineReplica``): the paged KV engine, its index publisher and its
+vLLM-compatible KV events, behind ``generate(call)``. Ray Serve runs it as the engine deployment's replica
+(``kvmesh/cluster/engine_deployment.py``); ``kvmesh engine`` runs one in its own process without Ray, which
+this module never imports (a replica learns its Serve identity only where Ray already runs).
+
+Callers pass one ``GenerateCall`` per request carrying the token ids and the block hashes the ingress
+computed once, so neither the router nor the replica re-tokenizes or re-hashes, and get a stream of
+``GenerateChunk`` back. Under Serve a replica reports its ``LoadReport`` through Ray's
+``record_routing_stats``, its ``KVPressure`` through ``record_autoscaling_stats`` and its ``ReplicaStatus``
+beside its heartbeats, and mirrors its prefix cache into Redis under an id with a fresh incarnation.
+
+A replica that cannot reach the index Redis fails its start, naming the address it tried and its node:
+without the index it would serve, but every router would be blind to its cache. One that loses Redis later
+keeps serving and says so in its load reports (``LoadReport.index_error``), which reach the ingress through
+Ray, so ``/status`` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
+from kvmesh.replica import AsyncLLM, EngineConfig
+from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.index_schema import index_redis_url, redacted
+from kvmesh.shared.hashing import first_block_extra, hash_block
+from kvmesh.shared.kv_event_wire import KVEventsConfig
+from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
+
+log = logging.getLogger(__name__)
+
+INDEX_CONNECT_TIMEOUT_S = 15.0
+"""How long a starting replica tries to publish its (empty) cache to the index before it gives up."""
+
+
+class IndexUnreachable(RuntimeError):
+    """The replica cannot write to the index Redis (the message names the address and this node)."""
+
+
+class EngineReplica:
+    def __init__(
+        self,
+        engine: dict,
+        redis_url: str | None = None,
+        deployment: str = "kvmesh",
+        replicas_per_node: int = 1,
+        kv_events: dict | None = None,
+        rank_offset: int = 0,
+    ) -> None:
+        """``rank_offset``: replicas of the deployment ranked before this one that are not kvmesh engines (worker
+        proxies, ``kvmesh/cluster/mixed_deployment.py``); its KV-event ports count from the first engine."""
+        self.node = node_address()
+        engine = dict(engine)
+        if engine.get("torch_threads") is None and engine.get("device") in (None, "cpu"):
+            engine["torch_threads"] = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
+        config = EngineConfig(**engine)
+        self.llm = AsyncLLM.from_config(config)
+        self.engine = self.llm.engine
+        self.engine.warm_up()  # measured decode costs for routers from the first request on
+        name, rank = serve_replica_identity()
+        self.kv_events = self._kv_event_publisher(kv_events, replica_rank(rank) - rank_offset)
+        self.publisher = None
+        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
+        if redis_url:
+            self.publisher = KVIndexPublisher(
+                redis_url,
+                deployment,
+                self.engine.model_id,
+                name,
+                self.engine.pool.cached_hashes,
+                unique_name=True,
+                status=self.status,
+                host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
+                disk_snapshot=self.engine.swap.disk.hashes if self.engine.swap and self.engine.swap.disk else None,
+            ).start()
+            if not self.publisher.wait_synced(INDEX_CONNECT_TIMEOUT_S):
+                error = self.publisher.last_error or "no answer"
+                self.publisher.close(remove_entries=False)
+                self.publisher = None
+                raise IndexUnreachable(
+                    f"engine replica on node {self.node} cannot reach the index Redis at {redacted(redis_url)} "
+                    f"({error}); on a multi-node cluster the index must listen on an address every node reaches"
+                )
+            self.engine.kv_event_sinks.append(self.publisher.publish)
+        self.index_id = self.publisher.replica_id if self.publisher else name
+        self._preemptions_seen = 0
+
+    def _kv_event_publisher(self, settings: dict | None, number: int) -> ZmqKVEventPublisher | None:
+        """vLLM-compatible KV events (``--kv-events-config``), ports offset by this engine's number."""
+        config = KVEventsConfig.parse(settings or {})
+        if not config.enabled:
+            return None
+        publisher = ZmqKVEventPublisher(config.for_rank(number), self.engine.block_size)
+        self.engine.kv_event_sinks.append(publisher.publish)
+        return publisher
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        """Stream one request: a chunk per engine step and sequence (``index``: which of the request's ``n``
+        sequences); the last one carries the request's ``Usage``."""
+        params = dataclasses.replace(call.params)  # checked again (``__post_init__``): any handle user may call
+        unfinished, completion_tokens = params.n, 0
+        async for out in self.llm.generate(
+            call.prompt_token_ids,
+            params,
+            request_id=call.request_id,
+            cache_salt=call.cache_salt,
+            block_hashes=self._checked_hashes(call),
+        ):
+            completion_tokens += len(out.delta_token_ids)
+            unfinished -= out.finished
+            usage = None
+            if not unfinished:
+                usage = Usage(
+                    prompt_tokens=call.num_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=out.num_cached_tokens,
+                )
+            yield GenerateChunk(
+                index=out.index,
+                text=out.delta_text,
+                token_ids=out.delta_token_ids,
+                finish_reason=out.finish_reason,
+                num_cached_tokens=out.num_cached_tokens,
+                replica=self.index_id,
+                usage=usage,
+                logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
+            )
+
+    def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
+        """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
+
+        A wrong chain would make the prefix cache serve another prompt's KV, so the first and last blocks
+        are recomputed (two block hashes, microseconds): they pin the seed, the tenant salt, the block size
+        and, through the chain, every token."""
+        hashes, ids, size = call.block_hashes, call.prompt_token_ids, self.engine.block_size
+        if not hashes or call.block_size != size or len(hashes) != len(ids) // size:
+            return None
+        extra = first_block_extra(call.cache_salt)
+        first = hash_block(self.engine.hash_seed, ids[:size], extra)
+        last_parent = hashes[-2] if len(hashes) > 1 else None
+        last = hash_block(last_parent, ids[(len(hashes) - 1) * size : len(hashes) * size]) if last_parent else first
+        if hashes[0] != first or hashes[-1] != last:
+            log.warning("request %s: block hashes do not match this engine's; rehashing", call.request_id)
+            return None
+        return hashes
+
+    def status(self) -> ReplicaStatus:
+        """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
+        return ReplicaStatus(**dataclasses.asdict(self.llm.snapshot().stats()), pid=os.getpid(), node=self.node)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
+        preemptions since the last report."""
+        snapshot = self.llm.snapshot()
+        pressure = snapshot.kv_pressure(self._preemptions_seen)
+        self._preemptions_seen = snapshot.num_preemptions
+        return pressure.as_dict()
+
+    def record_routing_stats(self) -> dict:
+        """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
+        report = self.llm.snapshot().load_report(self.index_id, time.time())
+        report.node = self.node
+        report.index_error = self.publisher.last_error if self.publisher is not None else None
+        return report.as_dict()
+
+    def __del__(self) -> None:
+        if getattr(self, "engine", None) is not None:  # drained by now: its disk tier keeps what it caches
+            self.engine.close()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
+
+
+def serve_replica_identity() -> tuple[str, object]:
+    """This Serve replica's unique id (a restarted replica is a new id; routers match on it) and its rank;
+    outside Serve (``kvmesh engine``, tests) a fresh id per process and None. A process Ray never ran in has
+    not imported it, and is not made to."""
+    if "ray" in sys.modules:
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            context = serve.get_replica_context()
+            return context.replica_id.unique_id, context.rank
+        except RayServeException:
+            pass
+    return f"engine-{uuid.uuid4().hex[:8]}", None
