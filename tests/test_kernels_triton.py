@@ -106,3 +106,29 @@ def test_decode_splits_fill_four_programs_per_multiprocessor_in_powers_of_two(mo
     assert metadata.decode_splits(1, 8, 1024, cuda) == 8  # 128 tokens a part at least
     assert metadata.decode_splits(1, 1, 1 << 20, cuda) == 64
     assert metadata.decode_splits(1, 8, 100, cuda) == 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int4"])
+def test_decode_attention_runs_at_every_split_count_before_serving(tiny_llama_dir, monkeypatch, kv_cache_dtype):
+    """``compile_decode_splits`` (a CUDA engine's start) launches the real decode kernel at each split count a
+    step may choose, 1 to 64, on the engine's own cache and kernels, so Triton compiles each before a request
+    waits on it; it writes nothing to the cache."""
+    import kvmesh.kernels.triton_attention as triton_attention
+
+    monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", "triton")
+    runner = LLM(str(tiny_llama_dir), num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype).engine.runner
+    launched, kernel = [], triton_attention._decode_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launched.append(meta["SPLITS"])
+                return kernel[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_decode_kernel", Recording())
+    before = [t.clone() for t in (runner.kv_caches[0].k, runner.kv_caches[0].v)]
+    assert runner.compile_decode_splits() == 7
+    assert launched == [1, 2, 4, 8, 16, 32, 64]
+    assert all(torch.equal(a, b) for a, b in zip(before, (runner.kv_caches[0].k, runner.kv_caches[0].v), strict=True))

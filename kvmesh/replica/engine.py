@@ -168,6 +168,10 @@ class LLMEngine(StepRecovery):
             max_blocks_per_seq,
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
+        if device.type == "cuda" and self.runner.kernels.backend == "triton":
+            started = time.perf_counter()
+            counts = self.runner.compile_decode_splits()
+            log.info("compiled decode attention for %d split counts in %.1f s", counts, time.perf_counter() - started)
         # int4 keys are written whole blocks at a time from their tails, a step the graphs cannot capture
         if device.type == "cuda" and not config.enforce_eager and self.runner.key_tails is None:
             sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)

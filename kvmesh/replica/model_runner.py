@@ -9,7 +9,7 @@ import torch
 
 from kvmesh.kernels import AttentionMetadata, model_kernels
 from kvmesh.kernels.int4_store import KeyTails
-from kvmesh.kernels.metadata import slot_mapping, token_positions
+from kvmesh.kernels.metadata import MAX_SPLITS, slot_mapping, token_positions
 from kvmesh.kernels.quant import (
     FP8_DTYPES,
     INT4_DTYPE,
@@ -75,6 +75,23 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps (CUDA); ``forward`` replays them for the decode batches they fit."""
+
+    def compile_decode_splits(self) -> int:
+        """Run the decode attention once for each split count a step may choose (``decode_splits``: powers of
+        two up to ``MAX_SPLITS``), over layer 0's block 0, read only; returns how many ran. Triton compiles a
+        kernel per count, and the decode rows of a mixed step choose theirs by their context length, so a
+        count first met while serving would hold that step, and every request in it, for the compile. The
+        graphs and ``warm_up`` meet only some counts (short contexts choose 1)."""
+        attn, cache = self.model.layers[0].self_attn, self.kv_caches[0]
+        q = torch.zeros((1, attn.num_heads, attn.head_dim), dtype=self.dtype, device=self.device)
+        meta = AttentionMetadata.build([1], [1], [[0]], cache.k.shape[1], device=self.device)
+        counts = [1 << i for i in range(MAX_SPLITS.bit_length())]
+        for splits in counts:
+            meta.decode_splits = splits
+            self.kernels.paged_attention(
+                q, cache.k, cache.v, meta, attn.scale, k_scale=cache.k_scale, v_scale=cache.v_scale, window=attn.window
+            )
+        return len(counts)
 
     def capture_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
         """Capture a CUDA graph of a decode step per batch size in ``sizes`` (``capture=False``: the same
