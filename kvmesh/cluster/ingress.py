@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -35,6 +36,9 @@ every replica is busy and the queue is full."""
 @serve.ingress(app)
 class Ingress(HttpApi, GrpcApi):
     def __init__(self, engine_handle: DeploymentHandle, settings: dict) -> None:
+        # Ray ships this class by value (its name in this module is the deployment), so nothing else makes the
+        # replica import this module; the routes bind to the class (serve.ingress above) only when it does.
+        importlib.import_module(__name__)
         self.settings = s = IngressSettings(**settings)
         self.generation, self.admission = front_door(s, engine_handle, RAY_HANDLE_ERRORS)
         set_admission(self.admission)
