@@ -20,29 +20,9 @@ import time
 from pathlib import Path
 
 from benchmarks import peer_routers
-from benchmarks.gpu_suite import Scale, save_random_model, smollm2_config
+from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, save_random_model, smollm2_config
 
 SMOKE_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-
-
-def llama8b_config():
-    """Llama-3-8B's shape (32 layers, 4096 wide, 32 query / 8 KV heads of 128) over SmolLM2's 49,152 tokens."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,10 +39,12 @@ def main(argv: list[str] | None = None) -> None:
         config, dtype = smollm2_config(Scale(layers=SMOKE_LAYERS)), "float32"
         engine_args = "--device cpu --num-kv-blocks 512"
     else:
-        config = llama8b_config() if args.shape == "llama8b" else smollm2_config(Scale())
+        llama8b = llama_shaped(LLAMA3_8B_SHAPE, tied=False, rope_theta=500000.0)
+        config = llama8b if args.shape == "llama8b" else smollm2_config(Scale())
         dtype, engine_args = "bfloat16", f"--device cuda --kv-cache-gib {args.kv_cache_gib:g} --host-cache-gib 0"
-    model = save_random_model(Path(f"/tmp/kvmesh-random-{args.shape}"), config, args.tokenizer, dtype)
-    print(f"random {args.shape} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    name = "smoke" if args.smoke else args.shape
+    model = save_random_model(Path(f"/tmp/kvmesh-random-{name}"), config, args.tokenizer, dtype)
+    print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     peer_routers.main(
         [*rest, "--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
     )

@@ -139,22 +139,26 @@ def event_ms(fn, iters: int) -> float:
 # ---------------------------------------------------------------- models in real shapes, random weights
 
 
-def smollm2_config(scale: Scale, tied: bool = True):
+def llama_shaped(shape: dict, tied: bool, rope_theta: float = 100000.0):
+    """A Llama-family config of ``shape`` over SmolLM2's 49,152-token vocabulary (its tokenizer drives every
+    random model here)."""
     from transformers import LlamaConfig
 
+    common = {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
+    return LlamaConfig(vocab_size=49152, rope_theta=rope_theta, tie_word_embeddings=tied, **common, **shape)
+
+
+def smollm2_config(scale: Scale, tied: bool = True):
     shape = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9}
-    shape.update(scale.layers or {})
-    return LlamaConfig(
-        vocab_size=49152,
-        num_key_value_heads=3 if not scale.layers else 2,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-        **shape,
-    )
+    shape |= {**scale.layers, "num_key_value_heads": 2} if scale.layers else {"num_key_value_heads": 3}
+    return llama_shaped(shape, tied)
+
+
+LLAMA3_8B_SHAPE = {
+    **{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32},
+    **{"num_attention_heads": 32, "num_key_value_heads": 8},
+}
+"""Llama-3-8B's layers: 32 of them, 4096 wide, 32 query and 8 KV heads of 128."""
 
 
 def qwen3_config(scale: Scale):

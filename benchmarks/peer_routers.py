@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import shlex
 import signal
@@ -44,7 +45,7 @@ import psutil
 from benchmarks import engine_occupancy
 from benchmarks.placement_headroom import estimate, idle_chat, idle_ttft
 from kvmesh.bench.load_client import run_sessions
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.report import print_table, results_dir, write_json
 from kvmesh.bench.serve_process import ServeProcess
 from kvmesh.bench.trace_workloads import rag
 from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
@@ -362,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         kinds = [k for k in kinds if k in args.routers.split(",")]
     names = args.workloads.split(",")
     runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}
+    result_name = "peer_routers_vllm" if args.vllm_python else "peer_routers"
+    partial = (args.json or results_dir() / f"{result_name}.json").with_suffix(".partial.json")
+    """Every finished run, rewritten after each: what a run cut short (a device's time limit) keeps."""
     with tempfile.TemporaryDirectory(prefix="peer-routers-") as tmp:
         if args.vllm_python:
             engines = start_vllm_engines(args.engines, Path(tmp), args)
@@ -381,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                     for kind in order:
                         print(f"[{name} #{repeat + 1}] {kind} ...", file=sys.stderr, flush=True)
                         runs[name][kind].append(run_once(kind, name, args, engines))
+                        partial.write_text(json.dumps({"args": vars(args), "runs": runs}, default=str))
         finally:
             for child, _ in engines:
                 child.stop()
@@ -417,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe_load:
         print_occupancy(runs)
     write_json(
-        "peer_routers_vllm" if args.vllm_python else "peer_routers",
+        result_name,
         {
             "args": {k: str(v) for k, v in vars(args).items()},
             "idle_ttft_s": idle,
@@ -427,6 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         args.json,
     )
+    partial.unlink(missing_ok=True)
 
 
 def print_headroom(summary: dict, idle: dict[int, float]) -> None:
