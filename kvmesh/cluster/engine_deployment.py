@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray import serve
 
 from kvmesh.cluster.engine_replica import EngineReplica
-from kvmesh.cluster.router_config import router_config
+from kvmesh.cluster.router_config import engine_deployment_options
 from kvmesh.replica import EngineConfig
 
 
@@ -41,19 +41,13 @@ def engine_deployment(
     ``kv_events``: vLLM's ``--kv-events-config`` keys; each replica publishes on the ports plus its rank.
     """
     model_id = EngineConfig(**engine).model
-    router = router_config(policy, redis_url, deployment, model_id, policy_kwargs, stats_period_s)
+    routing = (redis_url, deployment, policy, policy_kwargs, stats_period_s, max_ongoing_requests, max_queued_requests)
     sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     return serve.deployment(
         EngineReplica,
-        name="engine",
+        **engine_deployment_options(model_id, *routing, drain_timeout_s=drain_timeout_s),
         **sizing,
         ray_actor_options=ray_actor_options or {"num_cpus": 0},
-        graceful_shutdown_timeout_s=drain_timeout_s,
-        graceful_shutdown_wait_loop_s=0.5,
-        max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests,
-        request_router_config=router,
-        health_check_period_s=2.0,
     ).bind(
         engine,
         redis_url,

@@ -10,12 +10,12 @@ It is the ingress's own front door (``kvmesh.cluster.front_door.front_door``) ov
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from kvmesh.cluster.admission import key_digests
 from kvmesh.cluster.engine_replica import EngineReplica
 from kvmesh.cluster.front_door import IngressSettings, front_door
 from kvmesh.cluster.generation import LocalHandle
@@ -70,7 +70,7 @@ def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | 
     sock = listen(args.host, args.port)
     replica = EngineReplica(engine, redis_url=None, kv_events=kv_events)
     config = replica.engine.config
-    digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
+    digests = key_digests(args.api_key or [])
     settings = IngressSettings(
         model=args.model,
         served_model_name=args.served_model_name or args.model,

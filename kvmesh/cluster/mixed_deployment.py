@@ -18,7 +18,7 @@ from ray import serve
 
 from kvmesh.cluster.engine_replica import EngineReplica
 from kvmesh.cluster.nodes import replica_rank
-from kvmesh.cluster.router_config import router_config
+from kvmesh.cluster.router_config import engine_deployment_options
 from kvmesh.cluster.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy
 from kvmesh.shared.messages import GenerateCall, GenerateChunk
 
@@ -61,24 +61,10 @@ def mixed_deployment(
 ) -> serve.Application:
     """The engine deployment over ``workers`` (``proxy``: ``WorkerProxy``'s other arguments) and ``num_engines``
     kvmesh engines (``engine``: ``EngineReplica``'s arguments); ``routing`` as ``engine_deployment`` takes it."""
-    router = router_config(
-        routing["policy"],
-        routing["redis_url"],
-        routing["deployment"],
-        proxy["model"],
-        routing["policy_kwargs"],
-        routing["stats_period_s"],
-    )
     return serve.deployment(
         MixedReplica,
-        name="engine",
+        **engine_deployment_options(proxy["model"], **routing, drain_timeout_s=drain_timeout_s),
         num_replicas=len(workers) + num_engines,
         ray_actor_options=ray_actor_options,
-        graceful_shutdown_timeout_s=drain_timeout_s,
-        graceful_shutdown_wait_loop_s=0.5,
-        max_ongoing_requests=routing["max_ongoing_requests"],
-        max_queued_requests=routing["max_queued_requests"],
-        request_router_config=router,
-        health_check_period_s=2.0,
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
     ).bind(workers, proxy, engine)

@@ -1,5 +1,5 @@
-"""The engine deployment's request router, for kvmesh's engines and external workers alike (torch-free: a
-worker proxy's process never loads the engine)."""
+"""The engine deployment's request router and the options every kind of that deployment shares (kvmesh's
+engines, external workers' proxies, both mixed); torch-free: a worker proxy's process never loads the engine."""
 
 from __future__ import annotations
 
@@ -35,3 +35,29 @@ def router_config(
         request_routing_stats_period_s=stats_period_s,
         request_routing_stats_timeout_s=max(stats_period_s, 1.0),
     )
+
+
+def engine_deployment_options(
+    model_id: str,
+    redis_url: str | None,
+    deployment: str,
+    policy: str,
+    policy_kwargs: dict | None,
+    stats_period_s: float,
+    max_ongoing_requests: int,
+    max_queued_requests: int,
+    drain_timeout_s: float | None = None,
+) -> dict:
+    """``serve.deployment`` options of the engine deployment, whatever its replicas are: its name, its router,
+    its queue bounds and health-check period; with ``drain_timeout_s``, how long a removed replica may finish
+    its streams (Ray stops routing to it at once)."""
+    options = {
+        "name": "engine",
+        "request_router_config": router_config(policy, redis_url, deployment, model_id, policy_kwargs, stats_period_s),
+        "max_ongoing_requests": max_ongoing_requests,
+        "max_queued_requests": max_queued_requests,
+        "health_check_period_s": 2.0,
+    }
+    if drain_timeout_s is not None:
+        options |= {"graceful_shutdown_timeout_s": drain_timeout_s, "graceful_shutdown_wait_loop_s": 0.5}
+    return options

@@ -13,7 +13,6 @@ through Redis.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
+from kvmesh.cluster.admission import key_digests
 from kvmesh.cluster.front_door import IngressSettings, front_door
 from kvmesh.cluster.generation import LocalHandle
 from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
@@ -133,7 +133,7 @@ def run_router_server(args: argparse.Namespace) -> int:
     resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
     served = args.served_model_name or args.model
     workers = [Worker(spec, args.model, served, args.block_size) for spec in specs]
-    digests = [hashlib.sha256(k.encode()).hexdigest() for k in args.api_key or []]
+    digests = key_digests(args.api_key or [])
     settings = IngressSettings(
         model=args.model,
         served_model_name=served,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from kvmesh.cluster.nodes import node_address, replica_rank
-from kvmesh.cluster.router_config import router_config
+from kvmesh.cluster.router_config import engine_deployment_options
 from kvmesh.cluster.worker_client import Worker, wait_for_worker
 from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.index_publisher import KVIndexPublisher
@@ -123,14 +123,11 @@ def worker_deployment(
     ray_actor_options: dict | None = None,
 ) -> serve.Application:
     """The engine deployment over external workers: one ``WorkerProxy`` replica per worker, the same router."""
+    routing = (redis_url, deployment, policy, policy_kwargs, stats_period_s, max_ongoing_requests, max_queued_requests)
     return serve.deployment(
         WorkerProxy,
-        name="engine",
+        **engine_deployment_options(model, *routing),
         num_replicas=len(workers),
         ray_actor_options=ray_actor_options or {"num_cpus": 0},
-        max_ongoing_requests=max_ongoing_requests,
-        max_queued_requests=max_queued_requests,
-        request_router_config=router_config(policy, redis_url, deployment, model, policy_kwargs, stats_period_s),
-        health_check_period_s=2.0,
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
     ).bind(workers, model, served_name, block_size, redis_url, deployment)
