@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvmesh.cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
+from tests.serve_helpers import ENGINE_SLOT
 
 SMOLLM_DIR_ENV = "KVMESH_TEST_SMOLLM_DIR"
 
@@ -92,6 +93,7 @@ def ray_serve():
 
     ray.init(
         num_cpus=4,
+        resources={ENGINE_SLOT: 1},
         include_dashboard=False,
         object_store_memory=256 * 1024 * 1024,
         log_to_driver=False,

@@ -8,6 +8,9 @@ from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.messages import GenerateCall
 from kvmesh.shared.sampling_params import SamplingParams
 
+ENGINE_SLOT = "kvmesh_test_engine_slot"
+"""A custom resource the shared test Ray session has once: an engine claiming it stands in for a GPU engine."""
+
 
 def greedy_call(model: str, tokens: list[int], max_tokens: int, session: str | None = None) -> GenerateCall:
     """A ``GenerateCall`` for ``tokens``: greedy, exactly ``max_tokens`` long, 16-token blocks hashed."""

@@ -24,7 +24,7 @@ from kvmesh.cluster.worker_spec import WorkerSpec
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.shared.hashing import hash_blocks, model_seed
 from kvmesh.shared.messages import LoadReport
-from tests.serve_helpers import greedy_call
+from tests.serve_helpers import ENGINE_SLOT, greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -177,9 +177,14 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
 
 
 def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray_serve):
-    """``replicas: 1`` beside a worker: one deployment of the worker's proxy and a kvmesh engine of its own. A
-    burst of new prompts spreads over both; each, asked again, goes back to whichever holds it and hits its cache
-    there; the index holds both kinds' blocks (the worker's from its KV events, the engine's from its publisher)."""
+    """``replicas: 1`` beside a worker: one deployment of the worker's proxy and a kvmesh engine of its own, the
+    engine claiming a resource the cluster has once (as a GPU engine claims its GPU): only the engine's actor
+    holds it, not the proxy. A burst of new prompts spreads over both; each, asked again, goes back to whichever
+    holds it and hits its cache there; the index holds both kinds' blocks (the worker's from its KV events, the
+    engine's from its publisher). Deleting the deployment frees the resource and takes the engine's blocks out
+    of the index."""
+    import ray
+
     _, model, url, procs = workers
     proc = next(p for p in procs if p.poll() is None)
     spec = spec_of(proc)
@@ -188,9 +193,12 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
     engine = {"engine": {"model": model, "num_kv_blocks": 160, "max_num_seqs": 8, "torch_threads": 1}, **common}
     routing = {"policy": "kv_aware", "policy_kwargs": {}, "stats_period_s": 0.5, **common}
     routing |= {"max_ongoing_requests": 64, "max_queued_requests": -1}
-    app = mixed_deployment([spec], proxy, engine, 1, routing, {"num_cpus": 0})
+    slot = {"num_cpus": 0, "resources": {ENGINE_SLOT: 1}}
+    app = mixed_deployment([spec], proxy, engine, 1, routing, slot)
     handle = ray_serve.run(app, name="mixed", route_prefix=None).options(method_name="generate", stream=True)
+    assert ray.available_resources().get(ENGINE_SLOT, 0) == 0  # the engine's actor holds the one slot
     prompts = [[2000 + 89 * p + i for i in range(200)] for p in range(6)]
+    engine_blocks = []
 
     async def main():
         index = PrefixIndex(url, "mix", model, timeout_s=1.0)
@@ -207,6 +215,15 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
                 assert hits[homes[p]] == 12, hits
                 _, cached, replica, usage = await call(handle, model, tokens)
                 assert replica == homes[p] and cached >= 192 and usage.completion_tokens == 4
+                engine_blocks.append((chain, homes[p]))
+            await caller_leaving_aborts_the_engines_request(handle, model, index, homes, prompts)
+        finally:
+            await index.close()
+
+    async def engine_entries():
+        index = PrefixIndex(url, "mix", model, timeout_s=1.0)
+        try:
+            return sum([(await index.lookup(chain, [home])).get(home, 0) for chain, home in engine_blocks])
         finally:
             await index.close()
 
@@ -215,6 +232,32 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
         asyncio.run(main())
     finally:
         ray_serve.delete("mixed")
+    until(lambda: ray.available_resources().get(ENGINE_SLOT, 0) == 1)
+    assert ray.available_resources().get(ENGINE_SLOT, 0) == 1  # the engine's actor ended with its replica
+    assert asyncio.run(engine_entries()) == 0  # and both replicas left the index as they went
+
+
+async def caller_leaving_aborts_the_engines_request(handle, model, index, homes, prompts) -> None:
+    """A caller leaving a stream of the mixed deployment's engine mid-way aborts the request in the engine's
+    actor: its first status report from a second after shows nothing running, no KV pinned, and fewer new
+    cached blocks than the 50 that the 800 tokens asked for would fill (~2 s of decoding here)."""
+    reports = await index.replica_reports()
+    engine_id = next(rid for rid, report in reports.items() if report.pid is not None)  # a proxy names no process
+    tokens = prompts[next(p for p, home in homes.items() if home == engine_id)]
+    before = reports[engine_id].num_cached_blocks
+    stream = handle.remote(greedy_call(model, tokens, 800))
+    async for chunk in stream:
+        assert chunk.replica == engine_id
+        break
+    stream.cancel()
+    left = time.monotonic()
+    while (
+        report := (await index.replica_reports())[engine_id]
+    ).reported_at < time.time() - time.monotonic() + left + 1:
+        assert time.monotonic() < left + 10, "no fresh status report"
+        await asyncio.sleep(0.05)
+    assert report.num_running == 0 and report.kv_usage == 0, report
+    assert report.num_cached_blocks - before < 50, report
 
 
 def spec_of(proc: subprocess.Popen) -> dict:
@@ -296,8 +339,8 @@ def test_worker_settings_are_checked():
     assert ClusterConfig(replicas=0, workers=one).engine_replicas == 1
     assert (ClusterConfig(workers=one).replicas, ClusterConfig().replicas) == (0, 2)  # the defaults
     assert ClusterConfig(replicas=2, workers=one).engine_replicas == 3  # mixed: the worker, then two engines
-    with pytest.raises(ValueError, match="same resources"):
-        ClusterConfig(replicas=1, workers=one, engine_actor_options={"num_gpus": 1})
+    gpu = {"num_gpus": 1}  # the engines' actors claim it, not the workers' proxies (tested below on a custom resource)
+    assert ClusterConfig(replicas=1, workers=one, engine_actor_options=gpu).engine_replicas == 2
     assert ClusterConfig(replicas=0, workers=one, engine_actor_options={"num_gpus": 1}).replicas == 0
     with pytest.raises(ValueError, match="autoscaling"):
         ClusterConfig(replicas=1, workers=one, max_replicas=3)

@@ -37,10 +37,6 @@ DEFAULT_GRPC_PORT = 9000
 GRPC_SERVICER = "kvmesh.cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
 
 
-MIXED_REFUSES = ("num_gpus", "resources", "accelerator_type", "memory")
-"""Engine actor options that cannot go with workers mixed in: each worker's proxy would claim them too."""
-
-
 @dataclass
 class ClusterConfig:
     model: str = DEFAULT_MODEL
@@ -149,13 +145,6 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.workers and self.max_replicas is not None:
             raise ValueError("autoscaling (max_replicas) is for kvmesh's own replicas alone, not beside workers")
-        claims = {k: v for k, v in self.engine_actor_options.items() if k in MIXED_REFUSES and v}
-        if self.workers and self.replicas and claims:
-            raise ValueError(
-                f"workers mixed with kvmesh's own replicas share one Ray Serve deployment, whose replicas all get "
-                f"the same resources: each worker's proxy would hold {claims} too. Run kvmesh's engines as "
-                "workers instead (`kvmesh engine --kv-events-config ...`, listed under workers:) with replicas: 0"
-            )
 
     @property
     def engine_replicas(self) -> int:

@@ -53,9 +53,12 @@ class EngineReplica:
         replicas_per_node: int = 1,
         kv_events: dict | None = None,
         rank_offset: int = 0,
+        identity: tuple[str, object] | None = None,
     ) -> None:
         """``rank_offset``: replicas of the deployment ranked before this one that are not kvmesh engines (worker
-        proxies, ``kvmesh/cluster/mixed_deployment.py``); its KV-event ports count from the first engine."""
+        proxies, ``kvmesh/cluster/mixed_deployment.py``); its KV-event ports count from the first engine.
+        ``identity``: the Serve replica's id and rank, from the replica that runs this engine in an actor of
+        its own (default: this process's Serve identity, ``serve_replica_identity``)."""
         self.node = node_address()
         engine = dict(engine)
         if engine.get("torch_threads") is None and engine.get("device") in (None, "cpu"):
@@ -64,7 +67,7 @@ class EngineReplica:
         self.llm = AsyncLLM.from_config(config)
         self.engine = self.llm.engine
         self.engine.warm_up()  # measured decode costs for routers from the first request on
-        name, rank = serve_replica_identity()
+        name, rank = identity or serve_replica_identity()
         self.kv_events = self._kv_event_publisher(kv_events, replica_rank(rank) - rank_offset)
         self.publisher = None
         redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
@@ -171,13 +174,20 @@ class EngineReplica:
         report.index_error = self.publisher.last_error if self.publisher is not None else None
         return report.as_dict()
 
+    def close(self) -> None:
+        """Stop the engine (drained by now: its disk tier keeps what it caches), take this replica's entries out
+        of the index and close its KV-event sockets; once."""
+        engine, publisher, kv_events = (getattr(self, name, None) for name in ("engine", "publisher", "kv_events"))
+        self.engine = self.publisher = self.kv_events = None
+        if engine is not None:
+            engine.close()
+        if publisher is not None:
+            publisher.close()
+        if kv_events is not None:
+            kv_events.close()
+
     def __del__(self) -> None:
-        if getattr(self, "engine", None) is not None:  # drained by now: its disk tier keeps what it caches
-            self.engine.close()
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.close()
-        if getattr(self, "kv_events", None) is not None:
-            self.kv_events.close()
+        self.close()
 
 
 def serve_replica_identity() -> tuple[str, object]:

@@ -84,5 +84,5 @@ def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | 
     events = f", KV events on {replica.kv_events.config.endpoint}" if replica.kv_events else ""
     ready = f"kvmesh engine ready: http://{args.host}:{args.port}/v1 ({settings.served_model_name}{events})"
     serve(build_app(server), sock, ready)
-    replica.__del__()
+    replica.close()
     return 0

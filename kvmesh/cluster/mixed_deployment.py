@@ -2,18 +2,23 @@
 
 ``kvmesh serve`` with ``workers:`` and ``replicas: N`` deploys ``len(workers) + N`` replicas of ``MixedReplica``:
 the first ``len(workers)`` ranks each stand for a worker (a ``WorkerProxy``), the others each run a kvmesh
-engine (an ``EngineReplica``). The KV-aware router sees one deployment and prices every replica the same way,
-from the index (fed by the workers' KV events and the engines' own publishers) and each one's ``LoadReport``.
+engine. The KV-aware router sees one deployment and prices every replica the same way, from the index (fed by
+the workers' KV events and the engines' own publishers) and each one's ``LoadReport``.
 
-A Ray Serve deployment gives every replica the same actor options, so the engines' options must claim no GPU
-or other resource a proxy would then hold too (``ClusterConfig`` refuses it), and the deployment has a fixed
-size: ranks decide roles, so it does not autoscale.
+A Ray Serve deployment gives every replica the same actor options, so the replicas themselves claim nothing
+(``num_cpus: 0``, as a proxy needs) and an engine's replica runs its engine in a Ray actor it owns
+(``OwnedEngine``), placed by the engines' own actor options (a GPU, a node's cores, a custom resource). The
+deployment has a fixed size: ranks decide roles, so it does not autoscale.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 from kvmesh.cluster.engine_replica import EngineReplica
@@ -22,32 +27,88 @@ from kvmesh.cluster.router_config import engine_deployment_options
 from kvmesh.cluster.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy
 from kvmesh.shared.messages import GenerateCall, GenerateChunk
 
+log = logging.getLogger(__name__)
+
+START_REPORT_S = 30.0
+"""How often a replica waiting for its engine actor to start says so (in its log)."""
+CLOSE_TIMEOUT_S = 30.0
+"""How long a removed replica waits for its engine actor to leave the index before killing it."""
+
+
+class OwnedEngine:
+    """A kvmesh engine (``EngineReplica``) in a Ray actor this replica owns, started with ``actor_options``,
+    under this replica's Serve identity (the router matches the engine's index entries and load reports to
+    it); Ray ends the actor with its owner. Calls and streams are relayed, a chunk per object."""
+
+    def __init__(self, engine: dict, actor_options: dict, rank_offset: int) -> None:
+        context = serve.get_replica_context()
+        identity = (context.replica_id.unique_id, context.rank)
+        actor = ray.remote(EngineReplica).options(**actor_options)
+        self.actor = actor.remote(**engine, rank_offset=rank_offset, identity=identity)
+        claims = {k: v for k, v in actor_options.items() if k != "runtime_env"}  # its env holds the index's password
+        started, t0 = self.actor.status.remote(), time.monotonic()
+        while not ray.wait([started], timeout=START_REPORT_S)[0]:  # a GPU node may be on its way, a model loading
+            log.warning(
+                "engine actor of replica %s not ready after %.0f s (waiting for a node with %s, or loading its model)",
+                identity[0],
+                time.monotonic() - t0,
+                claims,
+            )
+        ray.get(started)  # raises the engine's own start error (IndexUnreachable, ...)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        stream = self.actor.generate.options(num_returns="streaming").remote(call)
+        finished = False
+        try:
+            async for ref in stream:
+                yield await ref
+            finished = True
+        finally:
+            if not finished:  # the caller left (or the engine failed): the engine aborts the request. Ray
+                ray.cancel(stream)  # does so too when it cancels the Serve call this one runs under, not otherwise
+
+    async def check_health(self) -> None:
+        """The engine actor answers (a lost actor raises ``RayActorError``, and Ray replaces this replica)."""
+        await self.actor.status.remote()
+
+    async def record_routing_stats(self) -> dict:
+        return await self.actor.record_routing_stats.remote()
+
+    def close(self) -> None:
+        """Let the engine leave the index, then end its actor (its owner's exit would end it anyway)."""
+        actor, self.actor = getattr(self, "actor", None), None
+        if actor is None:
+            return
+        with contextlib.suppress(ray.exceptions.RayError):  # gone or stuck: its entries expire with its heartbeats
+            ray.get(actor.close.remote(), timeout=CLOSE_TIMEOUT_S)
+        ray.kill(actor)
+
 
 class MixedReplica:
     """A worker's proxy or a kvmesh engine, by this replica's rank; Ray Serve's calls go to the one it is."""
 
-    def __init__(self, workers: list[dict], proxy: dict, engine: dict) -> None:
+    def __init__(self, workers: list[dict], proxy: dict, engine: dict, engine_actor_options: dict) -> None:
         rank = replica_rank(serve.get_replica_context().rank)
         if rank < len(workers):
-            self.role: WorkerProxy | EngineReplica = WorkerProxy(workers, **proxy)
+            self.role: WorkerProxy | OwnedEngine = WorkerProxy(workers, **proxy)
         else:
-            self.role = EngineReplica(**engine, rank_offset=len(workers))
+            self.role = OwnedEngine(engine, engine_actor_options, rank_offset=len(workers))
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.role.generate(call):
             yield chunk
 
     async def check_health(self) -> None:
-        """A worker's proxy checks its worker (``WorkerProxy.check_health``); an engine is alive if it answers."""
-        if isinstance(self.role, WorkerProxy):
-            await self.role.check_health()
+        await self.role.check_health()
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
+        if isinstance(self.role, OwnedEngine):
+            return await self.role.record_routing_stats()
         return self.role.record_routing_stats()
 
     def __del__(self) -> None:
         if getattr(self, "role", None) is not None:
-            self.role.__del__()
+            self.role.close()
 
 
 def mixed_deployment(
@@ -56,15 +117,19 @@ def mixed_deployment(
     engine: dict,
     num_engines: int,
     routing: dict,
-    ray_actor_options: dict,
+    engine_actor_options: dict,
+    env: dict[str, str] | None = None,
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
     """The engine deployment over ``workers`` (``proxy``: ``WorkerProxy``'s other arguments) and ``num_engines``
-    kvmesh engines (``engine``: ``EngineReplica``'s arguments); ``routing`` as ``engine_deployment`` takes it."""
+    kvmesh engines (``engine``: ``EngineReplica``'s arguments, each engine's actor started with
+    ``engine_actor_options``); ``routing`` as ``engine_deployment`` takes it; ``env``: variables of every
+    replica's environment (the engines' come with their actor options)."""
+    runtime_env = {"runtime_env": {"env_vars": env}} if env else {}
     return serve.deployment(
         MixedReplica,
         **engine_deployment_options(proxy["model"], **routing, drain_timeout_s=drain_timeout_s),
         num_replicas=len(workers) + num_engines,
-        ray_actor_options=ray_actor_options,
+        ray_actor_options={"num_cpus": 0, **runtime_env},
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
-    ).bind(workers, proxy, engine)
+    ).bind(workers, proxy, engine, engine_actor_options)

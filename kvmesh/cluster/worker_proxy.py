@@ -101,11 +101,17 @@ class WorkerProxy:
         )
         return report.as_dict()
 
+    def close(self) -> None:
+        """Stop following the worker and take its entries out of the index; once."""
+        worker, publisher = getattr(self, "worker", None), getattr(self, "publisher", None)
+        self.worker = self.publisher = None
+        if worker is not None:
+            worker.close()
+        if publisher is not None:
+            publisher.close()
+
     def __del__(self) -> None:
-        if getattr(self, "worker", None) is not None:
-            self.worker.close()
-        if getattr(self, "publisher", None) is not None:
-            self.publisher.close()
+        self.close()
 
 
 def worker_deployment(
