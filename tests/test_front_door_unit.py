@@ -745,3 +745,24 @@ def test_nodes_prepared_are_those_an_engine_replica_fits_and_env_reaches_every_r
         "pip": ["x"],
     }
     assert options["runtime_env"]["env_vars"] == {"HF_HOME": "/models"}  # the operator's options untouched
+
+
+def test_workers_beside_gpu_engines_leave_the_gpus_to_the_engines():
+    """``workers:`` beside ``replicas: 2`` GPU engines: the deployment's replicas (a worker's proxy among them)
+    claim no GPU; each engine's actor gets ``engine_actor_options`` with the replicas' environment."""
+    from ray.serve._private.build_app import build_app as build_serve_app
+
+    from kvmesh.cluster.app import build_app
+    from kvmesh.cluster.config import ClusterConfig
+
+    config = ClusterConfig(
+        replicas=2, workers=[{"url": "http://gpu-node-1:8000"}], engine_actor_options={"num_gpus": 1}
+    )
+    built = build_serve_app(build_app(config, env={"KVMESH_REDIS_URL": "redis://r:6379/0"}), name="kvmesh")
+    (engine,) = [d for d in built.deployments if d.name == "engine"]
+    assert engine._deployment_config.num_replicas == 3
+    assert engine.ray_actor_options["num_cpus"] == 0 and not engine.ray_actor_options.get("num_gpus")
+    assert engine.ray_actor_options["runtime_env"]["env_vars"]["KVMESH_REDIS_URL"] == "redis://r:6379/0"
+    engine_actor_options = engine.init_args[3]
+    assert engine_actor_options["num_gpus"] == 1
+    assert engine_actor_options["runtime_env"]["env_vars"]["KVMESH_REDIS_URL"] == "redis://r:6379/0"
