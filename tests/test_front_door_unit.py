@@ -376,9 +376,11 @@ def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
 
 
 def test_ingress_never_imports_torch(smollm_dir):
-    """Nor do the processes that only route: ``kvmesh router`` and Serve's proxies of external workers."""
+    """Nor do the processes that only route: ``kvmesh router`` and Serve's proxies of external workers, in a
+    deployment of their own or mixed with kvmesh's engines (whose actors load it)."""
     code = (
         "import sys, kvmesh.cluster.ingress, kvmesh.cluster.router_server, kvmesh.cluster.worker_proxy\n"
+        "import kvmesh.cluster.mixed_deployment\n"
         "from kvmesh.shared.model_files import apply_chat_template, load_tokenizer\n"
         f"tok = load_tokenizer(__import__('pathlib').Path({str(smollm_dir)!r}))\n"
         "assert apply_chat_template(tok, [{'role': 'user', 'content': 'hi'}])\n"

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from kvmesh.cluster.engine_replica import EngineReplica
 from kvmesh.cluster.nodes import replica_rank
 from kvmesh.cluster.router_config import engine_deployment_options
 from kvmesh.cluster.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy
@@ -41,6 +40,8 @@ class OwnedEngine:
     it); Ray ends the actor with its owner. Calls and streams are relayed, a chunk per object."""
 
     def __init__(self, engine: dict, actor_options: dict, rank_offset: int) -> None:
+        from kvmesh.cluster.engine_replica import EngineReplica  # here, so a worker's proxy never loads torch
+
         context = serve.get_replica_context()
         identity = (context.replica_id.unique_id, context.rank)
         actor = ray.remote(EngineReplica).options(**actor_options)
