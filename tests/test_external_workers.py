@@ -217,6 +217,7 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
                 assert replica == homes[p] and cached >= 192 and usage.completion_tokens == 4
                 engine_blocks.append((chain, homes[p]))
             await caller_leaving_aborts_the_engines_request(handle, model, index, homes, prompts)
+            await a_lost_engine_actor_is_replaced(handle, model, index)
         finally:
             await index.close()
 
@@ -258,6 +259,28 @@ async def caller_leaving_aborts_the_engines_request(handle, model, index, homes,
         await asyncio.sleep(0.05)
     assert report.num_running == 0 and report.kv_usage == 0, report
     assert report.num_cached_blocks - before < 50, report
+
+
+async def a_lost_engine_actor_is_replaced(handle, model, index) -> None:
+    """The engine's actor process dies (an OOM kill, a GPU fault): Ray's health check finds it through the
+    replica that owns it and replaces that replica, which starts a new engine under a new id; the dead one's
+    status leaves the index with its heartbeat, and a burst of new prompts spreads over worker and engine again."""
+    reports = await index.replica_reports()
+    ((old_id, old),) = [(rid, report) for rid, report in reports.items() if report.pid is not None]
+    os.kill(old.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while not [rid for rid, r in (await index.replica_reports()).items() if r.pid is not None and rid != old_id]:
+        assert time.monotonic() < killed + 120, "no new engine"
+        await asyncio.sleep(0.2)
+    print(f"a new engine reports {time.monotonic() - killed:.1f} s after the kill")
+    assert old_id not in await index.replica_reports()
+    for burst in range(5):  # once its load reports reach the router (every 0.5 s)
+        await asyncio.sleep(1.0)
+        prompts = [[3000 + 600 * burst + 97 * p + i for i in range(100)] for p in range(6)]
+        homes = {replica for _, _, replica, _ in await asyncio.gather(*(call(handle, model, t) for t in prompts))}
+        if len(homes) == 2:
+            break
+    assert len(homes) == 2 and old_id not in homes, homes
 
 
 def spec_of(proc: subprocess.Popen) -> dict:
