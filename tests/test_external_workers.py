@@ -217,7 +217,7 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
                 assert replica == homes[p] and cached >= 192 and usage.completion_tokens == 4
                 engine_blocks.append((chain, homes[p]))
             await caller_leaving_aborts_the_engines_request(handle, model, index, homes, prompts)
-            await a_lost_engine_actor_is_replaced(handle, model, index)
+            await a_lost_engine_actor_is_replaced(handle, model, index, homes, prompts)
         finally:
             await index.close()
 
@@ -261,14 +261,22 @@ async def caller_leaving_aborts_the_engines_request(handle, model, index, homes,
     assert report.num_cached_blocks - before < 50, report
 
 
-async def a_lost_engine_actor_is_replaced(handle, model, index) -> None:
-    """The engine's actor process dies (an OOM kill, a GPU fault): Ray's health check finds it through the
-    replica that owns it and replaces that replica, which starts a new engine under a new id; the dead one's
-    status leaves the index with its heartbeat, and a burst of new prompts spreads over worker and engine again."""
+async def a_lost_engine_actor_is_replaced(handle, model, index, homes, prompts) -> None:
+    """The engine's actor process dies (an OOM kill, a GPU fault): a stream on it ends with an error; Ray's
+    health check finds it through the replica that owns it and replaces that replica, which starts a new engine
+    under a new id; the dead one's status leaves the index with its heartbeat, and a burst of new prompts spreads
+    over worker and engine again."""
+    import ray
+
     reports = await index.replica_reports()
     ((old_id, old),) = [(rid, report) for rid, report in reports.items() if report.pid is not None]
+    stream = handle.remote(greedy_call(model, prompts[next(p for p, h in homes.items() if h == old_id)], 800))
+    assert (await stream.__anext__()).replica == old_id
     os.kill(old.pid, signal.SIGKILL)
     killed = time.monotonic()
+    with pytest.raises(ray.exceptions.RayError):
+        async for _ in stream:
+            pass
     while not [rid for rid, r in (await index.replica_reports()).items() if r.pid is not None and rid != old_id]:
         assert time.monotonic() < killed + 120, "no new engine"
         await asyncio.sleep(0.2)
