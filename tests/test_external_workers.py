@@ -274,7 +274,7 @@ async def a_lost_engine_actor_is_replaced(handle, model, index, homes, prompts) 
     assert (await stream.__anext__()).replica == old_id
     os.kill(old.pid, signal.SIGKILL)
     killed = time.monotonic()
-    with pytest.raises(ray.exceptions.RayError):
+    with pytest.raises(ray.exceptions.RayActorError):  # what the ingress reports as replica_failed
         async for _ in stream:
             pass
     while not [rid for rid, r in (await index.replica_reports()).items() if r.pid is not None and rid != old_id]:
