@@ -37,7 +37,8 @@ IDLE_LENGTHS = (16, 64, 128, 256, 512, 1024)
 
 
 def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int, float]:
-    """Median TTFT (s) on the idle engine at ``url`` of a never-seen prompt of each of ``IDLE_LENGTHS`` tokens."""
+    """Median TTFT (s) on the idle engine at ``url`` of a never-seen prompt of each of ``IDLE_LENGTHS`` tokens
+    (up to the longest its KV pool holds: the engine refuses a longer one with 400)."""
     rng = random.Random(seed)
     out = {}
     with httpx.Client(timeout=120) as client:
@@ -48,6 +49,8 @@ def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int
                 body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
                 t0 = time.perf_counter()
                 with client.stream("POST", url + "/v1/completions", json=body) as response:
+                    if response.status_code == 400:
+                        return out
                     response.raise_for_status()
                     next(line for line in response.iter_lines() if line.startswith("data: "))
                 times.append(time.perf_counter() - t0)
