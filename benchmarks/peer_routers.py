@@ -283,6 +283,7 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
         "occupancy": engine_occupancy.summarize(samples),
         "per_request": [
             {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "ttft_s": r.ttft_s}
+            | {"session": r.session_id, "step": r.step, "sent_at_s": r.sent_at, "replica": r.replica}
             for r in results
             if r.error is None
         ],

@@ -33,11 +33,13 @@ class Result:
     cached_tokens: int = 0
     output_tokens: int = 0
     reply: str = ""
+    replica: str | None = None
+    """Where a kvmesh router or ingress sent it (its ``x-kvmesh-replica`` header; other routers name none)."""
     error: str | None = None
 
 
 async def _send(client: httpx.AsyncClient, model: str, session: Session, history: list[dict], step: Step) -> tuple:
-    """Stream one request; returns (ttft, itls, e2e, text, usage)."""
+    """Stream one request; returns (ttft, itls, e2e, text, usage, replica)."""
     if session.chat:
         path = "/v1/chat/completions"
         body = {"messages": [*history, {"role": "user", "content": step.text}]}
@@ -58,6 +60,7 @@ async def _send(client: httpx.AsyncClient, model: str, session: Session, history
     async with client.stream("POST", path, json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}")
+        replica = resp.headers.get("x-kvmesh-replica")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -76,7 +79,7 @@ async def _send(client: httpx.AsyncClient, model: str, session: Session, history
                         itls.append(now - last)
                     last = now
                     text.append(piece)
-    return ttft, itls, time.perf_counter() - t0, "".join(text), usage or {}
+    return ttft, itls, time.perf_counter() - t0, "".join(text), usage or {}, replica
 
 
 async def _session(client, model, session: Session, t_start: float, results: list, wait_for_start: bool) -> None:
@@ -88,7 +91,7 @@ async def _session(client, model, session: Session, t_start: float, results: lis
             await asyncio.sleep(step.think_s)
         r = Result(session.session_id, i, time.perf_counter() - t_start)
         try:
-            r.ttft_s, r.itl_s, r.e2e_s, r.reply, usage = await _send(client, model, session, history, step)
+            r.ttft_s, r.itl_s, r.e2e_s, r.reply, usage, r.replica = await _send(client, model, session, history, step)
             r.prompt_tokens = usage.get("prompt_tokens", 0)
             r.output_tokens = usage.get("completion_tokens", 0)
             r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
