@@ -245,20 +245,24 @@ async def caller_leaving_aborts_the_engines_request(handle, model, index, homes,
     reports = await index.replica_reports()
     engine_id = next(rid for rid, report in reports.items() if report.pid is not None)  # a proxy names no process
     tokens = prompts[next(p for p, home in homes.items() if home == engine_id)]
-    before = reports[engine_id].num_cached_blocks
+    before = (await fresh_report(index, engine_id, time.time())).num_cached_blocks  # all earlier requests cached
     stream = handle.remote(greedy_call(model, tokens, 800))
     async for chunk in stream:
         assert chunk.replica == engine_id
         break
     stream.cancel()
-    left = time.monotonic()
-    while (
-        report := (await index.replica_reports())[engine_id]
-    ).reported_at < time.time() - time.monotonic() + left + 1:
-        assert time.monotonic() < left + 10, "no fresh status report"
-        await asyncio.sleep(0.05)
+    report = await fresh_report(index, engine_id, time.time() + 1)
     assert report.num_running == 0 and report.kv_usage == 0, report
-    assert report.num_cached_blocks - before < 50, report
+    assert report.num_cached_blocks - before < 50, (before, report)
+
+
+async def fresh_report(index, replica: str, taken_after: float):
+    """``replica``'s first status report taken after ``taken_after`` (Unix time; reports refresh every 0.6 s)."""
+    deadline = time.monotonic() + 10 + max(taken_after - time.time(), 0)
+    while (report := (await index.replica_reports())[replica]).reported_at < taken_after:
+        assert time.monotonic() < deadline, f"no status report of {replica} after {taken_after}"
+        await asyncio.sleep(0.05)
+    return report
 
 
 async def a_lost_engine_actor_is_replaced(handle, model, index, homes, prompts) -> None:
