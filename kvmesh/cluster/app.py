@@ -87,9 +87,9 @@ def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> s
         proxy |= {"redis_url": config.redis_url, "deployment": APP_NAME}
         engine = {"engine": config.engine_settings(), "redis_url": config.redis_url, "deployment": APP_NAME}
         engine |= {"replicas_per_node": config.replicas_per_node(engine_nodes), "kv_events": config.kv_events_config}
-        actor = with_env(config.engine_actor_options, env)
+        engines, replicas = with_env(config.engine_actor_options, env), with_env({"num_cpus": 0}, env)
         return mixed_deployment(
-            config.workers, proxy, engine, config.replicas, routing, actor, env, drain_timeout_s=config.drain_timeout_s
+            config.workers, proxy, engine, config.replicas, routing, engines, replicas, config.drain_timeout_s
         )
     if config.workers:
         actor = with_env({"num_cpus": 0}, env)

@@ -119,18 +119,17 @@ def mixed_deployment(
     num_engines: int,
     routing: dict,
     engine_actor_options: dict,
-    env: dict[str, str] | None = None,
+    ray_actor_options: dict | None = None,
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
     """The engine deployment over ``workers`` (``proxy``: ``WorkerProxy``'s other arguments) and ``num_engines``
     kvmesh engines (``engine``: ``EngineReplica``'s arguments, each engine's actor started with
-    ``engine_actor_options``); ``routing`` as ``engine_deployment`` takes it; ``env``: variables of every
-    replica's environment (the engines' come with their actor options)."""
-    runtime_env = {"runtime_env": {"env_vars": env}} if env else {}
+    ``engine_actor_options``); ``routing`` as ``engine_deployment`` takes it; ``ray_actor_options``: the
+    replicas' own, which claim no resource (default ``num_cpus: 0``; an environment may be added)."""
     return serve.deployment(
         MixedReplica,
         **engine_deployment_options(proxy["model"], **routing, drain_timeout_s=drain_timeout_s),
         num_replicas=len(workers) + num_engines,
-        ray_actor_options={"num_cpus": 0, **runtime_env},
+        ray_actor_options=ray_actor_options or {"num_cpus": 0},
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
     ).bind(workers, proxy, engine, engine_actor_options)
