@@ -9,7 +9,7 @@ files; ``llama8b``: Llama-3-8B's layers over SmolLM2's vocabulary, so prefills c
 pool (8 GiB: 65k tokens of the 8B shape, more than a run fills, so no host tier), behind kvmesh's router and
 the peers: routers and the load client get the host's cores to themselves.
 Random weights change no router's work: the benchmark times first tokens and reads the engines' own cache hits.
-Writes ``OUT/peer_routers_gpu.json``; progress on stderr.
+Writes ``OUT/peer_routers_gpu.json``; progress on stderr. A second run on the machine reuses the weights.
 """
 
 from __future__ import annotations
@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> None:
         config = llama8b if args.shape == "llama8b" else smollm2_config(Scale())
         dtype, engine_args = "bfloat16", f"--device cuda --kv-cache-gib {args.kv_cache_gib:g} --host-cache-gib 0"
     name = "smoke" if args.smoke else args.shape
-    model = save_random_model(Path(f"/tmp/kvmesh-random-{name}"), config, args.tokenizer, dtype)
-    print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    model = Path(f"/tmp/kvmesh-random-{name}")
+    if (model / "model.safetensors.index.json").exists() or (model / "model.safetensors").exists():
+        print(f"random {name} weights of an earlier run reused: {model}", file=sys.stderr, flush=True)
+    else:
+        save_random_model(model, config, args.tokenizer, dtype)
+        print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     peer_routers.main(
         [*rest, "--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
     )
