@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
 from kvmesh.router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
-from kvmesh.router.sessions import DecayingCounts
+from kvmesh.router.sessions import MIN_LIVE_S, SESSION_DECAY_S, DecayingCounts, LiveConversations
 from kvmesh.shared.hashing import hash_blocks, model_seed
 
 SEED = model_seed("t")
@@ -382,6 +382,66 @@ def test_counts_of_conversation_starts_decay():
     assert counts.get("r0") == pytest.approx(2 * math.exp(-1) + 1) and counts.get("r1") == 0.0
     with pytest.raises(ValueError, match="session_decay_s"):
         DecayingCounts(0)
+
+
+def test_a_conversation_is_live_for_a_few_of_the_gaps_seen_between_turns():
+    """Until a gap between turns is seen a conversation counts for ``SESSION_DECAY_S``; then for 3 mean gaps
+    (at least ``MIN_LIVE_S``); a conversation that moves counts on its new replica only."""
+    now = [0.0]
+    live = LiveConversations(clock=lambda: now[0])
+    live.touch("a", "r0")
+    now[0] = 300.0
+    assert live.counts(["r0", "r1"]) == {"r0": 1.0, "r1": 0.0} and live.live_s == SESSION_DECAY_S
+    for t in (305.0, 310.0, 315.0):  # turns 5 s apart
+        now[0] = t
+        live.touch("a", "r0")
+    assert live.mean_gap_s == pytest.approx(305 + 0.05 * (5 - 305) + 0.05 * (5 - 290))  # a running mean
+    for _ in range(200):  # many more gaps of 5 s: the mean settles on them
+        now[0] += 5.0
+        live.touch("a", "r0")
+    assert live.live_s == pytest.approx(15.0, rel=0.01)
+    live.touch("b", "r1")
+    now[0] += 14.0
+    assert live.counts(["r0", "r1"]) == {"r0": 1.0, "r1": 1.0}
+    live.touch("b", "r0")  # moved, after a gap of 14 s: the mean rises to 5.5 s, live_s to 16.4 s
+    now[0] += 4.0  # "a" is 18 s old: over
+    assert live.counts(["r0", "r1"]) == {"r0": 1.0, "r1": 0.0}
+    for _ in range(100):  # back-to-back turns (an agent's tool calls) still count for MIN_LIVE_S
+        now[0] += 0.1
+        live.touch("b", "r0")
+    assert live.live_s == MIN_LIVE_S
+
+
+def test_new_conversations_avoid_the_replicas_holding_live_ones_not_those_that_started_many_long_ago():
+    """Under cache pressure a replica holds few conversations' histories at once: a new conversation must go
+    where the fewest are live. r0 started three conversations a minute ago that have ended; r1 holds one
+    whose turns still come every 4 s, started first on a prompt no replica held (so only its second turn
+    shows it is a conversation). Both hold the system prompt, r2 nothing: the new one goes to r0."""
+    now = [0.0]
+    policy = KVAwarePolicy(clock=lambda: now[0])
+    system = list(range(160))
+    reps = replicas(3)
+
+    def route(tokens, held, to=None):
+        req = request(tokens)
+        d = policy.rank(req, reps, held)
+        policy.on_routed(req, to or d.ranked[0], d)
+        return d
+
+    live_one = system + list(range(1_000, 1_320))
+    assert not route(live_one, {"r0": 0, "r1": 0, "r2": 0}, "r1").opens_session
+    for i in range(3):
+        now[0] += 1.0
+        assert route(
+            system + list(range(10_000 * (i + 2), 10_000 * (i + 2) + 320)), {"r0": 10, "r1": 10, "r2": 0}, "r0"
+        ).opens_session
+    for turn in range(1, 16):  # a minute of turns on r1; r0's conversations see none
+        now[0] += 4.0
+        live_one = live_one + list(range(100_000 + 64 * turn, 100_064 + 64 * turn))
+        assert not route(live_one, {"r0": 10, "r1": len(live_one) // 16 - 4, "r2": 0}).opens_session
+    assert policy.sessions.live.counts(["r0", "r1", "r2"]) == {"r0": 0.0, "r1": 1.0, "r2": 0.0}
+    new = route(system + list(range(90_000, 90_320)), {"r0": 10, "r1": 10, "r2": 0})
+    assert new.opens_session and new.ranked[0] == "r0"  # counted by starts over 10 minutes, r0 was capped
 
 
 def test_a_long_prompt_goes_where_the_kv_pool_has_room():

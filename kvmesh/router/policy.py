@@ -230,7 +230,7 @@ class KVAwarePolicy:
         if wait_cap and wait_cap < 1:
             raise ValueError("wait_cap must be 0 (off) or >= 1")
         self.session_balance = session_balance
-        self.sessions = SessionCounts(session_decay_s)
+        self.sessions = SessionCounts(session_decay_s, clock=clock)
         self.miss_weight = miss_weight
         self.decode_weight = decode_weight
         self.override_margin_s = override_margin_s
@@ -490,8 +490,8 @@ class KVAwarePolicy:
         self._decisions += 1
         self._chosen[index_id] = self._decisions
         self._recent.record(req.block_hashes, index_id)
-        self.sessions.routed(req.session_id, index_id, decision.opens_session)
-        self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
+        conversation, continued = self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
+        self.sessions.routed(req.session_id, index_id, decision.opens_session, conversation, continued)
 
     def _bounded(
         self, ranked: list[str], starts: dict[str, float], own: str | None = None

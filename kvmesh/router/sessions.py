@@ -1,11 +1,12 @@
-"""Conversations, as ``kv_aware`` places them: where each one lives and how many each replica started.
+"""Conversations, as ``kv_aware`` places them: where each one lives and how many each replica holds.
 
 A conversation's later turns belong where its history is cached, so a router remembers each session id's
-replica (stickiness). Where a conversation starts therefore decides the long-run load, so new
-conversations on a shared prefix are placed with bounded loads on recent start counts: every router's,
-shared through the index (``kvmesh/router/lua/session.lua``) and fading over ``SESSION_DECAY_S``, plus this
-router's own starts the index has not acknowledged yet; or, when the index did not answer, this router's
-own fading counts. Which requests start a conversation is learned from the prompts' shapes (``Branches``).
+replica (stickiness). Where a conversation starts therefore decides the load, so new conversations on a
+shared prefix are placed with bounded loads on the conversations each replica holds: the ones this router
+sent there that are still live (a turn within a few of the usual gaps between turns, ``LiveConversations``),
+plus the recent starts of other routers, shared through the index (``kvmesh/router/lua/session.lua``) and
+fading over ``SESSION_DECAY_S``. Which requests start or continue a conversation is learned from the
+prompts' shapes (``Branches``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 
 SESSION_DECAY_S = 600.0
-"""Time constant over which counts of conversation starts fade (about a conversation's lifetime)."""
+"""Time constant over which counts of conversation starts fade (about a conversation's lifetime); also how
+long a conversation counts as live before this router has seen any gap between turns."""
+LIVE_GAPS = 3.0
+"""A conversation is live while its last turn is at most this many mean gaps between turns old: its next
+turn may still come, and its history still holds room in its replica's cache."""
+MIN_LIVE_S = 10.0
+"""Shortest time a conversation counts as live after a turn: turns in quick succession (an agent's tool
+calls) must not make every conversation look ended between them."""
+GAP_SMOOTHING = 0.05
+"""Weight of each new gap in the running mean of gaps between a conversation's turns."""
 MAX_SESSIONS = 100_000
 """Session ids a router remembers (least recently routed forgotten first); ids are at most 256 characters."""
 
@@ -60,8 +70,9 @@ class Branches:
 
     def __init__(self, size: int = MAX_SESSIONS) -> None:
         self._size = size
-        self._ends: OrderedDict[Hashable, None] = OrderedDict()
-        """The last full block of each routed prompt."""
+        self._ends: OrderedDict[Hashable, Hashable] = OrderedDict()
+        """The last full block of each routed prompt, and the conversation it belongs to (the last block of
+        the conversation's first prompt)."""
         self._grown: OrderedDict[Hashable, None] = OrderedDict()
         """Blocks of prompts a later turn continued."""
         self._branched: OrderedDict[Hashable, int] = OrderedDict()
@@ -86,21 +97,25 @@ class Branches:
         fork = block_hashes[known - 1]
         return fork not in self._ends and fork in self._grown
 
-    def routed(self, block_hashes: list, known: int) -> None:
-        """Learn from a routed request whose first ``known`` blocks this router had routed before."""
+    def routed(self, block_hashes: list, known: int) -> tuple[Hashable | None, bool]:
+        """Learn from a routed request whose first ``known`` blocks this router had routed before; returns
+        the conversation the prompt is filed under (None: a prompt without a full block, or seen whole
+        before) and whether it continued that conversation (else it is the first prompt of its own)."""
         if not block_hashes or known >= len(block_hashes):
-            return  # no full block, or a prompt seen whole before (a retry, a repeated question)
-        if known and block_hashes[known - 1] not in self._ends:
-            fork = block_hashes[known - 1]
+            return None, False  # no full block, or a prompt seen whole before (a retry, a repeated question)
+        conversation, fork = block_hashes[-1], block_hashes[known - 1] if known else None
+        continued = fork is not None and fork in self._ends
+        if fork is not None and not continued:
             _remember(self._branched, fork, self._branched.get(fork, 0) + 1, self._size)
-        elif known:  # continues the conversation whose prompt ended there
-            fork = block_hashes[known - 1]
+        elif continued:  # continues the conversation whose prompt ended there
+            conversation = self._ends[fork]
             _remember(self._continued, fork, None, self._size)
             for i in range(known - 1, -1, -1):  # back to the first block already marked: each block once
                 if block_hashes[i] in self._grown:
                     break
                 _remember(self._grown, block_hashes[i], None, self._size)
-        _remember(self._ends, block_hashes[-1], None, self._size)
+        _remember(self._ends, block_hashes[-1], conversation, self._size)
+        return conversation, continued
 
 
 def _remember(table: OrderedDict, key: Hashable, value: object, size: int) -> None:
@@ -111,13 +126,68 @@ def _remember(table: OrderedDict, key: Hashable, value: object, size: int) -> No
         table.popitem(last=False)
 
 
+class LiveConversations:
+    """The conversations this router sent to each replica that are still live: their last turn at most
+    ``live_s`` ago, ``LIVE_GAPS`` x the mean gap this router saw between a conversation's turns (at least
+    ``MIN_LIVE_S``; ``SESSION_DECAY_S`` before it saw one). Under cache pressure a replica holds few
+    conversations' histories at once, so what a new one should avoid is the replicas with the most live
+    ones, not those that started the most over the last minutes (ended ones hold only evictable blocks)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, size: int = MAX_SESSIONS) -> None:
+        self.clock = clock
+        self._size = size
+        self._last: OrderedDict[Hashable, tuple[str, float]] = OrderedDict()
+        """Per conversation, its replica and when its last turn was routed: the oldest first."""
+        self._per_replica: Counter[str] = Counter()
+        self.mean_gap_s: float | None = None
+
+    @property
+    def live_s(self) -> float:
+        if self.mean_gap_s is None:
+            return SESSION_DECAY_S
+        return min(max(LIVE_GAPS * self.mean_gap_s, MIN_LIVE_S), SESSION_DECAY_S)
+
+    def touch(self, conversation: Hashable, replica: str) -> None:
+        """A turn of ``conversation`` (its first or a later one) went to ``replica``."""
+        now = self.clock()
+        last = self._last.pop(conversation, None)
+        if last is not None:
+            self._per_replica[last[0]] -= 1
+            gap = now - last[1]
+            self.mean_gap_s = (
+                gap if self.mean_gap_s is None else self.mean_gap_s + GAP_SMOOTHING * (gap - self.mean_gap_s)
+            )
+        self._last[conversation] = (replica, now)
+        self._per_replica[replica] += 1
+        if len(self._last) > self._size:
+            self._drop_oldest()
+
+    def counts(self, replicas: list[str]) -> dict[str, float]:
+        """Live conversations per replica in ``replicas``."""
+        limit = self.clock() - self.live_s
+        while self._last and next(iter(self._last.values()))[1] < limit:
+            self._drop_oldest()
+        return {rid: float(self._per_replica[rid]) for rid in replicas}
+
+    def _drop_oldest(self) -> None:
+        _, (replica, _) = self._last.popitem(last=False)
+        self._per_replica[replica] -= 1
+
+
 class SessionCounts:
-    def __init__(self, decay_s: float = SESSION_DECAY_S, max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        decay_s: float = SESSION_DECAY_S,
+        max_sessions: int = MAX_SESSIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.decay_s = decay_s
         self.branches = Branches(max_sessions)
         """Where conversations start on a shared prefix longer than half their first request."""
-        self.local = DecayingCounts(decay_s)
-        """Conversations this router started on each replica: what the bound uses when the index is silent."""
+        self.live = LiveConversations(clock, max_sessions)
+        """Conversations this router sent to each replica that are still live: what the bound counts."""
+        self.local = DecayingCounts(decay_s, clock)
+        """Conversations this router started on each replica (fading): its own part of the index's counts."""
         self.unacknowledged: Counter[str] = Counter()
         """Starts this router has sent to the index that it has not confirmed yet."""
         self._homes: OrderedDict[str, str] = OrderedDict()
@@ -128,15 +198,27 @@ class SessionCounts:
         return self._homes.get(session_id) if session_id else None
 
     def starts(self, index_ids: list[str], shared: dict[str, float] | None) -> dict[str, float]:
-        """Recent conversation starts per replica: the index's counts (with this router's unacknowledged
-        ones) when it gave any, else this router's own."""
-        if shared:
-            return {rid: shared.get(rid, 0.0) + self.unacknowledged[rid] for rid in index_ids}
-        return {rid: self.local.get(rid) for rid in index_ids}
+        """Conversations per replica for the bound: this router's live ones, plus the recent starts of other
+        routers where the index gave its counts (all routers' starts, with this router's unacknowledged
+        ones, less this router's own)."""
+        live = self.live.counts(index_ids)
+        if not shared:
+            return live
+        return {
+            rid: live[rid] + max(shared.get(rid, 0.0) + self.unacknowledged[rid] - self.local.get(rid), 0.0)
+            for rid in index_ids
+        }
 
-    def routed(self, session_id: str | None, index_id: str, opened: bool) -> None:
-        """A request went to ``index_id``; ``opened``: it started a conversation there."""
+    def routed(
+        self, session_id: str | None, index_id: str, opened: bool, conversation: Hashable | None, continued: bool
+    ) -> None:
+        """A request went to ``index_id``; ``opened``: it started a conversation there; ``conversation``: the
+        one it belongs to by its prompt (``Branches.routed``), ``continued``: as a later turn."""
         if opened:
             self.local.add(index_id)
+        if opened or continued:  # a first prompt seen continued counts from its second turn
+            key = session_id or conversation
+            if key is not None:
+                self.live.touch(key, index_id)
         if session_id:
             _remember(self._homes, session_id, index_id, self._max_sessions)
