@@ -444,6 +444,33 @@ def test_new_conversations_avoid_the_replicas_holding_live_ones_not_those_that_s
     assert new.opens_session and new.ranked[0] == "r0"  # counted by starts over 10 minutes, r0 was capped
 
 
+def test_a_new_conversation_goes_where_its_history_fits_beside_the_live_ones():
+    """48-block pools; a conversation's prompt is 30 blocks. r0 holds two live conversations and r1 one (the
+    bound's cap of 2 bars only r0), r2 none. r1 holds the system prompt and is cheapest by cost, but a second
+    history there evicts the live one's: the new conversation goes to r2. With pools that hold several, r1."""
+    system = list(range(160))
+
+    def place(pool_blocks: int) -> str:
+        now = [0.0]
+        policy = KVAwarePolicy(clock=lambda: now[0])
+        reps = replicas(3, kv_total_blocks=pool_blocks, kv_free_blocks=pool_blocks)
+        for i, home in enumerate(("r0", "r0", "r1")):  # three conversations on the system prompt, each continued
+            first = system + list(range(10_000 * (i + 1), 10_000 * (i + 1) + 320))
+            for tokens in (first, first + list(range(500_000 + 64 * i, 500_064 + 64 * i))):
+                now[0] += 1.0
+                req = request(tokens)
+                d = policy.rank(req, reps, {"r0": 10, "r1": 10, "r2": 0})
+                policy.on_routed(req, home, d)
+        assert policy.sessions.live.counts(["r0", "r1", "r2"]) == {"r0": 2.0, "r1": 1.0, "r2": 0.0}
+        new = request(system + list(range(90_000, 90_320)))
+        d = policy.rank(new, reps, {"r0": 10, "r1": 10, "r2": 0})
+        assert d.opens_session
+        return d.ranked[0]
+
+    assert place(48) == "r2"
+    assert place(10_000) == "r1"
+
+
 def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     """r0 runs one request that is decoding (empty prefill queue) but pins 42 of its 48 blocks; r1 is idle
     and measured a little slower. A 640-token prompt placed on r0 would wait for that request to finish."""

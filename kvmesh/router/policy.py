@@ -295,7 +295,8 @@ class KVAwarePolicy:
                 ranked = self._cap_wait(ranked, own_s)
         capped: set[str] = set()
         if opens and self.session_balance:
-            ranked, capped = self._bounded(ranked, self.sessions.starts(ranked, shared_starts), own)
+            starts, crowded = self.sessions.starts(ranked, shared_starts), self._crowded(req, replicas)
+            ranked, capped = self._bounded(ranked, starts, own, crowded)
         best_hit, chosen_hit = max(depth.values(), default=0), depth[ranked[0]]
         reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
         if reason == "hit" and device_hits.get(ranked[0], 0) < chosen_hit:
@@ -491,14 +492,28 @@ class KVAwarePolicy:
         self._chosen[index_id] = self._decisions
         self._recent.record(req.block_hashes, index_id)
         conversation, continued = self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
-        self.sessions.routed(req.session_id, index_id, decision.opens_session, conversation, continued)
+        blocks = len(req.block_hashes)
+        self.sessions.routed(req.session_id, index_id, decision.opens_session, conversation, continued, blocks)
+
+    def _crowded(self, req: RouteRequest, replicas: list[ReplicaLoad]) -> set[str]:
+        """The replicas whose KV pool cannot hold the new conversation beside the histories of the live ones
+        this router sent there: placed there, it would evict theirs (their next turns recompute) while they
+        evict its own. None when every replica is so (then counts alone decide)."""
+        held = self.sessions.live.blocks([r.index_id for r in replicas])
+        need = len(req.block_hashes)
+        crowded = {r.index_id for r in replicas if r.kv_total_blocks and held[r.index_id] + need > r.kv_total_blocks}
+        return crowded if len(crowded) < len(replicas) else set()
 
     def _bounded(
-        self, ranked: list[str], starts: dict[str, float], own: str | None = None
+        self,
+        ranked: list[str],
+        starts: dict[str, float],
+        own: str | None = None,
+        crowded: frozenset | set = frozenset(),
     ) -> tuple[list[str], set[str]]:
-        """``ranked`` with the replicas at their conversation cap moved last (order kept otherwise), and them.
-        ``own``, the sole holder of a short prefix on a wide fleet, may take one start more: the request may
-        be the next turn of a conversation it already counted.
+        """``ranked`` with the replicas at their conversation cap, or ``crowded``, moved last (order kept
+        otherwise), and them. ``own``, the sole holder of a short prefix on a wide fleet, may take one start
+        more: the request may be the next turn of a conversation it already counted.
 
         The cap is the fair share rounded up, plus the slack ``session_balance`` allows only once it
         amounts to a whole conversation (rounded down): rounding the whole bound up instead lets a few
@@ -507,7 +522,7 @@ class KVAwarePolicy:
         counts = [starts[rid] for rid in ranked]
         share = (sum(counts) + 1) / len(ranked)
         cap = max(math.ceil(share - 1e-9), math.floor(self.session_balance * share + 1e-9))
-        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + (rid == own) + 1e-9}
+        full = {rid for rid, c in zip(ranked, counts, strict=True) if c + 1 > cap + (rid == own) + 1e-9} | crowded
         return [rid for rid in ranked if rid not in full] + [rid for rid in ranked if rid in full], full
 
 

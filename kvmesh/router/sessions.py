@@ -136,9 +136,10 @@ class LiveConversations:
     def __init__(self, clock: Callable[[], float] = time.monotonic, size: int = MAX_SESSIONS) -> None:
         self.clock = clock
         self._size = size
-        self._last: OrderedDict[Hashable, tuple[str, float]] = OrderedDict()
-        """Per conversation, its replica and when its last turn was routed: the oldest first."""
+        self._last: OrderedDict[Hashable, tuple[str, float, int]] = OrderedDict()
+        """Per conversation, its replica, when its last turn was routed and that prompt's blocks: oldest first."""
         self._per_replica: Counter[str] = Counter()
+        self._blocks: Counter[str] = Counter()
         self.mean_gap_s: float | None = None
 
     @property
@@ -147,31 +148,44 @@ class LiveConversations:
             return SESSION_DECAY_S
         return min(max(LIVE_GAPS * self.mean_gap_s, MIN_LIVE_S), SESSION_DECAY_S)
 
-    def touch(self, conversation: Hashable, replica: str) -> None:
-        """A turn of ``conversation`` (its first or a later one) went to ``replica``."""
+    def touch(self, conversation: Hashable, replica: str, blocks: int = 0) -> None:
+        """A turn of ``conversation`` (its first or a later one), a prompt of ``blocks`` full blocks, went to
+        ``replica``."""
         now = self.clock()
         last = self._last.pop(conversation, None)
         if last is not None:
             self._per_replica[last[0]] -= 1
+            self._blocks[last[0]] -= last[2]
             gap = now - last[1]
             self.mean_gap_s = (
                 gap if self.mean_gap_s is None else self.mean_gap_s + GAP_SMOOTHING * (gap - self.mean_gap_s)
             )
-        self._last[conversation] = (replica, now)
+        self._last[conversation] = (replica, now, blocks)
         self._per_replica[replica] += 1
+        self._blocks[replica] += blocks
         if len(self._last) > self._size:
             self._drop_oldest()
 
     def counts(self, replicas: list[str]) -> dict[str, float]:
         """Live conversations per replica in ``replicas``."""
+        self._expire()
+        return {rid: float(self._per_replica[rid]) for rid in replicas}
+
+    def blocks(self, replicas: list[str]) -> dict[str, int]:
+        """Per replica in ``replicas``, the blocks of its live conversations' last prompts (a prefix they share
+        counted for each): the cache they need to stay hits."""
+        self._expire()
+        return {rid: self._blocks[rid] for rid in replicas}
+
+    def _expire(self) -> None:
         limit = self.clock() - self.live_s
         while self._last and next(iter(self._last.values()))[1] < limit:
             self._drop_oldest()
-        return {rid: float(self._per_replica[rid]) for rid in replicas}
 
     def _drop_oldest(self) -> None:
-        _, (replica, _) = self._last.popitem(last=False)
+        _, (replica, _, blocks) = self._last.popitem(last=False)
         self._per_replica[replica] -= 1
+        self._blocks[replica] -= blocks
 
 
 class SessionCounts:
@@ -210,15 +224,22 @@ class SessionCounts:
         }
 
     def routed(
-        self, session_id: str | None, index_id: str, opened: bool, conversation: Hashable | None, continued: bool
+        self,
+        session_id: str | None,
+        index_id: str,
+        opened: bool,
+        conversation: Hashable | None,
+        continued: bool,
+        blocks: int = 0,
     ) -> None:
-        """A request went to ``index_id``; ``opened``: it started a conversation there; ``conversation``: the
-        one it belongs to by its prompt (``Branches.routed``), ``continued``: as a later turn."""
+        """A request of ``blocks`` full blocks went to ``index_id``; ``opened``: it started a conversation
+        there; ``conversation``: the one it belongs to by its prompt (``Branches.routed``), ``continued``: as a
+        later turn."""
         if opened:
             self.local.add(index_id)
         if opened or continued:  # a first prompt seen continued counts from its second turn
             key = session_id or conversation
             if key is not None:
-                self.live.touch(key, index_id)
+                self.live.touch(key, index_id, blocks)
         if session_id:
             _remember(self._homes, session_id, index_id, self._max_sessions)
