@@ -42,6 +42,10 @@ EXTEND_ROWS = 64
 """Rows of an extend tile: query tokens x the GQA group's heads (BLOCK_M = EXTEND_ROWS / group)."""
 MIN_BLOCK_SIZE = 8
 """The smallest cache block the kernels take: a store or tile spans at least this many slots."""
+PER_STEP_INTS = ["stride_bt"]
+"""Integer arguments that change from step to step (the block table's width is the step's longest context in
+blocks). Triton compiles a kernel per specialization of its integer arguments (divisible by 16 or not), so
+the first step whose width was a multiple of 16 would wait for a compile; these are not specialized."""
 
 
 def _quant_mode(cache: torch.Tensor) -> int:
@@ -198,7 +202,7 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def _decode_kernel(
     q,
     k_cache,
@@ -321,7 +325,7 @@ def _combine_kernel(
         tl.store(out + tok * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def _extend_kernel(
     q,
     k_cache,
