@@ -53,6 +53,30 @@ def test_router_refuses_bad_settings_before_serving():
         assert res.returncode == 2 and f"{message} must be at least 1" in res.stderr, res.stderr
 
 
+def test_router_and_serve_refuse_bad_policy_settings_before_serving():
+    from kvmesh.cluster.embedded_redis import free_port
+
+    router = ["router", "--worker", "http://127.0.0.1:9", "--port", str(free_port())]
+    serve = ["serve", "--port", str(free_port())]
+    for command in (router, serve):
+        res = run_cli(*command, "--policy-kwargs", '{"sesion_balance": 2}', timeout=60)
+        assert res.returncode == 2 and "sesion_balance" in res.stderr and "session_balance" in res.stderr, res.stderr
+        res = run_cli(*command, "--policy-kwargs", "[2]", timeout=60)
+        assert res.returncode == 2 and "must be a JSON object" in res.stderr, res.stderr
+    res = run_cli(*router, "--policy-kwargs", '{"session_balance": 0.5}', timeout=60)
+    assert res.returncode == 2 and "session_balance must be" in res.stderr, res.stderr
+
+
+def test_policy_settings_reach_the_policy():
+    from kvmesh.cluster.cli import _policy_kwargs, build_parser
+    from kvmesh.cluster.config import build_config
+    from kvmesh.cluster.router_server import LocalRouter
+
+    args = build_parser().parse_args(["router", "--worker", "http://w:8000", "--policy-kwargs", '{"wait_cap": 3}'])
+    assert LocalRouter([], args.policy, _policy_kwargs(args)).policy.wait_cap == 3
+    assert build_config(None, {"policy_kwargs": {"wait_cap": 3}}).policy_kwargs == {"wait_cap": 3}
+
+
 def test_engine_refuses_a_thread_count_or_context_below_one():
     from kvmesh.cluster.embedded_redis import free_port
 

@@ -302,7 +302,10 @@ def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
     "text, message",
     [
         ("replica: 2\n", "unknown settings"),
-        ("policy: magic\n", "unknown policy"),
+        ("policy: magic\n", "unknown routing policy"),
+        ("policy_kwargs:\n  sesion_balance: 1.5\n", "sesion_balance.*it takes .*session_balance"),
+        ("policy_kwargs:\n  session_balance: 0.5\n", "session_balance must be"),
+        ("policy_kwargs: [1]\n", "policy_kwargs must be a mapping"),
         ("replicas: 0\n", "at least 1"),
         ("engine:\n  block_size: 12\n", "power of two"),
         ("engine:\n  blocksize: 16\n", "engine:"),

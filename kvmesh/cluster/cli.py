@@ -85,6 +85,22 @@ def _kv_events(args: argparse.Namespace) -> dict | None:
     return json.loads(args.kv_events_config)
 
 
+POLICY_KWARGS_HELP = "the policy's settings as JSON, e.g. '{\"session_balance\": 1.5}' (docs/routing.md)"
+
+
+def _policy_kwargs(args: argparse.Namespace) -> dict | None:
+    """``--policy-kwargs`` as its JSON mapping (the policy checks the settings themselves)."""
+    if args.policy_kwargs is None:
+        return None
+    try:
+        kwargs = json.loads(args.policy_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--policy-kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--policy-kwargs must be a JSON object, got {args.policy_kwargs!r}")
+    return kwargs
+
+
 def _engine(args: argparse.Namespace) -> int:
     from kvmesh.cluster.engine_server import run_engine_server
 
@@ -94,7 +110,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from kvmesh.cluster.router_server import run_router_server
 
-    return run_router_server(args)
+    return run_router_server(args, _policy_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -110,6 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
         "workers": [vars(WorkerSpec.parse(w)) for w in args.worker] if args.worker else None,
         "ingress_replicas": args.ingress_replicas,
         "policy": args.policy,
+        "policy_kwargs": _policy_kwargs(args),
         "address": args.address,
         "redis_url": args.redis_url,
         "host": args.host,
@@ -268,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
+    srv.add_argument("--policy-kwargs", help=POLICY_KWARGS_HELP)
     srv.add_argument(
         "--address",
         help="join this Ray cluster instead of starting one (auto or host:port); docs/multinode.md",
@@ -345,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     rtr.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     rtr.add_argument("--policy", default="kv_aware", help="kv_aware (default), round_robin, session_hash, ...")
+    rtr.add_argument("--policy-kwargs", help=POLICY_KWARGS_HELP)
     rtr.add_argument("--block-size", type=int, default=16, help="the index's block size in tokens (default 16)")
     rtr.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     rtr.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")

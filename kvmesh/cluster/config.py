@@ -16,7 +16,7 @@ import yaml
 
 from kvmesh.cluster.autoscaling import autoscaling_config
 from kvmesh.cluster.worker_spec import WorkerSpec, distinct
-from kvmesh.router.baselines import POLICIES
+from kvmesh.router.baselines import make_policy
 from kvmesh.shared.engine_config import EngineConfig
 from kvmesh.shared.kv_event_wire import KVEventsConfig
 from kvmesh.shared.model_files import DEFAULT_MODEL
@@ -119,8 +119,9 @@ class ClusterConfig:
         if self.replicas is None:
             self.replicas = 0 if self.workers else 2
         self._check_workers()
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if not isinstance(self.policy_kwargs, dict):
+            raise ValueError(f"policy_kwargs must be a mapping, got {self.policy_kwargs!r}")
+        make_policy(self.policy, **self.policy_kwargs)  # raises ValueError on a bad policy or setting
         if not 0 < self.http_port < 65536:
             raise ValueError(f"port {self.http_port} is out of range")
         if not 0 <= self.grpc_port < 65536:

@@ -125,7 +125,7 @@ class RouterServer(HttpApi):
         return JSONResponse({"status": "ok", "engine_replicas": live})
 
 
-def run_router_server(args: argparse.Namespace) -> int:
+def run_router_server(args: argparse.Namespace, policy_kwargs: dict | None = None) -> int:
     from kvmesh.shared.model_files import resolve_model_dir
 
     specs = distinct([WorkerSpec.parse(w) for w in args.worker])
@@ -133,6 +133,7 @@ def run_router_server(args: argparse.Namespace) -> int:
     resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
     served = args.served_model_name or args.model
     workers = [Worker(spec, args.model, served, args.block_size) for spec in specs]
+    router = LocalRouter(workers, args.policy, policy_kwargs)  # a bad policy setting fails before serving
     digests = key_digests(args.api_key or [])
     settings = IngressSettings(
         model=args.model,
@@ -143,7 +144,7 @@ def run_router_server(args: argparse.Namespace) -> int:
         api_key_digests=digests,
         max_inflight_requests=args.max_inflight_requests,
     )
-    server = RouterServer(LocalRouter(workers, args.policy), settings)
+    server = RouterServer(router, settings)
     app = bound_app(server, "kvmesh router")
 
     async def start_workers() -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import random
 
@@ -150,9 +151,15 @@ POLICIES: dict[str, type] = {
 
 
 def make_policy(name: str, **kwargs) -> RoutingPolicy:
-    """The policy selected by one config value (``router_policy``), with its keyword settings."""
+    """The policy selected by one config value (``router_policy``), with its keyword settings (``policy_kwargs``).
+
+    A setting the policy does not take, or of the wrong type, is a ``ValueError`` naming the settings it takes."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        takes = [p for p in inspect.signature(cls).parameters if p not in ("clock", "seed")]
+        raise ValueError(f"policy_kwargs of {name}: {exc}; it takes {', '.join(takes) or 'none'}") from None
