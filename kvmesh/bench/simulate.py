@@ -191,6 +191,7 @@ class Replica:
             step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
             mean_output_tokens=self.mean_output_steps,
             cache_fill=len(self.cache) / self.capacity,
+            kv_total_blocks=self.capacity,
             prefill_busy=self.busy.at(now),
             host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
         )
