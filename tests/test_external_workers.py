@@ -91,8 +91,17 @@ def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
     try:
         for proc, spec in zip(procs, specs, strict=True):
             wait_healthy(spec["url"], proc)
+        # Near-ties widened: two identical workers' measured prefill rates differ with what each ran before and
+        # with a busy machine, and one measured faster by more than a prefill would take every new prompt.
         app = worker_deployment(
-            specs, model, model, 16, redis_url=redis_server.url, deployment="ext", stats_period_s=0.5
+            specs,
+            model,
+            model,
+            16,
+            redis_url=redis_server.url,
+            deployment="ext",
+            policy_kwargs={"tie_margin": 4},
+            stats_period_s=0.5,
         )
         handle = ray_serve.run(app, name="external-workers", route_prefix=None)
         time.sleep(1.5)  # first load reports reach the router
@@ -138,7 +147,11 @@ def test_kvmesh_engine_serves_openai_clients(workers):
 
 def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
     """``kvmesh router``: one process, no Ray or Redis, following both workers' events: new prompts spread, each
-    repeated prompt goes back to the worker that holds it and hits its cache."""
+    repeated prompt goes back to the worker that holds it and hits its cache. The workers start empty (what the
+    module's earlier tests cached would send every new prompt to the emptier one), and near-ties are widened
+    through ``--policy-kwargs``: the two identical workers' measured prefill rates differ with what they ran
+    before and with a busy machine, and a worker measured faster by more than one prefill takes every new
+    prompt sent one at a time."""
     _, model, _, procs = workers
     specs = []
     for proc in procs:
@@ -146,8 +159,10 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
         events = proc.args[proc.args.index("--kv-events-config") + 1]
         pub, replay = (events.split(f'"{key}": "')[1].split('"')[0] for key in ("endpoint", "replay_endpoint"))
         specs += ["--worker", f"http://127.0.0.1:{port},kv_events={pub},replay={replay}"]
+        assert httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache").json() == {"status": "ok"}
     port, log = free_port(), tmp_path / "router.log"
     cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *specs]
+    cmd += ["--policy-kwargs", '{"tie_margin": 4}']
     router = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
