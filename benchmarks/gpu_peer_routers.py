@@ -15,12 +15,10 @@ Writes ``OUT/peer_routers_gpu.json``; progress on stderr. A second run on the ma
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 from benchmarks import peer_routers
-from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, save_random_model, smollm2_config
+from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, random_model, smollm2_config
 
 SMOKE_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -34,7 +32,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="on the CPU with a 2-layer model: the script end to end")
     args, rest = ap.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
     if args.smoke:
         config, dtype = smollm2_config(Scale(layers=SMOKE_LAYERS)), "float32"
         engine_args = "--device cpu --num-kv-blocks 512"
@@ -42,13 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         llama8b = llama_shaped(LLAMA3_8B_SHAPE, tied=False, rope_theta=500000.0)
         config = llama8b if args.shape == "llama8b" else smollm2_config(Scale())
         dtype, engine_args = "bfloat16", f"--device cuda --kv-cache-gib {args.kv_cache_gib:g} --host-cache-gib 0"
-    name = "smoke" if args.smoke else args.shape
-    model = Path(f"/tmp/kvmesh-random-{name}")
-    if (model / "model.safetensors.index.json").exists() or (model / "model.safetensors").exists():
-        print(f"random {name} weights of an earlier run reused: {model}", file=sys.stderr, flush=True)
-    else:
-        save_random_model(model, config, args.tokenizer, dtype)
-        print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    model = random_model("smoke" if args.smoke else args.shape, config, args.tokenizer, dtype)
     peer_routers.main(
         [*rest, "--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
     )

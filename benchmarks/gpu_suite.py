@@ -201,6 +201,18 @@ def save_random_model(path: Path, config, tokenizer: Path, dtype: str, sharpen: 
     return path
 
 
+def random_model(name: str, config, tokenizer: Path, dtype: str) -> Path:
+    """``/tmp/kvmesh-random-{name}``: random weights for ``config`` saved there, or an earlier run's reused (an
+    8B model takes minutes to write, and GPU sessions are short)."""
+    path, t0 = Path(f"/tmp/kvmesh-random-{name}"), time.monotonic()
+    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
+        print(f"random {name} weights of an earlier run reused: {path}", file=sys.stderr, flush=True)
+        return path
+    save_random_model(path, config, tokenizer, dtype)
+    print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return path
+
+
 def weight_bytes(path: Path) -> int:
     """Bytes a forward pass reads of the weights: every tensor once (a tied head is read as the head)."""
     from safetensors import safe_open

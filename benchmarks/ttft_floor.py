@@ -140,15 +140,13 @@ def random_weights(shape: str, tokenizer: Path | None) -> str:
     """A model directory of random weights in ``shape`` (``benchmarks/gpu_suite.py``; ``tiny``: the 1-layer
     model of ``benchmarks/engine_overhead.py``, whose forward pass is nearly free), reused if present."""
     from benchmarks.engine_overhead import tiny_model
-    from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, save_random_model, smollm2_config
+    from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, random_model, smollm2_config
 
-    path = Path(f"/tmp/kvmesh-random-{shape}")
     if shape == "tiny":
+        path = Path("/tmp/kvmesh-random-tiny")
         return str(path if (path / "model.safetensors").exists() else tiny_model(path, 49152))
-    if not ((path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists()):
-        config = llama_shaped(LLAMA3_8B_SHAPE, tied=False, rope_theta=500000.0) if shape == "llama8b" else None
-        save_random_model(path, config or smollm2_config(Scale()), tokenizer, "bfloat16")
-    return str(path)
+    config = llama_shaped(LLAMA3_8B_SHAPE, tied=False, rope_theta=500000.0) if shape == "llama8b" else None
+    return str(random_model(shape, config or smollm2_config(Scale()), tokenizer, "bfloat16"))
 
 
 def main(argv: list[str] | None = None) -> None:
