@@ -14,7 +14,8 @@ prefix was.
 
     python -m benchmarks.placement_headroom benchmarks/results/peer_routers.json
 
-recomputes every run of a saved ``benchmarks/peer_routers.py`` result and prints them. The idle table times
+recomputes every run of a saved ``benchmarks/peer_routers.py`` result and prints them, with how many placed
+requests went to an engine where the fewest prefills were in flight when they were sent. The idle table times
 bare token ids; ``idle_chat`` times a chat's turns on the same idle engine, one conversation at a time, to
 show what the floor leaves out (the chat template, the cached context's attention).
 """
@@ -101,9 +102,32 @@ def estimate(requests: list[dict], idle: dict[int, float]) -> dict:
     }
 
 
+def placed_on_freest(requests: list[dict]) -> tuple[int, int] | None:
+    """Of the requests a router placed freely (not held), how many it sent to an engine with the fewest
+    earlier requests still before their first token when it was sent (what a router could know: prefills in
+    flight), and how many it placed. None for rows without ``replica`` and ``sent_at_s``."""
+    rows = [r for r in requests if r["ttft_s"] is not None]
+    if not rows or any("replica" not in r or "sent_at_s" not in r for r in rows):
+        return None
+    engines = {r["replica"] for r in rows}
+    freest = placed = 0
+    for r in rows:
+        if 2 * r["cached_tokens"] >= r["prompt_tokens"]:
+            continue
+        t = r["sent_at_s"]
+        waiting = dict.fromkeys(engines, 0)
+        for o in rows:
+            if o["sent_at_s"] < t < o["sent_at_s"] + o["ttft_s"]:
+                waiting[o["replica"]] += 1
+        placed += 1
+        freest += waiting[r["replica"]] == min(waiting.values())
+    return freest, placed
+
+
 def reanalyse(path: Path) -> list[list]:
     """Per workload, router and run of a saved ``peer_routers`` result: mean TTFT, held share, placement
-    estimate, no-wait floor and held wait (ms), recomputed from its requests and its idle engine's times."""
+    estimate, no-wait floor and held wait (ms), recomputed from its requests and its idle engine's times, and
+    how many of its placed requests went where the fewest prefills were in flight."""
     saved = json.loads(path.read_text())
     idle = {int(n): s for n, s in saved["idle_ttft_s"].items()}
     rows = []
@@ -112,7 +136,11 @@ def reanalyse(path: Path) -> list[list]:
             for i, run in enumerate(runs, 1):
                 e = estimate(run["per_request"], idle)
                 ms = [1000 * v if v is not None else "-" for v in (e["estimate_s"], e["floor_s"], e["held_wait_s"])]
-                rows.append([workload, router, i, 1000 * run["ttft_mean_s"], f"{100 * e['held_share']:.0f}%", *ms])
+                freest = placed_on_freest(run["per_request"])
+                shown = f"{freest[0]}/{freest[1]}" if freest else "-"
+                rows.append(
+                    [workload, router, i, 1000 * run["ttft_mean_s"], f"{100 * e['held_share']:.0f}%", *ms, shown]
+                )
     return rows
 
 
@@ -122,7 +150,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m benchmarks.placement_headroom PEER_ROUTERS_RESULT.json")
     header = ["workload", "router", "run", "TTFT mean ms", "held", "placement estimate ms", "no-wait floor ms"]
-    print_table([*header, "held wait ms"], reanalyse(Path(sys.argv[1])))
+    print_table([*header, "held wait ms", "placed on freest"], reanalyse(Path(sys.argv[1])))
 
 
 if __name__ == "__main__":

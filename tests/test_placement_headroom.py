@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.placement_headroom import estimate, reanalyse
+from benchmarks.placement_headroom import estimate, placed_on_freest, reanalyse
 
 IDLE = {16: 0.1, 256: 0.5, 1024: 2.0}
 
@@ -34,9 +34,24 @@ def test_a_saved_run_is_recomputed_request_by_request(tmp_path):
     path.write_text(json.dumps(saved))
     rows = reanalyse(path)
     assert [r[:3] for r in rows] == [["multi_turn", "smg", 1], ["multi_turn", "smg", 2]]
-    mean, held, est, floor, wait = rows[0][3:]
-    assert (mean, held) == (500, "50%")
+    mean, held, est, floor, wait, freest = rows[0][3:]
+    assert (mean, held, freest) == (500, "50%", "-")  # rows without engines and send times: not judged
     assert (est, floor, wait) == pytest.approx((400, 300, 200))
+
+
+def test_placed_requests_are_judged_by_the_prefills_in_flight_when_they_were_sent():
+    def row(replica, sent, ttft, cached=0):
+        return {"prompt_tokens": 300, "cached_tokens": cached, "ttft_s": ttft, "replica": replica, "sent_at_s": sent}
+
+    rows = [
+        row("a", 0.0, 2.0),  # placed: nothing in flight anywhere, so any engine is the freest
+        row("b", 0.5, 1.0),  # placed beside nothing on b: freest
+        row("a", 1.0, 1.5),  # placed on a (one in flight) while c had none: not the freest
+        row("b", 1.2, 0.4, cached=288),  # held by its prefix: not judged, though b was busy
+        row("c", 3.0, 0.5),  # every earlier request had its first token: freest
+        row("c", 3.1, None),  # failed: not counted
+    ]
+    assert placed_on_freest(rows) == (3, 4)
 
 
 def test_a_run_without_answers_has_no_estimate():
