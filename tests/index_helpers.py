@@ -33,6 +33,12 @@ def disk_tag(slot: bytes) -> bytes:
 
 
 def query(url: str, deployment: str, model: str, chain, ids, **kw) -> IndexAnswer:
+    """What the index answers for ``chain`` on a fresh connection. Its deadline is 2 s unless ``timeout_s`` is
+    given: the router's own 20 ms (``PrefixIndex``'s default) covers a first call's connect and script load
+    only on an idle machine, and a missed deadline answers None, which these tests would read as wrong
+    contents."""
+    kw.setdefault("timeout_s", 2.0)
+
     async def go():
         index = PrefixIndex(url, deployment, model, **kw)
         try:
