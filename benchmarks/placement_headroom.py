@@ -59,6 +59,11 @@ def idle_ttft(url: str, model: str, repeats: int = 3, seed: int = 0) -> dict[int
     return out
 
 
+def held(prompt_tokens: int, cached_tokens: int) -> bool:
+    """Whether a request was held by affinity: at least half its prompt was cached where it went."""
+    return 2 * cached_tokens >= prompt_tokens
+
+
 def alone_s(uncached, idle: dict[int, float]) -> np.ndarray:
     """The idle engine's TTFT (s) for each count of ``uncached`` tokens, interpolated in its table (below the
     shortest length measured: that length's time)."""
@@ -75,8 +80,8 @@ def idle_chat(url: str, model: str, idle: dict[int, float], conversations: int =
     sessions = multi_turn_chat(-7, conversations, 4, 1.0, max_tokens=16, think_s=0.0)  # a seed no timed run uses
     results, _ = asyncio.run(run_sessions(url, model, sessions, concurrency=1))
     out = {}
-    for name, held in (("held", True), ("first", False)):
-        rows = [r for r in results if r.error is None and (2 * r.cached_tokens >= r.prompt_tokens) == held]
+    for name, want in (("held", True), ("first", False)):
+        rows = [r for r in results if r.error is None and held(r.prompt_tokens, r.cached_tokens) == want]
         table = alone_s([r.prompt_tokens - r.cached_tokens for r in rows], idle)
         out[f"{name}_s"] = statistics.fmean(r.ttft_s for r in rows)
         out[f"{name}_table_s"] = float(table.mean())
@@ -90,15 +95,15 @@ def estimate(requests: list[dict], idle: dict[int, float]) -> dict:
     rows = [r for r in requests if r["ttft_s"] is not None]
     if not rows:
         return dict.fromkeys(("held_share", "estimate_s", "floor_s", "held_wait_s"))
-    held = np.array([2 * r["cached_tokens"] >= r["prompt_tokens"] for r in rows])
+    is_held = np.array([held(r["prompt_tokens"], r["cached_tokens"]) for r in rows])
     uncached = np.array([r["prompt_tokens"] - r["cached_tokens"] for r in rows], dtype=float)
     ttft = np.array([r["ttft_s"] for r in rows])
     alone = alone_s(uncached, idle)
     return {
-        "held_share": float(held.mean()),
-        "estimate_s": float(np.where(held, ttft, alone).mean()),
+        "held_share": float(is_held.mean()),
+        "estimate_s": float(np.where(is_held, ttft, alone).mean()),
         "floor_s": float(alone.mean()),
-        "held_wait_s": float((ttft - alone)[held].mean()) if held.any() else None,
+        "held_wait_s": float((ttft - alone)[is_held].mean()) if is_held.any() else None,
     }
 
 
@@ -112,7 +117,7 @@ def placed_on_freest(requests: list[dict]) -> tuple[int, int] | None:
     engines = {r["replica"] for r in rows}
     freest = placed = 0
     for r in rows:
-        if 2 * r["cached_tokens"] >= r["prompt_tokens"]:
+        if held(r["prompt_tokens"], r["cached_tokens"]):
             continue
         t = r["sent_at_s"]
         waiting = dict.fromkeys(engines, 0)
