@@ -5,6 +5,7 @@ events, a repeated prompt goes to the worker holding it, and a killed worker's e
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,11 @@ from kvmesh.shared.messages import LoadReport
 from tests.serve_helpers import ENGINE_SLOT, greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+WIDE_TIES = {"tie_margin": 4}
+"""The routers' policy settings here: the two identical workers' measured prefill rates differ with what each
+ran before and with a busy machine, and a worker measured faster by more than one prefill would take every new
+prompt sent one at a time."""
 
 
 def free_port() -> int:
@@ -91,8 +97,6 @@ def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
     try:
         for proc, spec in zip(procs, specs, strict=True):
             wait_healthy(spec["url"], proc)
-        # Near-ties widened: two identical workers' measured prefill rates differ with what each ran before and
-        # with a busy machine, and one measured faster by more than a prefill would take every new prompt.
         app = worker_deployment(
             specs,
             model,
@@ -100,7 +104,7 @@ def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
             16,
             redis_url=redis_server.url,
             deployment="ext",
-            policy_kwargs={"tie_margin": 4},
+            policy_kwargs=WIDE_TIES,
             stats_period_s=0.5,
         )
         handle = ray_serve.run(app, name="external-workers", route_prefix=None)
@@ -149,9 +153,7 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
     """``kvmesh router``: one process, no Ray or Redis, following both workers' events: new prompts spread, each
     repeated prompt goes back to the worker that holds it and hits its cache. The workers start empty (what the
     module's earlier tests cached would send every new prompt to the emptier one), and near-ties are widened
-    through ``--policy-kwargs``: the two identical workers' measured prefill rates differ with what they ran
-    before and with a busy machine, and a worker measured faster by more than one prefill takes every new
-    prompt sent one at a time."""
+    through ``--policy-kwargs`` (``WIDE_TIES``)."""
     _, model, _, procs = workers
     specs = []
     for proc in procs:
@@ -162,7 +164,7 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
         assert httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache").json() == {"status": "ok"}
     port, log = free_port(), tmp_path / "router.log"
     cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *specs]
-    cmd += ["--policy-kwargs", '{"tie_margin": 4}']
+    cmd += ["--policy-kwargs", json.dumps(WIDE_TIES)]
     router = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -312,8 +314,6 @@ async def a_lost_engine_actor_is_replaced(handle, model, index, homes, prompts) 
 
 def spec_of(proc: subprocess.Popen) -> dict:
     """The worker entry of a ``kvmesh engine`` process started by ``start_engine``."""
-    import json
-
     events = json.loads(proc.args[proc.args.index("--kv-events-config") + 1])
     port = proc.args[proc.args.index("--port") + 1]
     return {"url": f"http://127.0.0.1:{port}", "kv_events": events["endpoint"], "replay": events["replay_endpoint"]}
