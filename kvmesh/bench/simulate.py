@@ -179,6 +179,10 @@ class Replica:
         if self.index is not None:
             self.index.update(int(self.rid[1:]), chain, evicted)
 
+    def step_s(self) -> float:
+        """A decode step's time at the current batch."""
+        return self.costs.min_step_s + self.running * self.costs.decode_s_per_seq
+
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(
             index_id=self.rid,
@@ -188,7 +192,7 @@ class Replica:
             prefill_tok_s=self.costs.prefill_tok_s,
             decode_s_per_seq=self.costs.decode_s_per_seq,
             max_num_seqs=self.costs.slots,
-            step_s=self.costs.min_step_s + self.running * self.costs.decode_s_per_seq,
+            step_s=self.step_s(),
             mean_output_tokens=self.mean_output_steps,
             cache_fill=len(self.cache) / self.capacity,
             kv_total_blocks=self.capacity,
@@ -240,144 +244,206 @@ def simulate(
     host_capacity: int = 0,
     shortlist: int = 0,
     progress: Callable[[int], None] | None = None,
-):
-    """One run of ``policy_name`` over ``rows``, arrivals at ``scale`` x their trace times. ``ttl``: how long a
-    routing decision is remembered as a prediction, in trace seconds (the router's own ``predict_ttl_s`` too,
-    unless ``policy_kwargs`` set it): compressing arrivals compresses conversations' think times, and a TTL
-    left in simulated seconds would outlast them, telling the router where every history went.
-    ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
+) -> dict[str, float]:
+    """One run of ``policy_name`` over ``rows`` on ``n`` replicas of ``capacity`` blocks (``FleetSim``'s
+    arguments); ``progress`` is called with the number of requests routed so far, every ``PROGRESS_EVERY``."""
+    sim = FleetSim(
+        rows, n, capacity, policy_name, policy_kwargs, processes, scale, ttl, costs, host_capacity, shortlist
+    )
+    return sim.run(progress)
+
+
+class FleetSim:
+    """One simulated fleet serving a trace under one routing policy, arrivals at ``scale`` x their trace times.
+
+    ``ttl``: how long a routing decision is remembered as a prediction, in trace seconds (the router's own
+    ``predict_ttl_s`` too, unless ``policy_kwargs`` set it): compressing arrivals compresses conversations'
+    think times, and a TTL left in simulated seconds would outlast them, telling the router where every history
+    went. ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
     random and those a prediction names (a router's cost at a thousand replicas); a policy that hashes
-    (``preferred``) shortlists its own k top choices instead; 0: every replica.
-    ``progress`` is called with the number of requests routed so far, every ``PROGRESS_EVERY``."""
-    mean_output = statistics.fmean(out for _, _, out in rows)
-    ttl_s = ttl * scale
-    window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
-    index = HolderIndex() if shortlist else None
-    replicas = [
-        Replica(
-            f"r{i}", capacity, costs, host_capacity, index=index, mean_output_steps=mean_output, busy=BusyShare(window)
-        )
-        for i in range(n)
-    ]
-    sampler = random.Random(0)
-    ids = [rep.rid for rep in replicas]
-    clock = [0.0]  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
-    accepts = inspect.signature(POLICIES[policy_name]).parameters
-    simulated = {"clock": lambda: clock[0]} if "clock" in accepts else {}
-    if "predict_ttl_s" in accepts and "predict_ttl_s" not in policy_kwargs:
-        simulated["predict_ttl_s"] = ttl_s
-    routers = [
-        make_policy(policy_name, **({"seed": k} if "seed" in accepts else {}), **simulated, **policy_kwargs)
-        for k in range(processes)
-    ]  # seeded random tie-breaks: reproducible runs
-    uses_index = routers[0].uses_index
-    events: list = []
-    predicted: dict[bytes, tuple[str, float, int]] = {}  # Redis predict-on-route entries, shared by all routers
-    landed = [False] * len(rows)  # per request: its blocks are in its replica's cache, so the index knows them
-    starts = DecayingCounts(getattr(routers[0], "session_decay_s", SESSION_DECAY_S), clock=lambda: clock[0])
-    seq = itertools.count()
-    reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
-    for i, r in enumerate(reqs):
-        heapq.heappush(events, (r.arrival, next(seq), "arrive", i))
+    (``preferred``) shortlists its own k top choices instead; 0: every replica. Events are arrivals, prefills
+    ending and requests finishing, taken in time order from one heap."""
 
-    def step_s(rep: Replica) -> float:
-        return costs.min_step_s + rep.running * costs.decode_s_per_seq
+    def __init__(
+        self,
+        rows,
+        n: int,
+        capacity: int,
+        policy_name: str,
+        policy_kwargs: dict,
+        processes: int,
+        scale: float,
+        ttl: float,
+        costs: Costs,
+        host_capacity: int,
+        shortlist: int,
+    ) -> None:
+        self.costs, self.shortlist, self.host_capacity = costs, shortlist, host_capacity
+        self.ttl_s = ttl * scale
+        window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
+        self.index = HolderIndex() if shortlist else None
+        mean_output = statistics.fmean(out for _, _, out in rows)
+        self.replicas = [
+            Replica(
+                f"r{i}",
+                capacity,
+                costs,
+                host_capacity,
+                index=self.index,
+                busy=BusyShare(window),
+                mean_output_steps=mean_output,
+            )
+            for i in range(n)
+        ]
+        self.ids = [rep.rid for rep in self.replicas]
+        self.sampler = random.Random(0)
+        self.clock = 0.0  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
+        self.routers = self._routers(policy_name, policy_kwargs, processes)
+        self.uses_index = self.routers[0].uses_index
+        self.predicted: dict[bytes, tuple[str, float, int]] = {}  # Redis predict-on-route entries, all routers'
+        self.landed = [False] * len(rows)  # per request: its blocks are in its replica's cache, so the index has them
+        decay_s = getattr(self.routers[0], "session_decay_s", SESSION_DECAY_S)
+        self.starts = DecayingCounts(decay_s, clock=lambda: self.clock)
+        self.reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
+        self.seq = itertools.count()
+        self.events = [(r.arrival, next(self.seq), "arrive", i) for i, r in enumerate(self.reqs)]
+        heapq.heapify(self.events)
 
-    def start_prefill(rep: Replica, now: float) -> None:
+    def _routers(self, name: str, kwargs: dict, processes: int) -> list:
+        """One policy object per router process, random tie-breaks seeded per process (reproducible runs),
+        reading simulated time where the policy keeps time."""
+        accepts = inspect.signature(POLICIES[name]).parameters
+        simulated = {"clock": lambda: self.clock} if "clock" in accepts else {}
+        if "predict_ttl_s" in accepts and "predict_ttl_s" not in kwargs:
+            simulated["predict_ttl_s"] = self.ttl_s
+        seeded = [{"seed": k} if "seed" in accepts else {} for k in range(processes)]
+        return [make_policy(name, **seed, **simulated, **kwargs) for seed in seeded]
+
+    def run(self, progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        handlers = {"arrive": self.arrive, "prefilled": self.prefilled, "done": self.done}
+        while self.events:
+            now, _, kind, i = heapq.heappop(self.events)
+            if progress is not None and kind == "arrive" and i and i % PROGRESS_EVERY == 0:
+                progress(i)
+            handlers[kind](i, now)
+        return self.summary()
+
+    def _push(self, at: float, kind: str, i: int) -> None:
+        heapq.heappush(self.events, (at, next(self.seq), kind, i))
+
+    def _asked(self, policy, req: RouteRequest, forecast: dict[str, int]) -> list[Replica]:
+        """The replicas this decision prices: all of them, or the shortlist."""
+        if not self.shortlist:
+            return self.replicas
+        n = len(self.replicas)
+        pool = [
+            *self.index.deepest(req.block_hashes, self.shortlist),
+            *self.sampler.sample(range(n), min(self.shortlist, n)),
+        ]
+        if hasattr(policy, "preferred"):  # a hashing policy's own top choices, not the holders
+            pool = [int(rid[1:]) for rid in policy.preferred(req, self.ids, self.shortlist)] or pool
+        return [self.replicas[j] for j in dict.fromkeys([*pool, *(int(o[1:]) for o in forecast)])]
+
+    def _hits(self, chain: list[bytes], asked: list[Replica], forecast: dict[str, int]) -> tuple[dict, dict]:
+        """What the index answers: leading device hits per replica (extended by predictions past what any
+        replica holds, as the lookup script does) and host-tier hits past them."""
+        device = {rep.rid: rep.leading_hits(chain) for rep in asked}
+        host = {rep.rid: rep.host_hits(chain, device[rep.rid]) for rep in asked} if self.host_capacity else {}
+        known = max(device.values())
+        for owner, k in forecast.items():
+            if k > known:
+                device[owner] = max(device[owner], k)
+        return device, host
+
+    def arrive(self, i: int, now: float) -> None:
+        """Route request ``i`` as its router process would, then queue it on the chosen replica."""
+        r = self.reqs[i]
+        policy = self.routers[i % len(self.routers)]
+        req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
+        forecast = predicted_hits(self.predicted, r.chain, now, self.ttl_s, self.landed) if self.uses_index else {}
+        asked = self._asked(policy, req, forecast)
+        device_hits, host = self._hits(r.chain, asked, forecast) if self.uses_index else (None, {})
+        candidates = [rep.load(now) for rep in asked]
+        self.clock = now
+        shared = {load.index_id: self.starts.get(load.index_id) for load in candidates} if self.uses_index else None
+        decision = policy.rank(req, candidates, device_hits, shared, host, fleet_size=len(self.replicas))
+        rid = decision.ranked[0]
+        policy.on_routed(req, rid, decision)
+        if device_hits:
+            r.passed_over = max(device_hits.values()) - device_hits[rid]
+        r.opened = decision.opens_session
+        if self.uses_index:
+            for h in r.chain:
+                self.predicted[h] = (rid, now, i)
+            if decision.opens_session:
+                self.starts.add(rid)
+        r.replica = int(rid[1:])
+        rep = self.replicas[r.replica]
+        # What the router believes the replica must prefill, never below the last token: a prediction can
+        # deepen the device hits past where the host tier's blocks were counted from.
+        believed = ((device_hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+        r.queued = r.tokens - min(believed, r.tokens - 1)
+        rep.queued_tokens += r.queued
+        if rep.running < self.costs.slots:
+            rep.running += 1
+            rep.prefill_queue.append(i)
+            self.start_prefill(rep, now)
+        else:
+            rep.slot_waiters.append(i)
+
+    def start_prefill(self, rep: Replica, now: float) -> None:
+        """Start the replica's next queued prefill if its prefill stage is free: it takes the tokens not
+        cached when it starts, plus loading the host tier's blocks back."""
         if rep.prefill_busy or not rep.prefill_queue:
             return
         i = rep.prefill_queue.popleft()
-        r = reqs[i]
-        device = rep.leading_hits(r.chain)  # what is cached when its prefill actually runs
+        r = self.reqs[i]
+        device = rep.leading_hits(r.chain)
         r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
         r.reused_blocks = device + r.host_hits
         uncached = r.tokens - r.reused_blocks * BLOCK_TOKENS
         rep.prefill_busy = True
-        done = now + uncached / costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / costs.host_load_tok_s
+        done = now + uncached / self.costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / self.costs.host_load_tok_s
         rep.busy.add(now, done - now)
-        heapq.heappush(events, (done, next(seq), "prefilled", i))
+        self._push(done, "prefilled", i)
 
-    while events:
-        now, _, kind, i = heapq.heappop(events)
-        r = reqs[i]
-        if kind == "arrive":
-            if progress is not None and i and i % PROGRESS_EVERY == 0:
-                progress(i)
-            policy = routers[i % processes]
-            req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
-            forecast = predicted_hits(predicted, r.chain, now, ttl_s, landed) if uses_index else {}
-            asked = replicas
-            if shortlist:
-                pool = [*index.deepest(r.chain, shortlist), *sampler.sample(range(n), min(shortlist, n))]
-                if hasattr(policy, "preferred"):  # a hashing policy's own top choices, not the holders
-                    pool = [int(rid[1:]) for rid in policy.preferred(req, ids, shortlist)] or pool
-                asked = [replicas[j] for j in dict.fromkeys([*pool, *(int(o[1:]) for o in forecast)])]
-            device_hits, host = None, {}
-            if uses_index:
-                device_hits = {rep.rid: rep.leading_hits(r.chain) for rep in asked}
-                if host_capacity:
-                    host = {rep.rid: rep.host_hits(r.chain, device_hits[rep.rid]) for rep in asked}
-                known = max(device_hits.values())  # as the lookup script: predictions only extend the index
-                for owner, k in forecast.items():
-                    if k > known:
-                        device_hits[owner] = max(device_hits[owner], k)
-            candidates = [rep.load(now) for rep in asked]
-            clock[0] = now
-            shared = {load.index_id: starts.get(load.index_id) for load in candidates} if uses_index else None
-            decision = policy.rank(req, candidates, device_hits, shared, host, fleet_size=n)
-            rid = decision.ranked[0]
-            policy.on_routed(req, rid, decision)
-            if device_hits:
-                r.passed_over = max(device_hits.values()) - device_hits[rid]
-            r.opened = decision.opens_session
-            if uses_index:
-                for h in r.chain:
-                    predicted[h] = (rid, now, i)
-                if decision.opens_session:
-                    starts.add(rid)
-            rep = replicas[int(rid[1:])]
-            r.replica = int(rid[1:])
-            # What the router believes the replica must prefill, never below the last token: a prediction can
-            # deepen the device hits past where the host tier's blocks were counted from.
-            believed = ((device_hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
-            r.queued = r.tokens - min(believed, r.tokens - 1)
-            rep.queued_tokens += r.queued
-            if rep.running < costs.slots:
-                rep.running += 1
-                rep.prefill_queue.append(i)
-                start_prefill(rep, now)
-            else:
-                rep.slot_waiters.append(i)
-        elif kind == "prefilled":
-            rep = replicas[r.replica]
-            rep.prefill_busy = False
-            rep.queued_tokens -= r.queued
-            r.ttft = now - r.arrival
-            rep.insert(r.chain)
-            landed[i] = True
-            rep.served += 1
-            heapq.heappush(events, (now + r.output * step_s(rep), next(seq), "done", i))
-            start_prefill(rep, now)
-        else:  # done: free the slot
-            rep = replicas[r.replica]
-            rep.running -= 1
-            if rep.slot_waiters:
-                rep.running += 1
-                rep.prefill_queue.append(rep.slot_waiters.popleft())
-                start_prefill(rep, now)
-    ttfts = sorted(r.ttft for r in reqs)
-    served = [rep.served for rep in replicas]
-    blocks = sum(len(r.chain) for r in reqs)
-    return {
-        "hit_rate": sum(r.reused_blocks for r in reqs) / blocks,
-        "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": ttfts[len(ttfts) // 2],
-        "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
-        "imbalance": max(served) / statistics.fmean(served),
-        "passed_over": sum(r.passed_over for r in reqs) / blocks,
-        "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
-    }
+    def prefilled(self, i: int, now: float) -> None:
+        """Request ``i``'s first token: its blocks land in the cache; it decodes at the batch's step time."""
+        r = self.reqs[i]
+        rep = self.replicas[r.replica]
+        rep.prefill_busy = False
+        rep.queued_tokens -= r.queued
+        r.ttft = now - r.arrival
+        rep.insert(r.chain)
+        self.landed[i] = True
+        rep.served += 1
+        self._push(now + r.output * rep.step_s(), "done", i)
+        self.start_prefill(rep, now)
+
+    def done(self, i: int, now: float) -> None:
+        """Request ``i`` finished: its slot goes to the first waiter."""
+        rep = self.replicas[self.reqs[i].replica]
+        rep.running -= 1
+        if rep.slot_waiters:
+            rep.running += 1
+            rep.prefill_queue.append(rep.slot_waiters.popleft())
+            self.start_prefill(rep, now)
+
+    def summary(self) -> dict[str, float]:
+        reqs = self.reqs
+        ttfts = sorted(r.ttft for r in reqs)
+        served = [rep.served for rep in self.replicas]
+        blocks = sum(len(r.chain) for r in reqs)
+        return {
+            "hit_rate": sum(r.reused_blocks for r in reqs) / blocks,
+            "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
+            "ttft_mean_s": statistics.fmean(ttfts),
+            "ttft_p50_s": ttfts[len(ttfts) // 2],
+            "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
+            "imbalance": max(served) / statistics.fmean(served),
+            "passed_over": sum(r.passed_over for r in reqs) / blocks,
+            "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
+        }
 
 
 def offered_scale(rows, replicas: int, capacity: int, target_load: float, costs: Costs) -> tuple[float, float, float]:
