@@ -14,6 +14,7 @@ Torch-free: the tokenizer alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -357,81 +358,29 @@ class Generation:
         last, n_out, outcome, usage = t0, 0, "error", None
         last_of_choice: dict[int, float] = {}  # inter-token latency is measured within each choice
         inter_token = metrics.INTER_TOKEN.labels(model)  # looked up once: observed per chunk
-        stream = None
+        sent: list = []  # the engine streams of this request's attempts, the current one last
         try:
-            for attempt in range(1, RETRY_ATTEMPTS + 1):
-                # Each attempt is a new engine request: a replica still running the first must not see the
-                # same id again, and the first is cancelled before the retry goes out.
-                call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
-                stream = self.handle.remote(call)
-                chunks = first_then_rest(stream, self.no_replica_timeout_s, router_metrics.live_replicas)
-                try:
-                    async for chunk in chunks:
-                        now, previous = time.perf_counter(), last_of_choice.get(chunk.index)
-                        if n_out == 0:
-                            metrics.TTFT.labels(model).observe(now - t0)
-                        elif chunk.token_ids and previous is not None:
-                            inter_token.observe((now - previous) / len(chunk.token_ids))
-                        last = last_of_choice[chunk.index] = now
-                        n_out += len(chunk.token_ids)
-                        if chunk.usage is not None:
-                            outcome, usage = "ok", chunk.usage
-                        yield chunk
-                    break
-                except self.errors.replica_failed as exc:
-                    if n_out or attempt == RETRY_ATTEMPTS:
-                        raise
-                    stream.cancel()
-                    metrics.RETRIES.labels(model).inc()
-                    log.warning(
-                        "request %s: its replica failed before the first token (%r); retrying", call.request_id, exc
-                    )
-                    # Routers learn of a death through Serve's long poll; until then a retry may be offered
-                    # the same dead replica, so back off a little before each new attempt.
-                    await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
-        except self.errors.overloaded as exc:
-            outcome = "rejected"
-            raise APIError(
-                "Every replica is busy and the queue is full; retry shortly",
-                503,
-                code="overloaded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from exc
-        except NoLiveReplica as exc:
-            outcome = "unavailable"
-            stream.cancel()
-            raise APIError(
-                f"No engine replica is alive (none for {self.no_replica_timeout_s:g} s); retry shortly",
-                503,
-                code="no_replica",
-                headers={"Retry-After": str(max(1, round(self.no_replica_timeout_s)))},
-            ) from exc
-        except ValueError as exc:  # the engine refused the request (e.g. longer than its KV pool)
-            outcome = "client_error"
-            cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
-            raise APIError(str(cause), param=getattr(cause, "param", None) or "prompt") from exc
-        except self.errors.replica_failed as exc:
-            log.warning("request %s: its replica failed after %d tokens: %r", prep.call.request_id, n_out, exc)
-            raise APIError(
-                f"The replica serving this request failed ({type(exc).__name__}) after {n_out} tokens; "
-                "retry the request",
-                503,
-                code="replica_failed",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from exc
-        except Exception as exc:  # the engine failed: the client gets a clean 500, not a traceback
-            if stream is not None:
-                stream.cancel()
-            cause = getattr(exc, "cause", None) or exc
-            log.warning("request %s failed in the engine: %r", prep.call.request_id, cause)
-            # A request the engine failed alone says why (its own data broke a step); anything else only
-            # names the exception's type.
-            detail = str(cause) if isinstance(cause, RequestFailed) else type(cause).__name__
-            raise APIError(f"generation failed: {detail}", 500, code="generation_failed") from exc
+            async with contextlib.aclosing(self._attempts(prep, sent)) as chunks:
+                async for chunk in chunks:
+                    now, previous = time.perf_counter(), last_of_choice.get(chunk.index)
+                    if n_out == 0:
+                        metrics.TTFT.labels(model).observe(now - t0)
+                    elif chunk.token_ids and previous is not None:
+                        inter_token.observe((now - previous) / len(chunk.token_ids))
+                    last = last_of_choice[chunk.index] = now
+                    n_out += len(chunk.token_ids)
+                    if chunk.usage is not None:
+                        outcome, usage = "ok", chunk.usage
+                    yield chunk
+        except Exception as exc:
+            outcome, error, cancel = self._failure(exc, prep.call.request_id, n_out)
+            if cancel and sent:
+                sent[-1].cancel()
+            raise error from exc
         except BaseException:
             outcome = "aborted" if outcome == "error" and n_out else outcome
-            if stream is not None:
-                stream.cancel()  # the client left or the caller failed: free the engine's blocks now
+            if sent:
+                sent[-1].cancel()  # the client left or the caller failed: free the engine's blocks now
             raise
         finally:
             metrics.REQUESTS.labels(model, prep.api, outcome).inc()
@@ -440,6 +389,59 @@ class Generation:
                 metrics.PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
                 metrics.CACHED_TOKENS.labels(model).inc(usage.cached_tokens)
                 metrics.GENERATED_TOKENS.labels(model).inc(usage.completion_tokens)
+
+    async def _attempts(self, prep: Prepared, sent: list) -> AsyncIterator[GenerateChunk]:
+        """The engine's chunks for ``prep``. A replica that fails before the first chunk is cancelled and the
+        call sent again after a back-off, under a new id (a replica still running the first must not see the
+        same id again). ``sent`` gets each attempt's stream, for the caller to cancel."""
+        for attempt in range(1, RETRY_ATTEMPTS + 1):
+            call = prep.call if attempt == 1 else replace(prep.call, request_id=f"{prep.call.request_id}-{attempt}")
+            stream = self.handle.remote(call)
+            sent.append(stream)
+            started = False
+            try:
+                async for chunk in first_then_rest(stream, self.no_replica_timeout_s, router_metrics.live_replicas):
+                    started = True
+                    yield chunk
+                return
+            except self.errors.replica_failed as exc:
+                if started or attempt == RETRY_ATTEMPTS:
+                    raise
+                stream.cancel()
+                metrics.RETRIES.labels(self.limits.served_name).inc()
+                log.warning(
+                    "request %s: its replica failed before the first token (%r); retrying", call.request_id, exc
+                )
+                # Routers learn of a death through Serve's long poll; until then a retry may be offered the
+                # same dead replica, so back off a little before each new attempt.
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+
+    def _failure(self, exc: Exception, request_id: str, n_out: int) -> tuple[str, APIError, bool]:
+        """How a request that raised ``exc`` after ``n_out`` tokens ends: its outcome label, the client's
+        error, and whether the engine's stream is still to be cancelled (not where the engine or Serve ended
+        it)."""
+        if isinstance(exc, self.errors.overloaded):
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            message = "Every replica is busy and the queue is full; retry shortly"
+            return "rejected", APIError(message, 503, code="overloaded", headers=headers), False
+        if isinstance(exc, NoLiveReplica):
+            message = f"No engine replica is alive (none for {self.no_replica_timeout_s:g} s); retry shortly"
+            headers = {"Retry-After": str(max(1, round(self.no_replica_timeout_s)))}
+            return "unavailable", APIError(message, 503, code="no_replica", headers=headers), True
+        cause = getattr(exc, "cause", None) or exc  # Ray wraps the replica's exception
+        if isinstance(exc, ValueError):  # the engine refused the request (e.g. longer than its KV pool)
+            return "client_error", APIError(str(cause), param=getattr(cause, "param", None) or "prompt"), False
+        if isinstance(exc, self.errors.replica_failed):
+            log.warning("request %s: its replica failed after %d tokens: %r", request_id, n_out, exc)
+            failed = type(exc).__name__
+            message = f"The replica serving this request failed ({failed}) after {n_out} tokens; retry the request"
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return "error", APIError(message, 503, code="replica_failed", headers=headers), False
+        # The engine failed: the client gets a clean 500, not a traceback. A request the engine failed alone says
+        # why (its own data broke a step); anything else only names the exception's type.
+        log.warning("request %s failed in the engine: %r", request_id, cause)
+        detail = str(cause) if isinstance(cause, RequestFailed) else type(cause).__name__
+        return "error", APIError(f"generation failed: {detail}", 500, code="generation_failed"), True
 
 
 async def gather(
