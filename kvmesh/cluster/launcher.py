@@ -84,61 +84,22 @@ def serve_cluster(
     redis: EmbeddedRedis | None = None
     try:
         resolve_model_dir(config.model, weights=False)  # a wrong model name fails here, before Ray starts
-        if not config.address:
-            # A local Ray binds every one of its ports on loopback: nothing of it is reachable from outside.
-            os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
-        import ray
-        from ray import serve
-
-        from kvmesh.cluster.app import build_app
-
-        if not ray.is_initialized():
-            _say(f"starting Ray{' (joining ' + config.address + ')' if config.address else ''} ...")
-            ray.init(
-                address=config.address,
-                num_cpus=None if config.address else config.num_cpus,
-                object_store_memory=None if config.address else config.object_store_memory,
-                include_dashboard=False,
-                namespace=APP_NAME,
-                logging_level=logging.WARNING,
-            )
-            started_ray = config.address is None
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        started_ray = _start_ray(config)
         if on_ray_started is not None:
             on_ray_started()
         redis_url = index_redis_url(config.redis_url)
         if not redis_url:
             # Joined to a cluster, replicas on other nodes must reach it: it listens on this node's address too.
-            redis = EmbeddedRedis(
-                password=secrets.token_urlsafe(24), host=node_address() if config.address else None
-            ).start()
+            host = node_address() if config.address else None
+            redis = EmbeddedRedis(password=secrets.token_urlsafe(24), host=host).start()
             redis_url = redis.url
             _say(f"started embedded Redis at {redacted(redis_url)}")
         started_serve = _start_serve(config)
-        if APP_NAME in serve.status().applications:
-            raise ClusterConflict(
-                f"a {APP_NAME} application already runs on this cluster; stop its `kvmesh serve` first "
-                f"(or `serve delete {APP_NAME}`)"
-            )
-        prepared = []
-        if config.workers:
-            _say(f"routing {len(config.workers)} external worker(s) of {config.name} (policy {config.policy}) ...")
-        if config.replicas:
-            prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
-            _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
-        deployed = threading.Event()
-        watcher = threading.Thread(target=_watch_deployments, args=(deployed, t0), daemon=True)
-        watcher.start()
-        try:
-            # Every replica reads the index's URL (and its password) from its environment, never from its
-            # deployment's arguments.
-            app = build_app(config, serve_grpc=True, env={REDIS_URL_ENV: redis_url}, engine_nodes=max(1, len(prepared)))
-            deployed_app = True
-            handle = serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"})
-        finally:
-            deployed.set()
+        _refuse_running_app()
+        deployed_app = True  # from here on, shutting down deletes the application
+        ingress_node = _deploy(config, redis_url, t0)
         _wait_for_index(redis_url, config)
-        endpoints = _endpoints(config, handle.node.remote().result(), redis_url)
+        endpoints = _endpoints(config, ingress_node, redis_url)
         _say(f"kvmesh is ready in {time.monotonic() - t0:.1f} s: serving {config.name}\n{endpoints}")
         if on_ready is not None:
             on_ready()
@@ -148,6 +109,65 @@ def serve_cluster(
         return 0
     finally:
         _shutdown(started_ray, started_serve, deployed_app, redis)
+
+
+def _start_ray(config: ClusterConfig) -> bool:
+    """Start a local Ray (or join ``config.address``) unless this process already has one; True when this
+    call started a local Ray, which shutting down then stops."""
+    if not config.address:
+        # A local Ray binds every one of its ports on loopback: nothing of it is reachable from outside.
+        os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        _say(f"starting Ray{' (joining ' + config.address + ')' if config.address else ''} ...")
+        ray.init(
+            address=config.address,
+            num_cpus=None if config.address else config.num_cpus,
+            object_store_memory=None if config.address else config.object_store_memory,
+            include_dashboard=False,
+            namespace=APP_NAME,
+            logging_level=logging.WARNING,
+        )
+        started = config.address is None
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    return started
+
+
+def _refuse_running_app() -> None:
+    """Stop before deploying over another command's application (shutting down would delete it)."""
+    from ray import serve
+
+    if APP_NAME in serve.status().applications:
+        raise ClusterConflict(
+            f"a {APP_NAME} application already runs on this cluster; stop its `kvmesh serve` first "
+            f"(or `serve delete {APP_NAME}`)"
+        )
+
+
+def _deploy(config: ClusterConfig, redis_url: str, t0: float) -> str:
+    """Deploy the application, reporting progress while Serve starts it; returns the ingress's node address.
+    Every replica reads the index's URL (and its password) from its environment, never from its deployment's
+    arguments."""
+    from ray import serve
+
+    from kvmesh.cluster.app import build_app
+
+    prepared = []
+    if config.workers:
+        _say(f"routing {len(config.workers)} external worker(s) of {config.name} (policy {config.policy}) ...")
+    if config.replicas:
+        prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
+        _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
+    deployed = threading.Event()
+    threading.Thread(target=_watch_deployments, args=(deployed, t0), daemon=True).start()
+    try:
+        app = build_app(config, serve_grpc=True, env={REDIS_URL_ENV: redis_url}, engine_nodes=max(1, len(prepared)))
+        handle = serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": "WARNING"})
+    finally:
+        deployed.set()
+    return handle.node.remote().result()
 
 
 def _start_serve(config: ClusterConfig) -> bool:
