@@ -34,10 +34,10 @@ from kvmesh.bench.report import print_table, write_json
 from kvmesh.bench.simulate import (
     PREDICT_TTL_S,
     Costs,
+    FleetSim,
     compare_routers,
     load_trace,
     offered_scale,
-    simulate,
     trace_rows,
 )
 from kvmesh.bench.trace_workloads import WORKLOADS
@@ -77,7 +77,8 @@ def run_workload(rows, replicas: int, device_factor: float, host_factor: float, 
         results.update(res)
     scale, _, _ = offered_scale(rows, replicas, capacity, load, costs)
     every_block = sum(len(chain) for _, chain, _ in rows)
-    results["unbounded"] = simulate(rows, replicas, every_block, "kv_aware", {}, processes, scale, PREDICT_TTL_S, costs)
+    sim = FleetSim(rows, replicas, every_block, "kv_aware", {}, processes, scale, PREDICT_TTL_S, costs)
+    results["unbounded"] = sim.run()
     infinite, floor_work = lru_hit_rate(rows, None, costs.prefill_tok_s)
     floor = floor_work / len(rows)
     blind = results["tier_blind"]["ttft_mean_s"]

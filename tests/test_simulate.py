@@ -4,7 +4,7 @@ round robin and stay within the pooled-LRU bound."""
 import json
 
 from kvmesh.bench.cache_bounds import lru_hit_rate
-from kvmesh.bench.simulate import PREDICT_TTL_S, Costs, load_trace, predicted_hits, simulate
+from kvmesh.bench.simulate import PREDICT_TTL_S, Costs, FleetSim, load_trace, predicted_hits
 
 
 def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
@@ -19,8 +19,8 @@ def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
     trace = load_trace(path, None)
     pooled, work = lru_hit_rate(trace, 4 * 200, Costs().prefill_tok_s)
     scale = work / (0.7 * 4 * (trace[-1][0] - trace[0][0]))
-    ours = simulate(trace, 4, 200, "kv_aware", {}, 2, scale, PREDICT_TTL_S)
-    rr = simulate(trace, 4, 200, "round_robin", {}, 2, scale, PREDICT_TTL_S)
+    ours = FleetSim(trace, 4, 200, "kv_aware", {}, 2, scale, PREDICT_TTL_S).run()
+    rr = FleetSim(trace, 4, 200, "round_robin", {}, 2, scale, PREDICT_TTL_S).run()
     assert ours["hit_rate"] > 1.5 * rr["hit_rate"]
     assert ours["hit_rate"] <= pooled + 1e-9
     assert ours["ttft_mean_s"] < rr["ttft_mean_s"]

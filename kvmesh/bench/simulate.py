@@ -231,30 +231,9 @@ def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float, 
     return out
 
 
-def simulate(
-    rows,
-    n: int,
-    capacity: int,
-    policy_name: str,
-    policy_kwargs: dict,
-    processes: int,
-    scale: float,
-    ttl: float,
-    costs: Costs = Costs(),
-    host_capacity: int = 0,
-    shortlist: int = 0,
-    progress: Callable[[int], None] | None = None,
-) -> dict[str, float]:
-    """One run of ``policy_name`` over ``rows`` on ``n`` replicas of ``capacity`` blocks (``FleetSim``'s
-    arguments); ``progress`` is called with the number of requests routed so far, every ``PROGRESS_EVERY``."""
-    sim = FleetSim(
-        rows, n, capacity, policy_name, policy_kwargs, processes, scale, ttl, costs, host_capacity, shortlist
-    )
-    return sim.run(progress)
-
-
 class FleetSim:
-    """One simulated fleet serving a trace under one routing policy, arrivals at ``scale`` x their trace times.
+    """One run of ``policy_name`` over ``rows`` on ``n`` replicas of ``capacity`` blocks, with requests spread
+    over ``processes`` router processes and arrivals at ``scale`` x their trace times.
 
     ``ttl``: how long a routing decision is remembered as a prediction, in trace seconds (the router's own
     ``predict_ttl_s`` too, unless ``policy_kwargs`` set it): compressing arrivals compresses conversations'
@@ -274,9 +253,9 @@ class FleetSim:
         processes: int,
         scale: float,
         ttl: float,
-        costs: Costs,
-        host_capacity: int,
-        shortlist: int,
+        costs: Costs = Costs(),
+        host_capacity: int = 0,
+        shortlist: int = 0,
     ) -> None:
         self.costs, self.shortlist, self.host_capacity = costs, shortlist, host_capacity
         self.ttl_s = ttl * scale
@@ -320,6 +299,7 @@ class FleetSim:
         return [make_policy(name, **seed, **simulated, **kwargs) for seed in seeded]
 
     def run(self, progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        """Serve the whole trace; ``progress`` hears the number of requests routed, every ``PROGRESS_EVERY``."""
         handlers = {"arrive": self.arrive, "prefilled": self.prefilled, "done": self.done}
         while self.events:
             now, _, kind, i = heapq.heappop(self.events)
@@ -475,16 +455,15 @@ def compare_routers(
     ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
     contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
     ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it.
-    ``shortlist``: as ``simulate``'s; ``progress(label, routed)`` hears from long runs."""
+    ``shortlist``: as ``FleetSim``'s; ``progress(label, routed)`` hears from long runs."""
     scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
     replicated = replicated_bound(rows, replicas, capacity, imbalance, pooled)
     results = {}
     for label, name, kw in runs:
         t0 = time.perf_counter()
         report = None if progress is None else lambda n, label=label: progress(label, n)
-        res = simulate(
-            rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist, report
-        )
+        sim = FleetSim(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist)
+        res = sim.run(report)
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res
         if on_result is not None:
