@@ -238,8 +238,24 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvmesh`` command line: one subcommand per ``_add_*_command``."""
     parser = argparse.ArgumentParser(prog="kvmesh", description="Multi-replica LLM serving with KV-aware routing")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_generate_command,
+        _add_serve_command,
+        _add_engine_command,
+        _add_router_command,
+        _add_bench_command,
+        _add_plan_command,
+        _add_status_command,
+    ):
+        add(sub)
+    return parser
+
+
+def _add_generate_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh generate``: one completion from a local engine."""
     gen = sub.add_parser("generate", help="stream a completion from a local engine (no cluster)")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF model directory, .gguf file or hub id")
@@ -254,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV storage (default auto)")
     gen.set_defaults(func=_generate)
 
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh serve``: the cluster's settings, over its config file's."""
     srv = sub.add_parser(
         "serve",
         help="start a cluster: Ray, Redis, OpenAI HTTP on :8000, gRPC on :9000, N engine replicas",
@@ -271,18 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="route an external OpenAI-compatible engine (vLLM, SGLang, kvmesh engine), repeatable: "
         "URL[,kv_events=tcp://HOST:5557][,replay=tcp://HOST:5558][,topic=T][,model=NAME]",
     )
-    srv.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas (default 1)")
-    srv.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas (default: no autoscaling)")
-    srv.add_argument("--target-kv-util", type=float, help="autoscaling: KV demand per replica to aim for (0.7)")
-    srv.add_argument("--scaling-policy", help="autoscaling signal: kv_pressure (default) or ongoing_requests (Ray's)")
-    srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
-    srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
-    srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
-    srv.add_argument(
-        "--no-replica-timeout-s",
-        type=float,
-        help="a request's wait while no engine replica lives, then 503 (5)",
-    )
+    _add_autoscaling_args(srv)
     srv.add_argument("--ingress-replicas", type=int, help="ingress replicas, each with its own router (default 1)")
     srv.add_argument("--policy", help="kv_aware (default), pow2, round_robin, session_hash, approx_tree")
     srv.add_argument("--policy-kwargs", help=POLICY_KWARGS_HELP)
@@ -297,6 +305,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", help="HTTP and gRPC bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="HTTP port (default 8000)")
     srv.add_argument("--grpc-port", type=int, help="gRPC port on --host (default 9000; 0: no gRPC)")
+    _add_admission_args(srv)
+    _add_engine_args(srv)
+    srv.set_defaults(func=_serve)
+
+
+def _add_autoscaling_args(srv: argparse.ArgumentParser) -> None:
+    """``kvmesh serve``'s replica bounds, scaling signal and delays, and how removed or missing replicas are met."""
+    srv.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas (default 1)")
+    srv.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas (default: no autoscaling)")
+    srv.add_argument("--target-kv-util", type=float, help="autoscaling: KV demand per replica to aim for (0.7)")
+    srv.add_argument("--scaling-policy", help="autoscaling signal: kv_pressure (default) or ongoing_requests (Ray's)")
+    srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
+    srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
+    srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
+    srv.add_argument(
+        "--no-replica-timeout-s",
+        type=float,
+        help="a request's wait while no engine replica lives, then 503 (5)",
+    )
+
+
+def _add_admission_args(srv: argparse.ArgumentParser) -> None:
+    """``kvmesh serve``'s admission: queue and in-flight bounds, request size, API keys, cache sharing, docs."""
     srv.add_argument("--max-ongoing-requests", type=int, help="requests one replica takes at once (default 64)")
     srv.add_argument(
         "--max-queued-requests",
@@ -330,9 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve the API's /docs, /redoc and /openapi.json (default: off)",
     )
-    _add_engine_args(srv)
-    srv.set_defaults(func=_serve)
 
+
+def _add_engine_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh engine``: one engine as an OpenAI-compatible server."""
     eng = sub.add_parser(
         "engine",
         help="one engine as an OpenAI-compatible server (no Ray, no Redis), for any router: like `vllm serve`",
@@ -346,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(eng)
     eng.set_defaults(func=_engine)
 
+
+def _add_router_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh router``: the KV-aware router in one process, before external workers."""
     rtr = sub.add_parser(
         "router",
         help="kvmesh's KV-aware router in one process (no Ray, no Redis) in front of external workers: like smg",
@@ -370,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024)")
     rtr.set_defaults(func=_router)
 
+
+def _add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh bench NAME ...``: hands the rest to benchmark NAME."""
     bench = sub.add_parser(
         "bench",
         help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), suite, ...",
@@ -379,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_bench)
 
+
+def _add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh plan``: sizing a GPU pool's KV cache."""
     plan = sub.add_parser(
         "plan",
         help="size a GPU pool: KV bytes per token, blocks, sequences and replicas for each KV cache dtype",
@@ -415,12 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=_plan)
 
+
+def _add_status_command(sub: argparse._SubParsersAction) -> None:
+    """``kvmesh status``: a running cluster's state."""
     st = sub.add_parser("status", help="replicas, routing decisions, index and Redis of a running cluster")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the cluster's HTTP address")
     st.add_argument("--json", action="store_true", help="print the raw status document")
     st.add_argument("--api-key", help="the cluster's API key, if it requires one (default: $KVMESH_API_KEY)")
     st.set_defaults(func=_status)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
