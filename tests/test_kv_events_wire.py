@@ -255,6 +255,40 @@ def test_late_consumer_and_publisher_restart(engine, tmp_path):
         pub.close()
 
 
+def test_a_workers_event_stream_shows_in_its_status_and_metrics(engine, tmp_path):
+    """An operator sees how a worker's events are followed: batches applied, gaps replayed, none lost, the lag,
+    in the worker's status (``kvmesh status``) and as Prometheus counters."""
+    from kvmesh.cluster import metrics
+    from kvmesh.cluster.worker_client import Worker
+    from kvmesh.cluster.worker_spec import WorkerSpec
+
+    config = events_config(tmp_path)
+    pub = ZmqKVEventPublisher(config, BLOCK)
+    engine.kv_event_sinks[:] = [pub.publish]
+    sub, _ = consumer(config, engine.hash_seed, drop_every=2)
+    worker = Worker(WorkerSpec(url="http://127.0.0.1:1"), "m", "m", BLOCK)
+    try:
+        assert worker.status().kv_event_batches is None  # no event stream followed: nothing to show
+        worker.subscriber = sub
+        run_prompts(engine, [list(range(100, 140))])
+        assert caught_up(sub, pub)  # subscribed: what follows arrives live, every second batch dropped
+        run_prompts(engine, [list(range(200 + 50 * i, 240 + 50 * i)) for i in range(4)])
+        assert caught_up(sub, pub)
+        status = worker.status()
+        assert status.kv_event_batches == pub.next_seq >= 4  # every batch once: the dropped ones replayed
+        assert status.kv_event_gaps >= 1 and status.kv_event_batches_lost == status.kv_event_restarts == 0
+        assert 0 <= status.kv_event_lag_s < 5
+        text = metrics.render({"w": status}).decode()
+        assert f'kvmesh_replica_kv_event_batches_total{{replica="w"}} {float(pub.next_seq)}' in text
+        assert f'kvmesh_replica_kv_event_gaps_total{{replica="w"}} {float(status.kv_event_gaps)}' in text
+        assert 'kvmesh_replica_kv_event_batches_lost_total{replica="w"} 0.0' in text
+        assert 'kvmesh_replica_kv_event_lag_seconds{replica="w"}' in text
+    finally:
+        worker.subscriber = None
+        sub.close()
+        pub.close()
+
+
 # ---------------------------------------------------------------------------------------------- real vLLM bytes
 def test_real_vllm_events_become_kvmesh_hashes(vllm_capture):
     """vLLM's CPU build (128-token blocks) as kvmesh's index sees it (16-token blocks): after every batch, the

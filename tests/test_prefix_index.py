@@ -105,6 +105,12 @@ def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_ser
     assert f'kvmesh_replica_index_entries{{replica="{ok.replica_id}"}} 7.0' in text
     assert f'kvmesh_replica_requests_running{{replica="{bad.replica_id}"}}' not in text  # unknown, not 0
     assert f'kvmesh_replica_index_entries{{replica="{bad.replica_id}"}} 0.0' in text
+    # The publisher's own counters come with every report, even one whose engine could not be read: each
+    # replica's start was one full rebuild, and nothing failed.
+    for replica in (ok.replica_id, bad.replica_id):
+        assert f'kvmesh_replica_index_resyncs_total{{replica="{replica}"}} 1.0' in text
+        assert f'kvmesh_replica_index_errors_total{{replica="{replica}"}} 0.0' in text
+    assert "kvmesh_replica_kv_event_gaps_total{" not in text  # no worker's events are followed here
     status = {
         "model": MODEL,
         "policy": "kv_aware",

@@ -9,7 +9,7 @@ process (``kvmesh.router.metrics``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -127,6 +127,53 @@ class _ReplicaCollector(Collector):
             cached.add_metric([replica, "device"], status.cached_prompt_tokens - status.cached_prompt_tokens_host)
             cached.add_metric([replica, "host"], status.cached_prompt_tokens_host)
         yield cached
+        yield from _counters(_INDEX_COUNTERS, self.reports)
+        followed = [(replica, status) for replica, status in self.reports if status.kv_event_batches is not None]
+        yield from _counters(_EVENT_COUNTERS, followed)
+        lag = GaugeMetricFamily(
+            "kvmesh_replica_kv_event_lag_seconds",
+            "A worker's timestamp of its last KV-event batch to that batch being applied by this process.",
+            labels=["replica"],
+        )
+        for replica, status in followed:
+            if status.kv_event_lag_s is not None:
+                lag.add_metric([replica], status.kv_event_lag_s)
+        yield lag
+
+
+_INDEX_COUNTERS = (
+    ("kvmesh_replica_index_resyncs", "Full rebuilds of the replica's index entries.", "index_resyncs"),
+    (
+        "kvmesh_replica_index_replayed_batches",
+        "Batches of index updates sent again after Redis lost them.",
+        "index_replayed_batches",
+    ),
+    ("kvmesh_replica_index_errors", "Failed Redis calls of the replica's index publisher (retried).", "index_errors"),
+)
+"""The index publisher's counters, kept for every replica (they go on when its engine cannot be read)."""
+_EVENT_COUNTERS = (
+    ("kvmesh_replica_kv_event_batches", "KV-event batches applied from an external worker.", "kv_event_batches"),
+    ("kvmesh_replica_kv_event_gaps", "Gaps found in a worker's live KV-event stream (replayed).", "kv_event_gaps"),
+    (
+        "kvmesh_replica_kv_event_batches_lost",
+        "Missing KV-event batches a worker's replay buffer no longer held.",
+        "kv_event_batches_lost",
+    ),
+    (
+        "kvmesh_replica_kv_event_restarts",
+        "Times a worker's KV-event stream started over (its cache view rebuilt).",
+        "kv_event_restarts",
+    ),
+)
+"""How an external worker's KV-event stream is followed: only for workers whose events are followed."""
+
+
+def _counters(specs, reports: list[tuple[str, ReplicaStatus]]) -> Iterator[CounterMetricFamily]:
+    for name, doc, field in specs:
+        family = CounterMetricFamily(name, doc, labels=["replica"])
+        for replica, status in reports:
+            family.add_metric([replica], getattr(status, field))
+        yield family
 
 
 def render(replica_reports: dict[str, ReplicaStatus]) -> bytes:

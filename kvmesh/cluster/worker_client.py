@@ -384,7 +384,18 @@ class Worker:
         return {} if report is None else {name: getattr(report, name) for name in MEASURED_FIELDS}
 
     def status(self, node: str = "") -> ReplicaStatus:
-        """What ``kvmesh status`` shows of the worker: its gauges, and the prefix hits of what this proxy sent."""
+        """What ``kvmesh status`` shows of the worker: its gauges, the prefix hits of what this proxy sent and
+        how its KV-event stream is followed."""
+        events = {}
+        if (sub := self.subscriber) is not None:
+            stats = sub.stats
+            events = dict(
+                kv_event_batches=stats["batches"],
+                kv_event_gaps=stats["gaps"],
+                kv_event_batches_lost=stats["lost"],
+                kv_event_restarts=stats["restarts"],
+                kv_event_lag_s=sub.lag_s,
+            )
         return ReplicaStatus(
             node=node,
             num_running=max(self.in_flight, int(self.gauges.get("running", 0))),
@@ -393,4 +404,5 @@ class Worker:
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_tokens,
             prefix_hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            **events,
         )

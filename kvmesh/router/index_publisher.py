@@ -245,7 +245,14 @@ class KVIndexPublisher:
             report = self._status()
         except Exception as exc:  # a status bug must never stop the heartbeat
             report = ReplicaStatus(error=repr(exc))
-        report = dataclasses.replace(report, index_entries=self._live, reported_at=time.time())
+        report = dataclasses.replace(
+            report,
+            index_entries=self._live,
+            reported_at=time.time(),
+            index_resyncs=self.stats["resyncs"],
+            index_replayed_batches=self.stats["replayed"],
+            index_errors=self.stats["errors"],
+        )
         return json.dumps(report.as_dict())
 
     def _apply(self, ops: bytes) -> None:

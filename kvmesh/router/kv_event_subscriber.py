@@ -49,8 +49,6 @@ class KVEventSubscriber:
         self.last_seq: int | None = None
         self._applied: OrderedDict[int, int] = OrderedDict()
         self.stats = {"batches": 0, "replayed": 0, "gaps": 0, "lost": 0, "restarts": 0, "bad": 0}
-        self.last_event_at: float | None = None
-        """``time.time()`` of the last batch applied (the lag to the engine's ``ts`` is measured from it)."""
         self.lag_s: float | None = None
         """Seconds from the engine's timestamp of the last batch to its application here."""
         self._ctx = zmq.Context.instance()
@@ -138,8 +136,7 @@ class KVEventSubscriber:
             log.warning("KV event batch %d of %s skipped: %s", seq, self.name, exc)
         else:
             self._on_batch(batch)
-            now = time.time()
-            self.last_event_at, self.lag_s = now, max(0.0, now - batch.ts)
+            self.lag_s = max(0.0, time.time() - batch.ts)
         self.stats["batches"] += 1
         self.last_seq = seq
         self._applied[seq] = hash(payload)

@@ -232,6 +232,24 @@ class ReplicaStatus(EngineStats):
     """Blocks the replica has published to the index (set by its publisher)."""
     reported_at: float = 0.0
     """Unix time of the heartbeat that stored it (set by its publisher)."""
+    index_resyncs: int = 0
+    """Times its publisher rebuilt its index entries whole (at start, after a queue overflow, a Redis error
+    or restart, a prefix-cache reset), since start (set by its publisher)."""
+    index_replayed_batches: int = 0
+    """Batches its publisher sent again because Redis had lost them after acknowledging them."""
+    index_errors: int = 0
+    """Redis calls of its publisher that failed (each retried until Redis answers)."""
+    kv_event_batches: int | None = None
+    """An external worker's KV-event batches applied, replays included; None: no event stream is followed (a
+    kvmesh replica, a worker without ``kv_events``)."""
+    kv_event_gaps: int = 0
+    """Times batches were missing from the worker's live stream (each asked for again from its replay socket)."""
+    kv_event_batches_lost: int = 0
+    """Missing batches the worker's replay buffer no longer held: its cache view may lack them until it changes."""
+    kv_event_restarts: int = 0
+    """Times the worker's event stream started over (a restarted engine): its cache view was rebuilt."""
+    kv_event_lag_s: float | None = None
+    """Seconds from the worker's timestamp of its last batch to that batch being applied here."""
     error: str | None = None
     """Why the replica could not read its engine's state; its counters are then unknown, not zero."""
 
