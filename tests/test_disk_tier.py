@@ -192,6 +192,26 @@ def test_the_tier_is_bounded_lru_and_foreign_fingerprints_stay_apart(tmp_path):
     again.close()
 
 
+def test_a_write_the_disk_refuses_is_dropped_counted_and_not_claimed(tiny_llama_dir, tmp_path):
+    """A full disk loses blocks, never requests: the engine counts them (``disk_blocks_dropped``, at /metrics)
+    and the tier does not claim them, so no router is sent after a block that is not there."""
+    engine = make(str(tiny_llama_dir), tmp_path)
+    disk = engine.swap.disk
+
+    def full(block_hash, payload):
+        raise OSError(28, "No space left on device")
+
+    disk._write = full
+    run(engine, HISTORY)
+    for k in range(6):
+        run(engine, [5000 + 300 * k + i for i in range(15 * BLOCK)])
+    disk.flush()
+    assert engine.stats().disk_blocks_dropped >= 10  # the history's ten blocks, at least
+    assert run(engine, FOLLOW_UP)[1] == 0, "nothing of the history is cached anywhere"
+    assert not set(hash_blocks(HISTORY, BLOCK, engine.hash_seed)) & set(disk.hashes())  # nor claimed on disk
+    engine.close()
+
+
 def test_disk_tier_needs_a_host_tier():
     with pytest.raises(ValueError, match="needs a host tier"):
         EngineConfig(disk_cache_dir="/tmp/x", host_cache_bytes=0)

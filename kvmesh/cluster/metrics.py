@@ -89,6 +89,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[ReplicaStatus], float]], ...] = (
         lambda s: s.disk_blocks_read,
     ),
     (
+        "kvmesh_replica_disk_blocks_dropped",
+        "Blocks the disk tier did not keep since the replica started (write queue full, or the write failed).",
+        lambda s: s.disk_blocks_dropped,
+    ),
+    (
         "kvmesh_replica_prefill_busy_ratio",
         "Share of the last 10 s the replica spent prefilling (what routers price cache churn by).",
         lambda s: s.prefill_busy,

@@ -48,7 +48,7 @@ MAGIC = b"KVMESHD1"
 _HEADER = struct.Struct("<8s32s16sQQ")  # magic, fingerprint (sha256), block hash, payload bytes, xxh3_64
 SUFFIX = ".kvb"
 WRITE_QUEUE = 256
-"""Blocks waiting for the writer at most; more are dropped (counted in ``dropped``)."""
+"""Blocks waiting for the writer at most; more are dropped (counted in ``DiskTier.dropped``)."""
 
 
 def cache_fingerprint(runner: ModelRunner, model_id: str, hash_seed: BlockHash, config: EngineConfig) -> bytes:
@@ -88,7 +88,8 @@ class DiskTier:
         """Blocks on disk or queued for it, least recently used first."""
         self._pending: dict[BlockHash, bytes] = {}
         self._mutex = threading.Lock()
-        self.dropped = self.rejected = 0
+        self.dropped = 0
+        """Blocks not kept: the write queue was full or their write failed (``disk_blocks_dropped`` in the stats)."""
         self.emit: Callable[[KVEvent], None] | None = None
         """Receives the tier's KV events (medium ``disk``), on the engine's thread, in order with the
         other tiers'; blocks adopted at start-up are in ``hashes()`` (the publisher's first snapshot)."""
@@ -137,7 +138,6 @@ class DiskTier:
         return len(self._files)
 
     def _reject(self, path: Path, why: str) -> None:
-        self.rejected += 1
         log.warning("disk tier: skipping %s (%s)", path, why)
         path.unlink(missing_ok=True)
 

@@ -608,6 +608,7 @@ class LLMEngine(StepRecovery):
             disk_tier_blocks=disk.num_blocks if disk is not None else 0,
             disk_tier_used_blocks=len(disk) if disk is not None else 0,
             disk_blocks_read=self.swap.disk_blocks_read if disk is not None else 0,
+            disk_blocks_dropped=disk.dropped if disk is not None else 0,
             host_load_tok_s=self.swap.load_tok_s(size) if self.swap is not None and self.swap.cache_blocks else None,
             disk_load_tok_s=self.swap.disk_load_tok_s(size) if disk is not None else None,
             prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,

@@ -41,6 +41,7 @@ class EngineSnapshot:
     disk_tier_blocks: int
     disk_tier_used_blocks: int
     disk_blocks_read: int
+    disk_blocks_dropped: int
     host_load_tok_s: float | None
     """Prompt tokens per second loaded back from the host tier (None: no host prefix tier)."""
     disk_load_tok_s: float | None
@@ -112,6 +113,7 @@ class EngineSnapshot:
             disk_tier_blocks=self.disk_tier_blocks,
             disk_tier_used_blocks=self.disk_tier_used_blocks,
             disk_blocks_read=self.disk_blocks_read,
+            disk_blocks_dropped=self.disk_blocks_dropped,
             prefill_busy=self.prefill_busy,
         )
 

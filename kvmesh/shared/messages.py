@@ -213,6 +213,9 @@ class EngineStats:
     disk_tier_used_blocks: int = 0
     disk_blocks_read: int = 0
     """Blocks read back from the disk tier since start (each one a block not recomputed)."""
+    disk_blocks_dropped: int = 0
+    """Blocks the disk tier did not keep since start: its write queue was full (a disk slower than evictions)
+    or their write failed (a full disk)."""
     prefill_busy: float = 0.0
     """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
 
