@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -55,3 +60,39 @@ def test_bench_run_reports_routers_side_by_side(tiny_llama_dir, tmp_path):
         assert run["hit_rate"] <= result["pooled_bound"] + 1e-9  # nobody beats one cache as large as all
     # later turns reuse their history: KV-aware routing keeps conversations where their blocks are
     assert result["routers"]["kv_aware"]["hit_rate"] > 0.3
+
+
+def test_a_benchmark_killed_mid_run_leaves_no_cluster_behind(tiny_llama_dir):
+    """``kvmesh bench run`` killed outright (SIGKILL: a CI timeout) while its cluster runs: the ``kvmesh serve``
+    it started hears of it and stops Ray and Redis, instead of leaving them (and their engines) running."""
+    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "bench", "run", "--model", str(tiny_llama_dir)]
+    cmd += ["--routers", "kv_aware", "--replicas", "1", "--sessions", "50", "--turns", "4", "--threads", "1"]
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not {"raylet", "redis-server"} <= set(started.values()):
+            for child in psutil.Process(bench.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    started[child.pid] = child.name()
+            time.sleep(0.5)
+        assert {"raylet", "redis-server"} <= set(started.values()), f"no cluster came up: {started}"
+    finally:
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        alive = {pid: name for pid, name in started.items() if _alive(pid)}
+        if not alive:
+            return
+        time.sleep(1)
+    for pid in alive:  # leave nothing running for the tests after this one
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"left running after the benchmark was killed: {alive}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -2,12 +2,14 @@
 
 Used by the benchmarks and the end-to-end tests. Every process the server starts is remembered while it
 runs, so a caller can check that a shutdown left nothing behind, or kill exactly those processes (by id)
-after a failure.
+after a failure. On Linux the server is also sent SIGTERM when the process that started it dies, however it
+dies (a benchmark killed by a timeout), so it shuts its Ray cluster and Redis down instead of leaving them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +22,14 @@ import psutil
 
 from kvmesh.cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
 from kvmesh.cluster.embedded_redis import free_port
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal a process gets when the thread that started it ends."""
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec (``preexec_fn``): SIGTERM it when its parent dies, even by SIGKILL."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServeProcess:
@@ -50,7 +60,13 @@ class ServeProcess:
             str(self.grpc),
         ]
         self.started_at = time.perf_counter()
-        self.proc = subprocess.Popen([*cmd, *self.args], stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [*cmd, *self.args],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+        )
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text()[-n:]
