@@ -50,6 +50,7 @@ from kvmesh.bench.serve_process import ServeProcess
 from kvmesh.bench.trace_workloads import rag
 from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
 from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.shared.processes import die_with_parent
 
 MODEL = "smollm2-135m"
 SUMMARY_KEYS = (
@@ -73,9 +74,14 @@ class Child:
     ) -> None:
         self.name, self.url, self.ready_path = name, url, ready_path
         self.log = Path(tempfile.mkstemp(prefix=f"peer-{name}-", suffix=".log")[1])
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+        def prepare() -> None:  # in the child: its cores, and its end with this process
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            die_with_parent()
+
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env or os.environ, preexec_fn=pin
+            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env or os.environ, preexec_fn=prepare
         )
 
     def wait_ready(self, timeout_s: float = 300) -> None:

@@ -9,7 +9,6 @@ dies (a benchmark killed by a timeout), so it shuts its Ray cluster and Redis do
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,14 +21,7 @@ import psutil
 
 from kvmesh.cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
 from kvmesh.cluster.embedded_redis import free_port
-
-PR_SET_PDEATHSIG = 1
-"""prctl(2): the signal a process gets when the thread that started it ends."""
-
-
-def die_with_parent() -> None:
-    """In a child between fork and exec (``preexec_fn``): SIGTERM it when its parent dies, even by SIGKILL."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+from kvmesh.shared.processes import die_with_parent
 
 
 class ServeProcess:
@@ -65,7 +57,7 @@ class ServeProcess:
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent,
         )
 
     def tail(self, n: int = 3000) -> str:

