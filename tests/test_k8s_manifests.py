@@ -645,10 +645,11 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
     report = ReplicaStatus(
         kv_usage=0.5, prefix_hit_rate=0.5, num_running=1, num_cached_blocks=1, index_entries=1, host_tier_blocks=8
     )
+    worker = ReplicaStatus(kv_event_batches=3, kv_event_lag_s=0.01)  # an external worker whose events are followed
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     exported = {
         family.name + suffix
-        for family in text_string_to_metric_families(metrics.render({"r": report}).decode())
+        for family in text_string_to_metric_families(metrics.render({"r": report, "w": worker}).decode())
         for suffix in suffixes.get(family.type, [""])
     }
     (configmap,) = objects(overlay, "ConfigMap")
@@ -662,3 +663,4 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
     assert any("kvmesh_cached_prompt_tokens_total" in e and "kvmesh_prompt_tokens_total" in e for e in exprs)
     assert re.search(r"histogram_quantile\(0\.99, .*kvmesh_time_to_first_token_seconds_bucket", joined)
     assert re.search(r"sum by \(reason\) \(rate\(kvmesh_routing_decisions_total", joined)
+    assert "kvmesh_replica_index_resyncs_total" in joined and "kvmesh_replica_kv_event_gaps_total" in joined
