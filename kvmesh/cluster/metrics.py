@@ -119,10 +119,7 @@ class _ReplicaCollector(Collector):
         for replica, status in self.reports:
             entries.add_metric([replica], float(status.index_entries))
         yield entries
-        preemptions = CounterMetricFamily("kvmesh_replica_preemptions", "Requests preempted.", labels=["replica"])
-        for replica, status in known:
-            preemptions.add_metric([replica], status.num_preemptions)
-        yield preemptions
+        yield from _counters((("kvmesh_replica_preemptions", "Requests preempted.", "num_preemptions"),), known)
         cached = CounterMetricFamily(
             "kvmesh_replica_cached_prompt_tokens",
             "Prompt tokens served from the replica's prefix cache, by the tier that held them.",
@@ -174,6 +171,7 @@ _EVENT_COUNTERS = (
 
 
 def _counters(specs, reports: list[tuple[str, ReplicaStatus]]) -> Iterator[CounterMetricFamily]:
+    """One counter family per ``(name, doc, ReplicaStatus field)``, a sample per replica of ``reports``."""
     for name, doc, field in specs:
         family = CounterMetricFamily(name, doc, labels=["replica"])
         for replica, status in reports:
