@@ -13,6 +13,8 @@ import time
 import psutil
 import pytest
 
+from tests.process_helpers import outlived
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
@@ -80,19 +82,5 @@ def test_a_benchmark_killed_mid_run_leaves_no_cluster_behind(tiny_llama_dir):
     finally:
         os.kill(bench.pid, signal.SIGKILL)
         bench.wait()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        alive = {pid: name for pid, name in started.items() if _alive(pid)}
-        if not alive:
-            return
-        time.sleep(1)
-    for pid in alive:  # leave nothing running for the tests after this one
-        os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"left running after the benchmark was killed: {alive}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    left = outlived(started, 90)
+    assert not left, f"left running after the benchmark was killed: {left}"

@@ -47,23 +47,15 @@ def test_the_server_ends_with_the_process_that_started_it():
     import signal
     import subprocess
     import sys
-    import time
 
-    import psutil
+    from tests.process_helpers import outlived
 
     code = "from kvmesh.cluster.embedded_redis import EmbeddedRedis; import time\n"
     code += "s = EmbeddedRedis().start(); print(s.process.pid, flush=True); time.sleep(600)"
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        server = psutil.Process(int(owner.stdout.readline()))
-        assert server.is_running()
+        server = int(owner.stdout.readline())
     finally:
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
-    deadline = time.monotonic() + 10
-    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.1)
-    gone = not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
-    if not gone:
-        server.kill()
-    assert gone, "redis-server outlived the process that started it"
+    assert not outlived({server: "redis-server"}, 10), "redis-server outlived the process that started it"
