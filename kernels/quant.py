@@ -21,7 +21,7 @@ A quantized cache stores K and V in one byte per element and carries scales besi
     15)`` (``step = (hi - lo) / 15``) as its nibble. Within a block each channel
     of a RoPE'd key moves little, so its own range is narrow, where a per-token scale spends its levels on
     the largest channels. The levels must be rounded once from the exact keys: a block being filled keeps
-    its keys in full precision beside the cache (``kvmesh/kernels/int4_store.py``) and is re-derived from
+    its keys in full precision beside the cache (``kernels/int4_store.py``) and is re-derived from
     them on every write.
   - **values per token**: rotated by a fixed randomized Hadamard matrix (``int4_rotation``, QuaRot's
     trick: outlier channels spread over all of them; the output is rotated back, so attention is exact),
@@ -33,7 +33,7 @@ Kernels receive ``k_scale``/``v_scale`` as None (the cache holds the compute dty
 (fp8), a 3-D per-slot tensor (int8; int4's values, as e4m3 bytes) or int4's 4-D per-block key ranges, and
 dequantize on load; a ``uint8`` cache is int4. e4m3 tops out at 448: int4 keys beyond it clip. This module is
 the one definition of the formats; the engine's sizing and ``kvmesh plan`` count bytes with
-``kvmesh/shared/kv_dtype.py``, which mirrors it.
+``core/kv_dtype.py``, which mirrors it.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ def store_kv_torch(
 ) -> None:
     """Write ``key``/``value`` ([tokens, kv_heads, head_dim]) into the paged caches; slot -1 is skipped.
 
-    Quantized caches (``kvmesh/kernels/quant.py``) store scaled values; int8 and int4 also write each token's
-    scales. An int4 cache's keys are written whole blocks at a time (``kvmesh/kernels/int4_store.py``), as
+    Quantized caches (``kernels/quant.py``) store scaled values; int8 and int4 also write each token's
+    scales. An int4 cache's keys are written whole blocks at a time (``kernels/int4_store.py``), as
     ``plan`` says, from the exact keys kept in ``tail`` (without a plan: from the stored ones).
     """
     valid = slot_mapping >= 0
@@ -134,7 +134,7 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Attention of ``q`` ([tokens, heads, head_dim]) over each sequence's paged context, into ``out``.
 
-    ``k_scale``/``v_scale`` are a quantized cache's scales (``kvmesh/kernels/quant.py``); they are dequantized on load.
+    ``k_scale``/``v_scale`` are a quantized cache's scales (``kernels/quant.py``); they are dequantized on load.
     ``window``: sliding-window attention, each query sees its last ``window`` positions (itself included).
     """
     out = torch.empty_like(q) if out is None else out

@@ -18,7 +18,7 @@ the tile size is independent of the cache's block size (any power of two >= 8 wo
 the whole batch and exit early for sequences that belong to the other kernel, so no host-side split of
 the batch is needed. Softmax and accumulation are fp32; fp32 inputs use IEEE-precision dots (no TF32).
 
-Quantized caches (``kvmesh/kernels/quant.py``; ``QUANT`` 1 = fp8 with per-head scales, 2 = int8 with per-slot
+Quantized caches (``kernels/quant.py``; ``QUANT`` 1 = fp8 with per-head scales, 2 = int8 with per-slot
 scales, 3 = int4 packed two per byte: keys with per-block channel ranges, values with per-slot scales) are
 quantized by the store kernel (int4: by ``store_kv_torch``, whole key blocks at a time) and dequantized tile
 by tile as the attention kernels load them.

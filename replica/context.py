@@ -18,11 +18,11 @@ from kvmesh.kernels.int4_store import TailPlan
 @dataclass
 class LayerCache:
     """One layer's paged KV cache: K and V, each [num_blocks, block_size, kv_heads, head_dim], and, for a
-    quantized cache, their scales (``kvmesh/kernels/quant.py``: per KV head for fp8, per slot and KV head for
+    quantized cache, their scales (``kernels/quant.py``: per KV head for fp8, per slot and KV head for
     int8 and int4's values, per block, KV head and channel for int4's keys). An int4 cache packs two values
     per byte (its last dim is ``head_dim / 2``), holds V rotated by ``rotation`` ([head_dim, head_dim],
     orthogonal; attention undoes it on its output), and keeps the exact keys of blocks being filled in
-    ``k_tail`` ([tail slots, block_size, kv_heads, head_dim], ``kvmesh/kernels/int4_store.py``)."""
+    ``k_tail`` ([tail slots, block_size, kv_heads, head_dim], ``kernels/int4_store.py``)."""
 
     k: torch.Tensor
     v: torch.Tensor

@@ -1,4 +1,4 @@
-"""A step's device work, in launch order (``kvmesh/replica/device_queue.py`` runs it): block copies, the
+"""A step's device work, in launch order (``replica/device_queue.py`` runs it): block copies, the
 forward pass, logit biases, penalties and grammar masks, sampling (then the penalty counts), and the
 log-probabilities a step's plan asks for. It reads only its ``StepPlan`` and device state, never the
 engine's host state, so it can run while the host prepares the next step."""

@@ -1,4 +1,4 @@
-"""The engine's KV events on vLLM's wire (``kvmesh/shared/kv_event_wire.py``), so any router that consumes
+"""The engine's KV events on vLLM's wire (``core/kv_event_wire.py``), so any router that consumes
 vLLM's events (Dynamo, llm-d, SGLang's router, Ray's ``KVAwareRouter``, kvmesh's own) can route kvmesh engines.
 
 The engine thread only queues each step's events (never blocks: a full queue drops the step and says so).
@@ -18,8 +18,7 @@ from collections import deque
 
 import zmq
 
-from kvmesh.replica.kv_events import DEVICE, BlockRemoved, BlockStored, KVEvent
-from kvmesh.shared.kv_event_wire import (
+from kvmesh.core.kv_event_wire import (
     CPU,
     END_SEQ,
     GPU,
@@ -32,6 +31,7 @@ from kvmesh.shared.kv_event_wire import (
     encode_batch,
     wire_hash,
 )
+from kvmesh.replica.kv_events import DEVICE, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 

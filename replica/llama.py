@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
         return get_context().kernels.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; may overwrite both inputs (``kvmesh/kernels/layers.py``)."""
+        """``(norm(x + residual), x + residual)``; may overwrite both inputs (``kernels/layers.py``)."""
         return get_context().kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -73,7 +73,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``/``k`` rotated; may rotate them in place (``kvmesh/kernels/layers.py``)."""
+        """``q``/``k`` rotated; may rotate them in place (``kernels/layers.py``)."""
         return get_context().kernels.rotary(q, k, self.cos, self.sin, positions)
 
 

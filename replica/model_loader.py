@@ -1,4 +1,4 @@
-"""Load a model's weights into our Llama forward (files and tokenizer: ``kvmesh.shared.model_files``)."""
+"""Load a model's weights into our Llama forward (files and tokenizer: ``kvmesh.core.model_files``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from kvmesh.core.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from kvmesh.kernels.cpu_linear import pack_linears
 from kvmesh.replica.llama import LlamaForCausalLM
-from kvmesh.shared.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 
 
 @dataclass

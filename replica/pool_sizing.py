@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.shared.engine_config import (
+from kvmesh.core.engine_config import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_HOST_CACHE_FRACTION,
     GPU_KV_FRACTION,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.core.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from kvmesh.kernels.cpu_extension import cpu_op
-from kvmesh.shared.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 MAX_TOP_K = 1024
 """Largest ``top_k`` served from one ``topk`` of candidates; a larger one sorts its row."""
@@ -221,7 +221,7 @@ def _sample_sorted(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor, roun
 
 
 def _sample_rejection_compiled(x: torch.Tensor, s: SamplingTensors, rows: torch.Tensor) -> torch.Tensor | None:
-    """The rejection path in one compiled CPU kernel (``kvmesh/kernels/csrc/sample_cpu.cpp``); None without it."""
+    """The rejection path in one compiled CPU kernel (``kernels/csrc/sample_cpu.cpp``); None without it."""
     kernel = cpu_op("sample_rows") if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if kernel is None:
         return None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.shared.errors import InvalidRequest
+from kvmesh.core.errors import InvalidRequest
 
 
 class GrammarCompiler:

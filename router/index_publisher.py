@@ -31,9 +31,9 @@ from typing import Protocol
 import redis
 from redis.exceptions import RedisError
 
+from kvmesh.core.hashing import BlockHash
+from kvmesh.core.messages import ReplicaStatus
 from kvmesh.router.index_schema import DEFAULT_HEARTBEAT_TTL_S, block_key, index_prefix, script_source
-from kvmesh.shared.hashing import BlockHash
-from kvmesh.shared.messages import ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ LOG_EVERY_S = 30.0
 
 
 class KVEventLike(Protocol):
-    """The engine's KV events as the publisher sees them (``kvmesh/replica/kv_events.py``)."""
+    """The engine's KV events as the publisher sees them (``replica/kv_events.py``)."""
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hash: bytes

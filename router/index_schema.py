@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
 
-from kvmesh.shared.hashing import BlockHash
+from kvmesh.core.hashing import BlockHash
 
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
 """Where every process finds the index's Redis (its password included) when none is passed explicitly:

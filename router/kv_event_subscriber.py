@@ -1,4 +1,4 @@
-"""Follows one engine's KV-event stream (vLLM's ZMQ protocol, ``kvmesh/shared/kv_event_wire.py``): every batch
+"""Follows one engine's KV-event stream (vLLM's ZMQ protocol, ``core/kv_event_wire.py``): every batch
 once, in sequence order, across gaps, joins and publisher restarts.
 
 A SUB socket takes the live stream; a DEALER asks the engine's ROUTER socket for buffered batches
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvmesh.shared.kv_event_wire import END_SEQ, EventBatch, WireFormatError, decode_batch
+from kvmesh.core.kv_event_wire import END_SEQ, EventBatch, WireFormatError, decode_batch
 
 log = logging.getLogger(__name__)
 

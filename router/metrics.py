@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.shared.messages import LoadReport
+from kvmesh.core.messages import LoadReport
 
 INDEX_LOOKUP_SECONDS = Histogram(
     "kvmesh_index_lookup_seconds",

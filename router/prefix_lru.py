@@ -1,7 +1,7 @@
 """An LRU of prefix blocks that evicts a chain's tail before its head, as the engine's block pool does.
 
 A cached block is useful only while every block before it is cached too (a hit is the leading run of a
-prompt's chain). The engine frees a finished request's blocks tail-first (``kvmesh/replica/block_pool.py``), so
+prompt's chain). The engine frees a finished request's blocks tail-first (``replica/block_pool.py``), so
 under pressure a prefix shrinks from its end and its shared beginning stays. Refreshing a chain head-first
 instead would make its head the oldest entry: the first eviction would cut the whole chain off while its
 now unreachable tail kept the space. The simulator's replicas, the pooled-LRU bounds and the approximate

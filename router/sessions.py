@@ -4,7 +4,7 @@ A conversation's later turns belong where its history is cached, so a router rem
 replica (stickiness). Where a conversation starts therefore decides the load, so new conversations on a
 shared prefix are placed with bounded loads on the conversations each replica holds: the ones this router
 sent there that are still live (a turn within a few of the usual gaps between turns, ``LiveConversations``),
-plus the recent starts of other routers, shared through the index (``kvmesh/router/lua/session.lua``) and
+plus the recent starts of other routers, shared through the index (``router/lua/session.lua``) and
 fading over ``SESSION_DECAY_S``. Which requests start or continue a conversation is learned from the
 prompts' shapes (``Branches``).
 """

@@ -2,7 +2,7 @@
 kvmesh block hashes it holds, per tier, for the index publisher.
 
 Like Dynamo and llm-d, this never trusts or recomputes the engine's own hashes: it hashes each stored
-block's ``token_ids`` with kvmesh's chain (``kvmesh/shared/hashing.py``: the model seed, block 0's cache salt),
+block's ``token_ids`` with kvmesh's chain (``core/hashing.py``: the model seed, block 0's cache salt),
 so the ingress's hashes of a prompt find it. The engine's hashes only link a block to its parent and name
 what a removal removes. Engine and kvmesh block sizes may differ: an engine block of 128 tokens holds eight
 16-token kvmesh blocks; engine blocks smaller than kvmesh's (SGLang's pages) complete one every few. A
@@ -18,15 +18,15 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from kvmesh.shared.hashing import BlockHash, first_block_extra, hash_block
-from kvmesh.shared.kv_event_wire import HOST_MEDIA, AllCleared, EventBatch, RemovedBlocks, StoredBlocks, WireHash
+from kvmesh.core.hashing import BlockHash, first_block_extra, hash_block
+from kvmesh.core.kv_event_wire import HOST_MEDIA, AllCleared, EventBatch, RemovedBlocks, StoredBlocks, WireHash
 
 DEVICE, HOST = "device", "host"
 
 
 @dataclass(frozen=True, slots=True)
 class IndexEvent:
-    """What ``kvmesh/router/index_publisher.py`` reads of an event."""
+    """What ``router/index_publisher.py`` reads of an event."""
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hash: BlockHash = b""

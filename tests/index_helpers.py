@@ -23,7 +23,7 @@ def entries_of_slot(url: str, prefix: str, slot: bytes) -> set[bytes]:
 
 
 def host_tag(slot: bytes) -> bytes:
-    """How a slot's host-tier entries are written: its top bit set (``kvmesh/router/index_schema.py``)."""
+    """How a slot's host-tier entries are written: its top bit set (``router/index_schema.py``)."""
     return bytes([slot[0] | 0x80]) + slot[1:]
 
 

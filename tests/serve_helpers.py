@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.messages import GenerateCall
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import GenerateCall
+from kvmesh.core.sampling_params import SamplingParams
 
 ENGINE_SLOT = "kvmesh_test_engine_slot"
 """A custom resource the shared test Ray session has once: an engine claiming it stands in for a GPU engine."""

@@ -7,7 +7,14 @@ import asyncio
 import httpx
 import pytest
 
-from kvmesh.cluster.admission import API_KEYS_ENV, TENANT_STATE, Admission, AdmissionMiddleware, ApiKeys, key_digests
+from kvmesh.cluster.ingress.admission import (
+    API_KEYS_ENV,
+    TENANT_STATE,
+    Admission,
+    AdmissionMiddleware,
+    ApiKeys,
+    key_digests,
+)
 
 
 class EchoApp:

@@ -11,8 +11,8 @@ import pytest
 import ray.serve.autoscaling_policy as ray_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from kvmesh.cluster.autoscaling import KVPressurePolicy, autoscaling_config
-from kvmesh.shared.messages import KVPressure
+from kvmesh.cluster.engines.autoscaling import KVPressurePolicy, autoscaling_config
+from kvmesh.core.messages import KVPressure
 
 POOL = 100  # blocks per replica
 

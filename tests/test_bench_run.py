@@ -23,7 +23,7 @@ def test_bench_run_reports_routers_side_by_side(tiny_llama_dir, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "kvmesh.cluster.cli",
+        "kvmesh.cluster.launch.cli",
         "bench",
         "run",
         "--model",
@@ -67,7 +67,7 @@ def test_bench_run_reports_routers_side_by_side(tiny_llama_dir, tmp_path):
 def test_a_benchmark_killed_mid_run_leaves_no_cluster_behind(tiny_llama_dir):
     """``kvmesh bench run`` killed outright (SIGKILL: a CI timeout) while its cluster runs: the ``kvmesh serve``
     it started hears of it and stops Ray and Redis, instead of leaving them (and their engines) running."""
-    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "bench", "run", "--model", str(tiny_llama_dir)]
+    cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "bench", "run", "--model", str(tiny_llama_dir)]
     cmd += ["--routers", "kv_aware", "--replicas", "1", "--sessions", "50", "--turns", "4", "--threads", "1"]
     bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started: dict[int, str] = {}

@@ -1,8 +1,8 @@
 import pytest
 
+from kvmesh.core.hashing import hash_blocks, model_seed
 from kvmesh.replica.block_pool import BlockPool, OutOfBlocksError
 from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.shared.hashing import hash_blocks, model_seed
 
 H = hash_blocks(list(range(16 * 8)), 16, model_seed("t"))
 
@@ -101,7 +101,7 @@ def test_same_content_cached_twice_stays_reachable_after_one_copy_is_evicted():
 
 def test_salt_isolates():
     seed = model_seed("t")
-    from kvmesh.shared.hashing import first_block_extra
+    from kvmesh.core.hashing import first_block_extra
 
     pool = BlockPool(4)
     a = pool.allocate(1)

@@ -1,6 +1,6 @@
 """The CUDA-graph decode path's own logic, on the CPU: bucket choice and padding.
 
-A decode batch replayed from a graph runs on static buffers padded up to its bucket (``kvmesh/replica/cuda_graphs``).
+A decode batch replayed from a graph runs on static buffers padded up to its bucket (``replica/cuda_graphs``).
 On the CPU the same path runs eagerly (``capture=False``): batch sizes that change every step (requests
 finishing, preemption, forks joining) must give exactly the outputs of the plain path, with the async
 loop's device-filled inputs. Capture and replay themselves are CUDA's: ``tests/test_gpu.py``.

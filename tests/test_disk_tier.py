@@ -8,10 +8,10 @@ import os
 
 import pytest
 
+from kvmesh.core.hashing import hash_blocks
 from kvmesh.replica import EngineConfig, LLMEngine
 from kvmesh.replica.disk_tier import DiskTier, DiskTierBusy
 from kvmesh.router.index_publisher import KVIndexPublisher
-from kvmesh.shared.hashing import hash_blocks
 from tests.index_helpers import query
 from tests.test_host_tier import run
 

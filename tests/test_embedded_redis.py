@@ -1,6 +1,6 @@
 import redis
 
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 
 
 def test_starts_answers_and_stops_cleanly():
@@ -50,7 +50,7 @@ def test_the_server_ends_with_the_process_that_started_it():
 
     from tests.process_helpers import outlived
 
-    code = "from kvmesh.cluster.embedded_redis import EmbeddedRedis; import time\n"
+    code = "from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis; import time\n"
     code += "s = EmbeddedRedis().start(); print(s.process.pid, flush=True); time.sleep(600)"
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 from kvmesh.router.index_schema import index_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

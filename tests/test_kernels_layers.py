@@ -1,5 +1,5 @@
-"""The compiled CPU layers (``kvmesh/kernels/layers.py``) and prepacked linears
-(``kvmesh/kernels/cpu_linear.py``) against their torch definitions: same values, on the strided views the
+"""The compiled CPU layers (``kernels/layers.py``) and prepacked linears
+(``kernels/cpu_linear.py``) against their torch definitions: same values, on the strided views the
 model hands them, in every float dtype."""
 
 from __future__ import annotations

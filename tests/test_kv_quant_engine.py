@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from kvmesh.cluster.plan import model_shape
+from kvmesh.cluster.launch.plan import model_shape
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.kv_dtype import MODEL_DTYPE_BYTES, kv_bytes_per_token
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.shared.engine_config import EngineConfig
-from kvmesh.shared.kv_dtype import MODEL_DTYPE_BYTES, kv_bytes_per_token
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 BUDGET = 1 << 20
@@ -79,9 +79,9 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
 
 
 def test_kernels_and_sizing_know_the_same_dtypes():
-    """``kvmesh/kernels/quant.py`` (storage) and ``kvmesh/shared/kv_dtype.py`` (bytes) describe one set of formats."""
+    """``kernels/quant.py`` (storage) and ``core/kv_dtype.py`` (bytes) describe one set of formats."""
+    from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
     from kvmesh.kernels.quant import KV_CACHE_STORAGE, values_per_element
-    from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, KV_LAYOUTS
 
     assert tuple(KV_CACHE_STORAGE) == KV_CACHE_DTYPES
     for name, storage in KV_CACHE_STORAGE.items():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.bench.netns_cluster import HEAD_IP, WORKER_IP, WORKER_RESOURCE, NetnsCluster, NetnsUnavailable
+from kvmesh.bench.harness.netns_cluster import HEAD_IP, WORKER_IP, WORKER_RESOURCE, NetnsCluster, NetnsUnavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -66,7 +66,7 @@ while time.time() < deadline:
 
 GRPC_UNARY = """
 import grpc, json, sys, time
-from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
 request = kvmesh_pb2.GenerateRequest(prompt=sys.argv[2], max_tokens=4)
 start = time.time()
 with grpc.insecure_channel(sys.argv[1]) as channel:

@@ -17,11 +17,11 @@ import httpx
 import psutil
 import pytest
 
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.core.hashing import model_seed
 from kvmesh.router.kv_event_subscriber import KVEventSubscriber
 from kvmesh.router.worker_blocks import WorkerBlocks
-from kvmesh.shared.hashing import model_seed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -188,7 +188,7 @@ def test_kvmesh_engine_behind_sglang_router(tiny_llama_dir, tmp_path):
     try:
         for i in range(2):
             port, log = free_port(), tmp_path / f"e{i}.log"
-            cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", str(tiny_llama_dir)]
+            cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "engine", "--model", str(tiny_llama_dir)]
             cmd += ["--port", str(port), "--threads", "1", "--num-kv-blocks", "128"]
             engines.append((subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT), port, log))
         for proc, port, log in engines:

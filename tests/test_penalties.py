@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.core.errors import InvalidRequest
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.shared.errors import InvalidRequest
 
 PROMPTS = [[5, 6, 7, 8] * 3, [100, 200, 300], [42] * 9]
 SETTINGS = [(0.0, 1.5), (2.0, 0.0), (0.5, -0.7)]  # (presence, frequency) per prompt

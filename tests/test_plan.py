@@ -1,4 +1,4 @@
-"""KV bytes per token (``kvmesh.shared.kv_dtype``) and ``kvmesh plan``: the issue's seed figures, exactly."""
+"""KV bytes per token (``kvmesh.core.kv_dtype``) and ``kvmesh plan``: the issue's seed figures, exactly."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.cli import main
-from kvmesh.cluster.plan import model_shape, parse_bytes, workload_from_lengths
-from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, kv_bytes_per_token
+from kvmesh.cluster.launch.cli import main
+from kvmesh.cluster.launch.plan import model_shape, parse_bytes, workload_from_lengths
+from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, kv_bytes_per_token
 
 GIB = 1 << 30
 LLAMA_70B = {  # Llama-3.1-70B's config.json, the fields that matter
@@ -158,7 +158,7 @@ def test_plan_70b_seed_32_sequences_of_8k_fit_40gib_with_fp8(tmp_path, capsys):
 
 def test_plan_budget_from_device_memory_follows_the_engine_rule(tmp_path, capsys):
     """(device - weights) x GPU_KV_FRACTION, the weights estimated from the config alone."""
-    from kvmesh.shared.engine_config import GPU_KV_FRACTION
+    from kvmesh.core.engine_config import GPU_KV_FRACTION
 
     result = plan_json(
         capsys, "--model", write_config(tmp_path, LLAMA_8B), "--device-memory", "80GiB", "--context-len", "8192"

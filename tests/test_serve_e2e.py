@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -388,7 +388,7 @@ def test_fuzzing_the_api_from_its_openapi_schema_finds_no_server_error(server, t
     generator's own trouble."""
     import xml.etree.ElementTree as ET
 
-    from kvmesh.cluster.http_api import app
+    from kvmesh.cluster.ingress.http_api import app
 
     schema = tmp_path / "openapi.json"
     schema.write_text(json.dumps(app.openapi()))
@@ -607,7 +607,7 @@ def test_api_keys_are_required_on_the_api_but_not_on_probes(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
     no_key = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cluster.cli", "status", "--url", server.url],
+        [sys.executable, "-m", "kvmesh.cluster.launch.cli", "status", "--url", server.url],
         capture_output=True,
         text=True,
         timeout=60,
@@ -748,7 +748,7 @@ def test_metrics_and_status_show_the_cluster(client, server):
     assert text.count("kvmesh_replica_kv_usage_ratio{") == 2
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cluster.cli", "status", "--url", server.url, "--api-key", KEY],
+        [sys.executable, "-m", "kvmesh.cluster.launch.cli", "status", "--url", server.url, "--api-key", KEY],
         capture_output=True,
         text=True,
         timeout=60,

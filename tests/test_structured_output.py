@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
+from kvmesh.core.errors import InvalidRequest
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.shared.errors import InvalidRequest
 
 SCHEMA = {
     "type": "object",

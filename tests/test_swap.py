@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.shared.engine_config import EngineConfig
 
 PROMPTS = [list(range(300 + 50 * i, 345 + 50 * i)) for i in range(4)]  # 45 tokens each: 3 blocks
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

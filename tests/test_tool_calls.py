@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.tool_calls import (
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCallStream,

@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from kvmesh.bench.serve_process import ServeProcess
+from kvmesh.bench.harness.serve_process import ServeProcess
 from tests.qwen_style import save_tiny_qwen
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -173,7 +173,7 @@ def test_a_tool_round_trip_ends_in_an_answer(client, server):
 def test_tools_over_grpc_whole_and_streamed(server):
     """gRPC carries tools as JSON text and returns typed calls: a forced call validates, the stream's calls
     equal the whole answer's, and a history with the call and its result gets a text answer."""
-    from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+    from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
 
     auth = (("authorization", f"Bearer {KEY}"),)
     ask = [kvmesh_pb2.ChatMessage(role="user", content=ASK[0]["content"])]

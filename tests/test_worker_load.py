@@ -10,15 +10,15 @@ import json
 
 from aiohttp import web
 
-from kvmesh.cluster.router_server import LocalRouter
-from kvmesh.cluster.worker_client import Worker
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.workers.router_server import LocalRouter
+from kvmesh.cluster.workers.worker_client import Worker
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.errors import InvalidRequest, RequestFailed
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.kv_event_wire import EventBatch, StoredBlocks
+from kvmesh.core.messages import GenerateCall, LoadReport
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.router.policy import RouteRequest
-from kvmesh.shared.errors import InvalidRequest, RequestFailed
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.kv_event_wire import EventBatch, StoredBlocks
-from kvmesh.shared.messages import GenerateCall, LoadReport
-from kvmesh.shared.sampling_params import SamplingParams
 
 MODEL = "m"
 

@@ -16,7 +16,7 @@ does not flap. Scale-down drains: Ray stops routing to the replica at once, wait
 shutdown timeout for its in-flight streams, then its destructor removes its index entries.
 
 Ray pickles this module *by value* into the controller: keep its imports to the standard library and
-``kvmesh.shared.messages`` (torch-free; the controller imports it by reference, from the same installation
+``kvmesh.core.messages`` (torch-free; the controller imports it by reference, from the same installation
 as the replicas).
 """
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvmesh.shared.messages import KVPressure
+from kvmesh.core.messages import KVPressure
 
 SCALING_POLICIES = ("kv_pressure", "ongoing_requests")
 """``kv_pressure``: ``KVPressurePolicy``; ``ongoing_requests``: Ray Serve's default (the baseline)."""
 
-POLICY_PATH = "kvmesh.cluster.autoscaling:KVPressurePolicy"
+POLICY_PATH = "kvmesh.cluster.engines.autoscaling:KVPressurePolicy"
 
 DEFAULTS: dict[str, Any] = {
     "metrics_interval_s": 2.0,

@@ -107,7 +107,7 @@ class NodePrepared:
 
 def prepare_this_node(model: str, device: str | None) -> NodePrepared:
     """Resolve the model on this node (converting a GGUF into its cache) and build the CPU kernels."""
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     start = time.perf_counter()
     resolve_model_dir(model)

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 
-from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.protocol.api_errors import APIError
 
 API_KEYS_ENV = "KVMESH_API_KEYS"
 """Comma-separated API keys, added to the configured ones (on Kubernetes: from a Secret)."""

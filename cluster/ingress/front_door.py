@@ -1,6 +1,6 @@
 """What stands in front of engines for one served model, without Ray: the ingress's settings
 (``IngressSettings``) and its ``Generation`` and ``Admission`` (``front_door``). The Serve ingress
-(``kvmesh/cluster/ingress.py``), ``kvmesh engine`` and ``kvmesh router`` all build theirs here; only the
+(``cluster/ingress/deployment.py``), ``kvmesh engine`` and ``kvmesh router`` all build theirs here; only the
 first imports Ray.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.cluster import metrics
-from kvmesh.cluster.admission import Admission
-from kvmesh.cluster.generation import LOCAL_HANDLE_ERRORS, Generation, HandleErrors, ModelLimits
-from kvmesh.shared.limits import prompt_byte_limit, request_body_limit
-from kvmesh.shared.model_files import load_tokenizer, max_context, max_token_bytes, resolve_model_dir, vocab_size
-from kvmesh.shared.sampling_params import MAX_N
+from kvmesh.cluster.ingress.admission import Admission
+from kvmesh.cluster.ingress.generation import LOCAL_HANDLE_ERRORS, Generation, HandleErrors, ModelLimits
+from kvmesh.cluster.monitoring import metrics
+from kvmesh.core.limits import prompt_byte_limit, request_body_limit
+from kvmesh.core.model_files import load_tokenizer, max_context, max_token_bytes, resolve_model_dir, vocab_size
+from kvmesh.core.sampling_params import MAX_N
 
 
 @dataclass
@@ -57,7 +57,7 @@ def front_door(
     s: IngressSettings, engine_handle, errors: HandleErrors = LOCAL_HANDLE_ERRORS
 ) -> tuple[Generation, Admission]:
     """The ``Generation`` over ``engine_handle`` and the ``Admission`` limits of one served model: what an
-    ingress and a single-engine server (``kvmesh/cluster/engine_server.py``) put in front of engines.
+    ingress and a single-engine server (``cluster/engines/engine_server.py``) put in front of engines.
     ``errors``: what ``engine_handle`` raises when a replica fails or every one is busy."""
     model_dir = resolve_model_dir(s.model, weights=False)  # tokenizer and config only
     tokenizer = load_tokenizer(model_dir)

@@ -24,17 +24,17 @@ from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 
-from kvmesh.cluster import metrics
-from kvmesh.cluster.admission import RETRY_AFTER_S
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.tool_calls import ToolRequest, template_messages, template_syntax
+from kvmesh.cluster.ingress.admission import RETRY_AFTER_S
+from kvmesh.cluster.monitoring import metrics
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.tool_calls import ToolRequest, template_messages, template_syntax
+from kvmesh.core.errors import InvalidRequest, RequestFailed
+from kvmesh.core.hashing import first_block_extra, hash_blocks, model_seed
+from kvmesh.core.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
+from kvmesh.core.messages import GenerateCall, GenerateChunk, TokenLogprob
+from kvmesh.core.model_files import render_chat
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.router import metrics as router_metrics
-from kvmesh.shared.errors import InvalidRequest, RequestFailed
-from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
-from kvmesh.shared.limits import MAX_MESSAGES, check_for_model, check_prompt_ids, check_request_fields
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, TokenLogprob
-from kvmesh.shared.model_files import render_chat
-from kvmesh.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class HandleErrors:
     """What an engine handle raises when the replica serving a call died or became unreachable (retried before
     the first token) and when every replica is busy and its queue is full (a 503). Ray Serve's handle has its
-    own (``kvmesh/cluster/ingress.py``); a ``LocalHandle`` raises neither, and keeps this module Ray-free."""
+    own (``cluster/ingress/deployment.py``); a ``LocalHandle`` raises neither, and keeps this module Ray-free."""
 
     replica_failed: tuple[type[BaseException], ...] = ()
     overloaded: tuple[type[BaseException], ...] = ()
@@ -215,7 +215,7 @@ class Generation:
 
     def with_tools(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
         """A chat's messages and the tool entries to hand its template: the template's own rendering of tools
-        where it has one, else the tools written into a system message (``kvmesh/cluster/tool_calls.py``)."""
+        where it has one, else the tools written into a system message (``cluster/protocol/tool_calls.py``)."""
         offered = None
         if tools is not None and self.tool_syntax is not None:
             offered = [{"type": "function", "function": f} for f in tools.functions]

@@ -1,4 +1,4 @@
-"""kvmesh's gRPC API (``kvmesh/cluster/proto/kvmesh.proto``, service ``kvmesh.KVMesh``) on the ingress.
+"""kvmesh's gRPC API (``cluster/ingress/proto/kvmesh.proto``, service ``kvmesh.KVMesh``) on the ingress.
 
 The same generations as HTTP, with HTTP's API keys (``authorization`` metadata), in-flight limit and body
 limit. Under ``kvmesh serve`` the ingress serves it itself on ``--host`` (``serve_grpc``); under a Ray
@@ -15,16 +15,16 @@ from typing import NoReturn
 
 import grpc
 
-from kvmesh.cluster import metrics
-from kvmesh.cluster.admission import Admission
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.api_params import sampling_params
-from kvmesh.cluster.chat_messages import HistoryToolCall, template_message
-from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
-from kvmesh.cluster.tool_calls import ToolReplies, ToolRequest, check_tools
-from kvmesh.shared.limits import MAX_MESSAGES
-from kvmesh.shared.messages import TokenLogprob, Usage
+from kvmesh.cluster.ingress.admission import Admission
+from kvmesh.cluster.ingress.generation import Generation, Prepared, gather
+from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.cluster.monitoring import metrics
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.api_params import sampling_params
+from kvmesh.cluster.protocol.chat_messages import HistoryToolCall, template_message
+from kvmesh.cluster.protocol.tool_calls import ToolReplies, ToolRequest, check_tools
+from kvmesh.core.limits import MAX_MESSAGES
+from kvmesh.core.messages import TokenLogprob, Usage
 
 GRPC_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -54,7 +54,7 @@ def _usage(u: Usage) -> kvmesh_pb2.Usage:
 
 
 def _message(m: kvmesh_pb2.ChatMessage) -> dict:
-    """A chat message as the template takes it, translated as HTTP's (``kvmesh/cluster/chat_messages.py``)."""
+    """A chat message as the template takes it, translated as HTTP's (``cluster/protocol/chat_messages.py``)."""
     calls = [HistoryToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]
     return template_message(role=m.role, content=m.content, tool_calls=calls, tool_call_id=m.tool_call_id or None)
 
@@ -111,7 +111,8 @@ async def _fail(grpc_context, exc: APIError) -> NoReturn:
 
 
 class GrpcApi:
-    """The ingress's gRPC methods (mixed into ``kvmesh.cluster.ingress.Ingress``; named as the proto names them)."""
+    """The ingress's gRPC methods (mixed into ``kvmesh.cluster.ingress.deployment.Ingress``; named as the proto
+    names them)."""
 
     generation: Generation
     admission: Admission

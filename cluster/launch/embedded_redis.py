@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from kvmesh.shared.processes import die_with_parent
+from kvmesh.core.processes import die_with_parent
 
 
 def redis_server_binary() -> str:

@@ -1,7 +1,7 @@
 """``kvmesh plan``: size a GPU pool by KV memory, for every KV cache dtype, from a model's config alone.
 
 Users buy and scale replicas by how many sequences of their workload fit in each replica's KV pool. This
-answers that before anything is deployed or loaded: bytes per token and per block (``kvmesh.shared.kv_dtype``,
+answers that before anything is deployed or loaded: bytes per token and per block (``kvmesh.core.kv_dtype``,
 the arithmetic the engine sizes its pool with), blocks and sequences per replica, and replicas for a target
 concurrency. Without ``--kv-memory`` the budget follows the engine's rule: ``GPU_KV_FRACTION`` of the device
 memory the weights leave (weights estimated from the config; the engine measures what is really free).
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from kvmesh.shared.engine_config import GPU_KV_FRACTION, EngineConfig
-from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES, kv_bytes_per_token, model_dtype_name
-from kvmesh.shared.model_files import model_config
+from kvmesh.core.engine_config import GPU_KV_FRACTION, EngineConfig
+from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES, kv_bytes_per_token, model_dtype_name
+from kvmesh.core.model_files import model_config
 
 GIB = 1 << 30
 DEFAULT_MODEL_DTYPE = "bfloat16"

@@ -1,6 +1,6 @@
 """The error a request ends with at the front door, for HTTP and gRPC alike: its status, the field it names
 and a code. HTTP answers it in OpenAI's error format (``body``); gRPC maps the status to a status code
-(``kvmesh/cluster/grpc_api.py``)."""
+(``cluster/ingress/grpc_api.py``)."""
 
 from __future__ import annotations
 

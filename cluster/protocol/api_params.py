@@ -3,9 +3,9 @@ of bounds (``SamplingParams`` checks them), one error naming the field out of ra
 
 from __future__ import annotations
 
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.shared.errors import InvalidRequest
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.core.errors import InvalidRequest
+from kvmesh.core.sampling_params import SamplingParams
 
 
 def sampling_params(top_k: int | None = None, stop: str | list[str] | None = None, **fields) -> SamplingParams:

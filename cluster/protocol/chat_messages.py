@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.protocol.api_errors import APIError
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)

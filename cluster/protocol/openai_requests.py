@@ -6,7 +6,7 @@ vLLM do, so clients that send defaults (``presence_penalty: 0``, ``logprobs: fal
 OpenAI field kvmesh does not implement is refused with a 400 naming it whenever it asks for something
 (``best_of: 2``, ``functions``): never a silent ignore. ``logprobs``, ``logit_bias``, the presence and
 frequency penalties, ``response_format`` (JSON object or schema, by constrained decoding), ``tools`` and
-``tool_choice`` (``kvmesh/cluster/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
+``tool_choice`` (``cluster/protocol/tool_calls.py``) and vLLM's ``min_tokens`` and ``stop_token_ids`` are honoured.
 
 ``n`` (1 to ``MAX_N``) asks for that many choices from one prompt: the replica prefills the prompt once and
 its sequences share its KV blocks.
@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.api_params import sampling_params
-from kvmesh.cluster.chat_messages import ChatRole, HistoryToolCall, template_message
-from kvmesh.shared.limits import MAX_ID_CHARS
-from kvmesh.shared.sampling_params import JSON_OBJECT_SCHEMA, MAX_LOGPROBS, MAX_N, SamplingParams
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.api_params import sampling_params
+from kvmesh.cluster.protocol.chat_messages import ChatRole, HistoryToolCall, template_message
+from kvmesh.core.limits import MAX_ID_CHARS
+from kvmesh.core.sampling_params import JSON_OBJECT_SCHEMA, MAX_LOGPROBS, MAX_N, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
 """Completions' ``logprobs`` bound (OpenAI's)."""
@@ -172,7 +172,7 @@ class ChatMessage(BaseModel):
         return self
 
     def render(self) -> dict:
-        """The message as chat templates take it (``kvmesh/cluster/chat_messages.py``); text parts joined."""
+        """The message as chat templates take it (``cluster/protocol/chat_messages.py``); text parts joined."""
         content = self.content if isinstance(self.content, str) else ""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvmesh.shared.messages import TokenLogprob, Usage
+from kvmesh.core.messages import TokenLogprob, Usage
 
 
 def usage_dict(u: Usage) -> dict:

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvmesh.cluster.api_errors import APIError
+from kvmesh.cluster.protocol.api_errors import APIError
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 CALL_OPEN, CALL_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvmesh.cluster.proto import kvmesh_pb2 as kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2
+from kvmesh.cluster.ingress.proto import kvmesh_pb2 as kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvmesh/cluster/proto/kvmesh_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/cluster/ingress/proto/kvmesh_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class KVMeshStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.KVMesh/Generate',
-                request_serializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateChunk.FromString,
+                request_serializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Complete = channel.unary_unary(
                 '/kvmesh.KVMesh/Complete',
-                request_serializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.Completion.FromString,
+                request_serializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.Completion.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_KVMeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
-                    response_serializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateChunk.SerializeToString,
             ),
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
-                    request_deserializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
-                    response_serializer=kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.Completion.SerializeToString,
+                    request_deserializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.Completion.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class KVMesh:
             request,
             target,
             '/kvmesh.KVMesh/Generate',
-            kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-            kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateChunk.FromString,
+            kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class KVMesh:
             request,
             target,
             '/kvmesh.KVMesh/Complete',
-            kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
-            kvmesh_dot_cluster_dot_proto_dot_kvmesh__pb2.Completion.FromString,
+            kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_cluster_dot_ingress_dot_proto_dot_kvmesh__pb2.Completion.FromString,
             options,
             channel_credentials,
             insecure,
