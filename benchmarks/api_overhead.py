@@ -4,13 +4,13 @@ prompt log-probabilities (completions' ``echo``: logits at every prompt position
 against the same requests without them, side by side in one run; and the schema's grammar compile time,
 cold and cached.
 
-Workload: ``benchmarks/engine_throughput.py``'s (64 requests, prompts of 64-512 random token ids, 32-128
-output tokens, greedy, ``ignore_eos``). Modes alternate within each repeat; every run starts from an empty
-prefix cache. Medians over ``--repeats``. Constrained requests also ignore EOS, so every mode generates the
-same tokens' count: once a JSON value is complete its grammar allows only the stop tokens, and the mask is
-still computed every step.
+Workload: ``kvmesh bench engine_throughput``'s (``benchmarks/harness/engine_workload.py``: 64 requests, prompts
+of 64-512 random token ids, 32-128 output tokens, greedy, ``ignore_eos``). Modes alternate within each
+repeat; every run starts from an empty prefix cache. Medians over ``--repeats``. Constrained requests also
+ignore EOS, so every mode generates the same tokens' count: once a JSON value is complete its grammar allows
+only the stop tokens, and the mask is still computed every step.
 
-    python -m benchmarks.api_overhead [--requests 64] [--repeats 3] [--model smollm2-135m]
+    kvmesh bench api_overhead [--requests 64] [--repeats 3] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.engine_throughput import workload
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.engine_workload import workload
+from kvmesh.bench.harness.report import median, print_table, write_json
 from kvmesh.replica import LLM, SamplingParams
 from kvmesh.replica.structured import GrammarCompiler
 
@@ -70,7 +70,9 @@ def compile_times(llm: LLM) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench api_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -2,7 +2,7 @@
 
 CPU (runs everywhere): paging overhead of the torch path, i.e. paged decode attention over SDPA on
 contiguous KV of the same size, for both CPU decode routes side by side: the compiled kernel that reads the
-paged cache in place (``kvmesh/kernels/cpu_extension.py``, the default) and the gather fallback (gather through
+paged cache in place (``kernels/cpu_extension.py``, the default) and the gather fallback (gather through
 block tables + SDPA). Batch 32, context 1,024, SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64),
 block 16, shuffled block tables, torch's default thread count. Goal <= 1.5x. Then the decode kernel alone in
 float32 and bfloat16 on batches of mixed context lengths (ms and KV bytes read per second). Then causal
@@ -14,8 +14,8 @@ decode batch 1-256 and context 512-32k, with achieved bandwidth (KV bytes read /
 the device's measured device-to-device copy bandwidth; and extend (1-4k new tokens on 0-16k cached).
 Goal on H100/H200: decode >= 70% of copy bandwidth at batch >= 32, context >= 4k.
 
-    python -m benchmarks.attention_kernels [--repeats 20]
-    python -m benchmarks.attention_kernels --cuda-only   # the GPU sweep alone, to attention_kernels_cuda.json
+    kvmesh bench attention_kernels [--repeats 20]
+    kvmesh bench attention_kernels --cuda-only   # the GPU sweep alone, to attention_kernels_cuda.json
 """
 
 from __future__ import annotations
@@ -30,27 +30,10 @@ import torch
 import torch.nn.functional as F
 
 import kvmesh.kernels.torch_attention
-from kvmesh.bench.report import median, print_table, write_json
-from kvmesh.kernels import AttentionMetadata
+from kvmesh.bench.harness.attention_problem import problem
+from kvmesh.bench.harness.report import median, print_table, write_json
 from kvmesh.kernels.cpu_extension import cpu_op
 from kvmesh.kernels.torch_attention import paged_attention_torch
-
-
-def problem(batch, ctx, new, heads, kv_heads, head_dim, block_size, dtype, device):
-    """A batch of ``batch`` sequences of ``ctx`` tokens (or of ``ctx[i]`` tokens each, a list), ``new`` of them
-    queries, on shuffled blocks."""
-    lens = [ctx] * batch if isinstance(ctx, int) else list(ctx)
-    need = [-(-n // block_size) for n in lens]
-    ids = list(range(sum(need)))
-    random.Random(0).shuffle(ids)
-    starts = [sum(need[:i]) for i in range(batch)]
-    tables = [ids[at : at + n] for at, n in zip(starts, need, strict=True)]
-    meta = AttentionMetadata.build([new] * batch, lens, tables, block_size, device)
-    shape = (len(ids), block_size, kv_heads, head_dim)
-    kc = torch.randn(shape, dtype=dtype, device=device)
-    vc = torch.randn(shape, dtype=dtype, device=device)
-    q = torch.randn(batch * new, heads, head_dim, dtype=dtype, device=device)
-    return meta, q, kc, vc
 
 
 def contiguous(meta, cache, ctx):
@@ -261,17 +244,8 @@ def cuda_sweep(repeats: int) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--cuda-only", action="store_true", help="skip the CPU overhead measurement")
-    args = ap.parse_args()
-    if args.cuda_only and not torch.cuda.is_available():
-        raise SystemExit("--cuda-only needs a CUDA device")
-    out: dict = {}
-    if not args.cuda_only:
-        out = {"cpu": cpu_overhead(args.repeats), "cpu_decode": cpu_decode(args.repeats)}
-        out["cpu_prefill"] = cpu_prefill(args.repeats)
+def print_cpu(out: dict) -> None:
+    """The CPU tables: paging overhead, the decode kernel alone, prefill."""
     c = out.get("cpu")
     if c:
         print_table(
@@ -322,27 +296,48 @@ def main() -> None:
                 for r in out["cpu_prefill"]
             ],
         )
+
+
+def print_cuda(g: dict) -> None:
+    """The CUDA sweep's tables: decode and extend."""
+    print(f"\n{g['device']}: copy bandwidth {g['copy_bandwidth_GBps']:.0f} GB/s")
+    print_table(
+        ["batch", "context", "triton ms", "torch ms", "SDPA contiguous ms", "triton % of copy BW"],
+        [
+            [
+                r["batch"],
+                r["context"],
+                r["triton_ms"],
+                r["torch_ms"],
+                r["sdpa_contiguous_ms"],
+                f"{100 * r['triton_bw_fraction']:.0f}%",
+            ]
+            for r in g["decode"]
+        ],
+    )
+    print_table(
+        ["new tokens", "cached", "triton ms", "torch ms"],
+        [[r["new"], r["cached"], r["triton_ms"], r["torch_ms"]] for r in g["extend"]],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench attention_kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--cuda-only", action="store_true", help="skip the CPU overhead measurement")
+    args = ap.parse_args(argv)
+    if args.cuda_only and not torch.cuda.is_available():
+        raise SystemExit("--cuda-only needs a CUDA device")
+    out: dict = {}
+    if not args.cuda_only:
+        out = {"cpu": cpu_overhead(args.repeats), "cpu_decode": cpu_decode(args.repeats)}
+        out["cpu_prefill"] = cpu_prefill(args.repeats)
+    print_cpu(out)
     if torch.cuda.is_available():
         out["cuda"] = g = cuda_sweep(args.repeats)
-        print(f"\n{g['device']}: copy bandwidth {g['copy_bandwidth_GBps']:.0f} GB/s")
-        print_table(
-            ["batch", "context", "triton ms", "torch ms", "SDPA contiguous ms", "triton % of copy BW"],
-            [
-                [
-                    r["batch"],
-                    r["context"],
-                    r["triton_ms"],
-                    r["torch_ms"],
-                    r["sdpa_contiguous_ms"],
-                    f"{100 * r['triton_bw_fraction']:.0f}%",
-                ]
-                for r in g["decode"]
-            ],
-        )
-        print_table(
-            ["new tokens", "cached", "triton ms", "torch ms"],
-            [[r["new"], r["cached"], r["triton_ms"], r["torch_ms"]] for r in g["extend"]],
-        )
+        print_cuda(g)
     else:
         print("\nno CUDA device: the Triton timing sweep was not run")
     write_json("attention_kernels_cuda" if args.cuda_only else "attention_kernels", out)

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import random
 import statistics
 import sys
 import tempfile
@@ -37,49 +36,12 @@ import httpx
 import numpy as np
 import yaml
 
-from kvmesh.bench.load_client import Result, run_closed_loop, run_sessions
-from kvmesh.bench.report import print_table, pyplot, save_figure, write_json
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.bench.workloads import Session, Step
+from kvmesh.bench.harness.load_client import Result, run_closed_loop, run_sessions
+from kvmesh.bench.harness.report import print_table, pyplot, save_figure, write_json
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.bench.harness.workloads import Session, Step, StepPrompts, step_workload
 
 POLICIES = "kv_pressure,ongoing_requests:2,ongoing_requests:8"
-
-
-class StepPrompts:
-    """Prompts of ``short`` tokens before ``base_s`` and ``long`` ones after (±10%; growing linearly over
-    ``ramp_s`` first), for sessions created at time ``t``. Token ids are random, so no request reuses
-    another's prefix: only KV demand changes."""
-
-    def __init__(self, seed: int, args: argparse.Namespace, vocab: int = 49152) -> None:
-        self.rng, self.args, self.vocab = random.Random(seed), args, vocab
-        self.sessions: list[Session] = []
-
-    def __call__(self, t: float) -> Session | None:
-        a = self.args
-        if t >= a.base_s + a.step_s:
-            return None
-        grown = min(1.0, (t - a.base_s) / a.ramp_s) if a.ramp_s else 1.0  # share of the way to long
-        n = a.short if t < a.base_s else round(a.short + (a.long - a.short) * grown)
-        n = self.rng.randint(int(0.9 * n), int(1.1 * n))
-        ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
-        session = Session(
-            f"s{len(self.sessions)}",
-            t,
-            [Step(token_ids=ids, max_tokens=a.max_tokens)],
-            chat=False,
-            labels={"phase": "step" if t >= a.base_s else "base"},
-        )
-        self.sessions.append(session)
-        return session
-
-
-def step_workload(seed: int, args: argparse.Namespace) -> list[Session]:
-    """Open loop: Poisson arrivals at ``args.rate`` over the base and the step."""
-    prompts, rng = StepPrompts(seed, args), random.Random(seed + 1)
-    t = rng.expovariate(args.rate)
-    while prompts(t) is not None:
-        t += rng.expovariate(args.rate)
-    return prompts.sessions
 
 
 async def _watch(url: str, t_start: list[float], stop: asyncio.Event, timeline: list) -> None:
@@ -210,7 +172,20 @@ def plot(runs: dict[str, dict], base_s: float, path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+SUMMARY_KEYS = (
+    "new_replica_serving_after_s",
+    "ttft_step_p50_s",
+    "ttft_step_p99_s",
+    "ttft_base_p50_s",
+    "errors",
+    "peak_replicas",
+    "replica_seconds_base",
+    "replica_seconds",
+)
+"""What each policy's runs report, as medians over the repeats."""
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench autoscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -253,37 +228,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
-    args = ap.parse_args(argv)
+    return ap
 
-    policies = [p for p in args.policies.split(",") if p]
-    if not 0 <= args.ramp_s <= args.step_s:
-        ap.error("--ramp-s must be between 0 and --step-s")
-    if int(1.1 * args.long) + args.max_tokens > 16 * args.num_kv_blocks:
-        ap.error("the longest prompt plus --max-tokens must fit one replica's KV pool (--num-kv-blocks)")
-    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
-    load = f"{args.concurrency} clients" if args.concurrency else f"{args.rate} req/s"
-    print(f"{load} over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)
-    runs: dict[str, list[dict]] = {p: [] for p in policies}
-    for _ in range(args.repeats):
-        for policy in policies:
-            runs[policy].append(run_policy(args, policy, log_dir))
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per policy, the median of each of ``SUMMARY_KEYS`` over its runs."""
 
     def med(policy: str, key: str):
         values = [r[key] for r in runs[policy] if r[key] is not None]
         return statistics.median(values) if values else None
 
-    keys = (
-        "new_replica_serving_after_s",
-        "ttft_step_p50_s",
-        "ttft_step_p99_s",
-        "ttft_base_p50_s",
-        "errors",
-        "peak_replicas",
-        "replica_seconds_base",
-        "replica_seconds",
-    )
-    summary = {p: {k: med(p, k) for k in keys} for p in policies}
-    ref = summary[policies[0]]["ttft_step_p99_s"]
+    return {p: {k: med(p, k) for k in SUMMARY_KEYS} for p in runs}
+
+
+def print_summary(summary: dict[str, dict]) -> None:
+    """The policies side by side, the p99 TTFT of the step against the first policy's."""
+    ref = next(iter(summary.values()))["ttft_step_p99_s"]
     print_table(
         [
             "policy",
@@ -313,6 +273,25 @@ def main(argv: list[str] | None = None) -> None:
             for p, s in summary.items()
         ],
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if not 0 <= args.ramp_s <= args.step_s:
+        ap.error("--ramp-s must be between 0 and --step-s")
+    if int(1.1 * args.long) + args.max_tokens > 16 * args.num_kv_blocks:
+        ap.error("the longest prompt plus --max-tokens must fit one replica's KV pool (--num-kv-blocks)")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-autoscale-"))
+    load = f"{args.concurrency} clients" if args.concurrency else f"{args.rate} req/s"
+    print(f"{load} over {args.base_s + args.step_s:.0f} s; server logs in {log_dir}", file=sys.stderr)
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for _ in range(args.repeats):
+        for policy in policies:
+            runs[policy].append(run_policy(args, policy, log_dir))
+    summary = summarize(runs)
+    print_summary(summary)
     path = write_json(
         "autoscale", {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary, "runs": runs}, args.json
     )

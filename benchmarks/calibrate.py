@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.report import print_table, write_json
 
 
 def measure(model: str, threads: int | None, repeats: int = 3) -> dict:

@@ -3,7 +3,7 @@
 run:
 
 - ``F.linear`` (repacks its weight on every call) vs ``PackedLinear`` (weight packed once for oneDNN,
-  ``kvmesh/kernels/cpu_linear.py``) as it serves;
+  ``kernels/cpu_linear.py``) as it serves;
 - the packed layer's ways of computing (``PackedLinear.run``; it measures which is fastest per shape and batch
   size and keeps it): oneDNN's own threads, the rows shared out (one oneDNN call per thread, from 32 rows),
   and in float32 the panel kernel, as speed-ups over oneDNN's.
@@ -13,7 +13,7 @@ its own weights, and the LM head, at 4-256 rows, against the same calls on one l
 A model's weights (538 MB in float32, 269 MB in bf16) pass through the caches once per step; reused, one
 layer's stay in them. The gap is what streaming the weights from memory adds to a step.
 
-    python -m benchmarks.cpu_linear [--repeats 30] [--dtype bfloat16] [--decode-step]
+    kvmesh bench cpu_linear [--repeats 30] [--dtype bfloat16] [--decode-step]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.report import median, print_table, write_json
 from kvmesh.kernels.cpu_linear import PackedLinear
 
 SHAPES = {
@@ -95,49 +95,44 @@ def decode_step(dtype: torch.dtype, repeats: int) -> list[dict]:
     return out
 
 
-@torch.inference_mode()
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--decode-step", action="store_true", help="a decode step's linears, own vs reused weights")
-    args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    if args.decode_step:
-        rows = decode_step(dtype, max(args.repeats // 2, 5))
-        print_table(
+def report_decode_step(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    """``--decode-step``: a decode step's linears, each way, on own vs reused weights."""
+    rows = decode_step(dtype, max(args.repeats // 2, 5))
+    print_table(
+        [
+            "rows",
+            "way",
+            "own weights ms",
+            "GFLOP/s",
+            "weights GB/s",
+            "one layer's reused ms",
+            "GFLOP/s",
+            "slow-down",
+            "speed-up on own weights vs onednn",
+        ],
+        [
             [
-                "rows",
-                "way",
-                "own weights ms",
-                "GFLOP/s",
-                "weights GB/s",
-                "one layer's reused ms",
-                "GFLOP/s",
-                "slow-down",
-                "speed-up on own weights vs onednn",
-            ],
-            [
-                [
-                    r["rows"],
-                    r["way"],
-                    r["own_weights_ms"],
-                    r["own_GFLOPs"],
-                    r["own_weights_GBps"],
-                    r["reused_weights_ms"],
-                    r["reused_GFLOPs"],
-                    r["own_weights_ms"] / r["reused_weights_ms"],
-                    r["own_vs_onednn"],
-                ]
-                for r in rows
-            ],
-        )
-        write_json(
-            f"cpu_linear_decode_step_{args.dtype}",
-            {"dtype": args.dtype, "threads": torch.get_num_threads(), "layers": LAYERS, "decode_step": rows},
-        )
-        return
+                r["rows"],
+                r["way"],
+                r["own_weights_ms"],
+                r["own_GFLOPs"],
+                r["own_weights_GBps"],
+                r["reused_weights_ms"],
+                r["reused_GFLOPs"],
+                r["own_weights_ms"] / r["reused_weights_ms"],
+                r["own_vs_onednn"],
+            ]
+            for r in rows
+        ],
+    )
+    write_json(
+        f"cpu_linear_decode_step_{args.dtype}",
+        {"dtype": args.dtype, "threads": torch.get_num_threads(), "layers": LAYERS, "decode_step": rows},
+    )
+
+
+def report_shapes(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    """F.linear vs the packed layer, and the packed layer's ways, on every shape and row count."""
     rows_out, table, split_table = [], [], []
     for name, (fan_in, fan_out) in SHAPES.items():
         dense = nn.Linear(fan_in, fan_out, bias=False).to(dtype)
@@ -170,6 +165,23 @@ def main() -> None:
         "cpu_linear" if dtype == torch.float32 else f"cpu_linear_{args.dtype}",
         {"dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats, "results": rows_out},
     )
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench cpu_linear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--decode-step", action="store_true", help="a decode step's linears, own vs reused weights")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    if args.decode_step:
+        report_decode_step(args, dtype)
+        return
+    report_shapes(args, dtype)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The disk tier on multi-turn chat whose history outgrows the device pool and the host tier, and a restart.
 
-    python -m benchmarks.disk_tier [--conversations 16] [--turns 6] [--device-blocks 64] [--repeats 3]
+    kvmesh bench disk_tier [--conversations 16] [--turns 6] [--device-blocks 64] [--repeats 3]
 
 One SmolLM2 engine (fp32, the CPU default) with a device pool of ``--device-blocks`` 16-token blocks and a
 host tier of a third of what the conversations' histories grow to (which is ~10x the pool): conversations
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.report import print_table, write_json
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "smollm2-135m"
@@ -105,8 +105,10 @@ def repeat(args: argparse.Namespace, seed: int) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench disk_tier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user", type=int, default=80, help="token ids per user message")
@@ -114,7 +116,7 @@ def main() -> None:
     ap.add_argument("--device-blocks", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = [repeat(args, seed) for seed in range(args.repeats)]
     rows, summary = [], {}
     for name in runs[0]:

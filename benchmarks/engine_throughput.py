@@ -6,8 +6,8 @@ weights, device and dtype (fp32 on the CPU, bf16 on a GPU unless ``--dtype``): H
 at a time, and HF ``generate`` in static left-padded batches of 16 (each batch runs until its longest
 request is done; only requested tokens are counted).
 
-    python -m benchmarks.engine_throughput [--requests 64] [--repeats 3] [--model smollm2-135m]
-    python -m benchmarks.engine_throughput --device cuda --requests 256 --skip-sequential   # writes *_cuda.json
+    kvmesh bench engine_throughput [--requests 64] [--repeats 3] [--model smollm2-135m]
+    kvmesh bench engine_throughput --device cuda --requests 256 --skip-sequential   # writes *_cuda.json
 """
 
 from __future__ import annotations
@@ -15,21 +15,13 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.engine_workload import workload
+from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.core.model_files import resolve_model_dir
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.shared.model_files import resolve_model_dir
-
-
-def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
-    plens = rng.integers(64, 513, n)
-    olens = rng.integers(32, 129, n)
-    prompts = [rng.integers(100, 40000, int(p)).tolist() for p in plens]
-    return prompts, [int(o) for o in olens]
 
 
 def run_ours(llm: LLM, prompts, olens) -> float:
@@ -71,15 +63,17 @@ def run_hf_static(hf, prompts, olens, batch: int = 16, pad: int = 0) -> float:
     return sum(olens) / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench engine_throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slowest baseline")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     prompts, olens = workload(args.requests)
     llm = LLM(args.model, device=args.device, dtype=args.dtype)

@@ -1,15 +1,15 @@
 """Routing at fleet scale: kv_aware's hit rate against the pooled and the replication-aware bounds, 16-256 replicas.
 
-For each fleet size the simulator (``kvmesh/bench/simulate.py``, the policy code the router runs) replays the
+For each fleet size the simulator (``benchmarks/harness/fleet_sim.py``, the policy code the router runs) replays the
 trace with kv_aware (and a variant of its settings, ``--variant``) and session_hash at ``--target-load`` of the
-fleet's prefill on the pooled bound. The table gives both bounds (``kvmesh/bench/cache_bounds.py``: the
+fleet's prefill on the pooled bound. The table gives both bounds (``benchmarks/harness/cache_bounds.py``: the
 replicated one as placed-ceiling), each kv_aware's share of them, its imbalance and mean TTFT against
 session_hash, and what it passed over: blocks another replica held beyond the chosen one's (moves for load;
 in brackets, those of requests placed as new conversations).
 
-    python -m benchmarks.fleet_scale                                   # the Mooncake trace, 16-256 replicas
-    python -m benchmarks.fleet_scale --variant '{"history_weight": 12}'
-    python -m benchmarks.fleet_scale --mooncake-size 86 --replicas 1024 --shortlist 16   # ~1M requests
+    kvmesh bench fleet_scale                                   # the Mooncake trace, 16-256 replicas
+    kvmesh bench fleet_scale --variant '{"history_weight": 12}'
+    kvmesh bench fleet_scale --mooncake-size 86 --replicas 1024 --shortlist 16   # ~1M requests
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import json
 import time
 from pathlib import Path
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.bench.simulate import BOUND_IMBALANCE, Costs, compare_routers, load_trace, trace_rows
-from kvmesh.bench.trace_workloads import mooncake
+from kvmesh.bench.harness.fleet_sim import BOUND_IMBALANCE, Costs, compare_routers, load_trace, trace_rows
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.bench.harness.trace_workloads import mooncake
 
 VARIANT = "kv_aware(variant)"
 
@@ -53,8 +53,37 @@ def run_size(rows, replicas: int, args) -> dict:
     }
 
 
+def report(args: argparse.Namespace, rows: list, sizes: list[dict]) -> None:
+    """Per fleet size and router: the bounds, its hit rate and shares of them, what it passed over, its
+    imbalance and TTFT against session_hash."""
+    table = [
+        [
+            s["replicas"],
+            f"{s['bounds']['pooled_lru']:.2%}",
+            f"{s['bounds']['replicated_placed']:.2%}-{s['bounds']['replicated']:.2%}",
+            label,
+            f"{res['hit_rate']:.2%}",
+            f"{res['of_pooled']:.1%}",
+            f"{res['of_replicated']:.1%}",
+            f"{res['passed_over']:.2%} ({res['passed_over_opening']:.2%})",
+            res["imbalance"],
+            res["ttft_mean_s"] * 1000,
+            res["ttft_vs_session_hash"],
+            res["sim_seconds"],
+        ]
+        for s in sizes
+        for label, res in s["routers"].items()
+    ]
+    print(f"\n{len(rows)} requests, {args.capacity_blocks} blocks per replica, load {args.target_load}")
+    headers = ["replicas", "pooled", "replicated", "router", "hits", "of pooled", "of replicated"]
+    headers += ["passed over (opening)", "imbalance", "TTFT mean ms", "TTFT / session_hash", "sim s"]
+    print_table(headers, table)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench fleet_scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/workloads/mooncake/conversation_trace.jsonl"))
     ap.add_argument("--replicas", default="16,32,64,128,256", help="comma list of fleet sizes")
     ap.add_argument("--capacity-blocks", type=int, default=3000)
@@ -79,28 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in map(int, args.replicas.split(",")):
         print(f"{n} replicas:", flush=True)
         sizes.append(run_size(rows, n, args))
-    table = [
-        [
-            s["replicas"],
-            f"{s['bounds']['pooled_lru']:.2%}",
-            f"{s['bounds']['replicated_placed']:.2%}-{s['bounds']['replicated']:.2%}",
-            label,
-            f"{res['hit_rate']:.2%}",
-            f"{res['of_pooled']:.1%}",
-            f"{res['of_replicated']:.1%}",
-            f"{res['passed_over']:.2%} ({res['passed_over_opening']:.2%})",
-            res["imbalance"],
-            res["ttft_mean_s"] * 1000,
-            res["ttft_vs_session_hash"],
-            res["sim_seconds"],
-        ]
-        for s in sizes
-        for label, res in s["routers"].items()
-    ]
-    print(f"\n{len(rows)} requests, {args.capacity_blocks} blocks per replica, load {args.target_load}")
-    headers = ["replicas", "pooled", "replicated", "router", "hits", "of pooled", "of replicated"]
-    headers += ["passed over (opening)", "imbalance", "TTFT mean ms", "TTFT / session_hash", "sim s"]
-    print_table(headers, table)
+    report(args, rows, sizes)
     payload = {
         "trace": source,
         "shortlist": args.shortlist,

@@ -1,7 +1,7 @@
-"""``benchmarks/peer_routers.py`` on GPU engines, for a GPU machine the real weights cannot reach.
+"""``kvmesh bench peer_routers`` on GPU engines, for a GPU machine the real weights cannot reach.
 
-    python -m benchmarks.gpu_peer_routers OUT --tokenizer DIR --smg SMG [--shape llama8b] [peer_routers options]
-    python -m benchmarks.gpu_peer_routers OUT --tokenizer DIR --smg SMG --smoke   # CPU, a toy model
+    kvmesh bench gpu_peer_routers OUT --tokenizer DIR --smg SMG [--shape llama8b] [peer_routers options]
+    kvmesh bench gpu_peer_routers OUT --tokenizer DIR --smg SMG --smoke   # CPU, a toy model
 
 Writes random weights in a real model's shape with SmolLM2's tokenizer (``--tokenizer``: a directory of its
 files; ``llama8b``: Llama-3-8B's layers over SmolLM2's vocabulary, so prefills cost what users' do;
@@ -15,16 +15,20 @@ Writes ``OUT/peer_routers_gpu.json``; progress on stderr. A second run on the ma
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from benchmarks import peer_routers
-from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, random_model, smollm2_config
+from kvmesh.bench.harness.model_shapes import LLAMA3_8B_SHAPE, Scale, llama_shaped, random_model, smollm2_config
 
 SMOKE_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench gpu_peer_routers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer", type=Path, required=True, help="a directory with SmolLM2's tokenizer files")
     ap.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
@@ -40,9 +44,12 @@ def main(argv: list[str] | None = None) -> None:
         config = llama8b if args.shape == "llama8b" else smollm2_config(Scale())
         dtype, engine_args = "bfloat16", f"--device cuda --kv-cache-gib {args.kv_cache_gib:g} --host-cache-gib 0"
     model = random_model("smoke" if args.smoke else args.shape, config, args.tokenizer, dtype)
-    peer_routers.main(
-        [*rest, "--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
-    )
+    from kvmesh.cluster.launch.cli import main as kvmesh_main  # the benchmark itself, as `kvmesh bench peer_routers`
+
+    own = ["--model", str(model), "--engine-args", engine_args, "--json", str(args.out / "peer_routers_gpu.json")]
+    rc = kvmesh_main(["bench", "peer_routers", *rest, *own])
+    if rc:
+        sys.exit(rc)
 
 
 if __name__ == "__main__":

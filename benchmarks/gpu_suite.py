@@ -14,8 +14,8 @@ every section appends to ``OUT/results.json`` as soon as it ends, so a run cut s
    benchmark shape): output tok/s, the share of HBM bandwidth it reaches, and its decode step at batch 256;
 5. ``pytest``: ``tests/test_gpu.py`` on a SmolLM2-shaped stand-in (``$KVMESH_TEST_SMOLLM_DIR``).
 
-    python -m benchmarks.gpu_suite OUT --tokenizer DIR [--commit SHA] [--budget-s 420]
-    python -m benchmarks.gpu_suite OUT --tokenizer DIR --smoke    # the same code on the CPU, tiny shapes
+    kvmesh bench gpu_suite OUT --tokenizer DIR [--commit SHA] [--budget-s 420]
+    kvmesh bench gpu_suite OUT --tokenizer DIR --smoke    # the same code on the CPU, tiny shapes
 
 ``--smoke`` (the default without CUDA) runs every section at toy sizes on the CPU, the attention through
 Triton's interpreter, to check the script end to end before GPU time is spent on it.
@@ -24,8 +24,6 @@ Triton's interpreter, to check the script end to end before GPU time is spent on
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
 import json
 import logging
 import os
@@ -39,24 +37,17 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmesh.bench.harness.model_shapes import (
+    Scale,
+    free_device_memory,
+    qwen3_config,
+    save_random_model,
+    smollm2_config,
+)
+
 log = logging.getLogger("gpu_suite")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LLAMA3_8B_HEADS = (32, 8, 128)  # query heads, KV heads, head dim: the decode-attention problem
-
-
-@dataclasses.dataclass(frozen=True)
-class Scale:
-    """Sizes of one run: the real ones on a GPU, toy ones for the CPU smoke run."""
-
-    requests: int = 256
-    smollm_repeats: int = 3
-    qwen_repeats: int = 2
-    attention_batches: tuple[int, ...] = (1, 2, 4, 8)
-    attention_contexts: tuple[int, ...] = (8192, 16384, 32768)
-    step_batch: int = 256
-    timed_steps: int = 50
-    layers: dict | None = None  # overrides of the model configs (smoke: 2 layers, narrow)
 
 
 SMOKE = Scale(
@@ -106,14 +97,6 @@ class Suite:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=float))
 
 
-def free_device_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def sync() -> None:
     import torch
 
@@ -136,81 +119,7 @@ def event_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-# ---------------------------------------------------------------- models in real shapes, random weights
-
-
-def llama_shaped(shape: dict, tied: bool, rope_theta: float = 100000.0):
-    """A Llama-family config of ``shape`` over SmolLM2's 49,152-token vocabulary (its tokenizer drives every
-    random model here)."""
-    from transformers import LlamaConfig
-
-    common = {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
-    return LlamaConfig(vocab_size=49152, rope_theta=rope_theta, tie_word_embeddings=tied, **common, **shape)
-
-
-def smollm2_config(scale: Scale, tied: bool = True):
-    shape = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9}
-    shape |= {**scale.layers, "num_key_value_heads": 2} if scale.layers else {"num_key_value_heads": 3}
-    return llama_shaped(shape, tied)
-
-
-LLAMA3_8B_SHAPE = {
-    **{"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32},
-    **{"num_attention_heads": 32, "num_key_value_heads": 8},
-}
-"""Llama-3-8B's layers: 32 of them, 4096 wide, 32 query and 8 KV heads of 128."""
-
-
-def qwen3_config(scale: Scale):
-    from transformers import Qwen3Config
-
-    shape = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16}
-    shape.update(scale.layers or {})
-    return Qwen3Config(
-        vocab_size=151936,
-        num_key_value_heads=8 if not scale.layers else 2,
-        head_dim=128 if not scale.layers else 16,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        **shape,
-    )
-
-
-def save_random_model(path: Path, config, tokenizer: Path, dtype: str, sharpen: float = 1.0) -> Path:
-    """Random weights for ``config`` at ``path`` with ``tokenizer``'s files. ``sharpen`` scales the output
-    head (untied) so greedy argmax is not a near-tie everywhere, as the tests' tiny models do."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if sharpen != 1.0:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(sharpen)
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (tokenizer / name).exists():
-            shutil.copy(tokenizer / name, path / name)
-    del model
-    free_device_memory()
-    return path
-
-
-def random_model(name: str, config, tokenizer: Path, dtype: str) -> Path:
-    """``/tmp/kvmesh-random-{name}``: random weights for ``config`` saved there, or an earlier run's reused (an
-    8B model takes minutes to write, and GPU sessions are short)."""
-    path, t0 = Path(f"/tmp/kvmesh-random-{name}"), time.monotonic()
-    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
-        print(f"random {name} weights of an earlier run reused: {path}", file=sys.stderr, flush=True)
-        return path
-    save_random_model(path, config, tokenizer, dtype)
-    print(f"random {name} weights written in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    return path
+# ---------------------------------------------------------------- what a forward pass reads
 
 
 def weight_bytes(path: Path) -> int:
@@ -253,7 +162,7 @@ def attention(suite: Suite) -> dict:
     the engine's context split and with others (``split_sweep``), to see what the split policy leaves."""
     import torch
 
-    from benchmarks.attention_kernels import problem
+    from kvmesh.bench.harness.attention_problem import problem
     from kvmesh.kernels.metadata import decode_splits
 
     heads, kvh, d = LLAMA3_8B_HEADS
@@ -385,7 +294,7 @@ def decode_step(suite: Suite, llm) -> dict:
 
 
 def smollm2(suite: Suite, tokenizer: Path) -> dict:
-    from benchmarks.engine_throughput import workload
+    from kvmesh.bench.harness.engine_workload import workload
     from kvmesh.replica import LLM
 
     model = save_random_model(
@@ -530,8 +439,10 @@ def summary_rows(results: dict) -> list[list[str]]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench gpu_suite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("out", type=Path, help="folder for results.json, suite.log, test_gpu.log")
     ap.add_argument("--tokenizer", type=Path, required=True, help="a folder with SmolLM2's tokenizer files")
     ap.add_argument("--commit", help="the commit under test (the GPU machine's copy has no git history)")
@@ -539,7 +450,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the default without CUDA)")
     ap.add_argument("--sections", default="ceilings,attention,smollm2,qwen3,pytest")
     ap.add_argument("--pytest-k", help="run only the tests of tests/test_gpu.py that match (pytest -k)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 
@@ -567,7 +478,7 @@ def main() -> None:
         fn, *rest = sections[name]
         suite.run(name, fn, *rest)
     shutil.rmtree(args.out / "models", ignore_errors=True)  # GBs of random weights: not worth carrying back
-    from kvmesh.bench.report import print_table
+    from kvmesh.bench.harness.report import print_table
 
     print()
     print_table(["figure", "measured", "goal"], summary_rows(suite.results))

@@ -8,7 +8,7 @@ repeats, microseconds per token). A library that is not installed, or
 cannot build its index here, is reported as such.
 
     pip install llguidance outlines-core   # into any environment with kvmesh's
-    python -m benchmarks.grammar_backends [--repeats 5]
+    kvmesh bench grammar_backends [--repeats 5]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from kvmesh.bench.report import median, print_table, write_json
-from kvmesh.shared.model_files import load_tokenizer, resolve_model_dir
+from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.core.model_files import load_tokenizer, resolve_model_dir
 
 SCHEMAS = {
     "tool call (object, enum, integer)": (
@@ -148,7 +148,9 @@ BACKENDS = {"xgrammar": xgrammar_backend, "llguidance": llguidance_backend, "out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench grammar_backends", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="grammar_backends")
     args = ap.parse_args(argv)

@@ -7,7 +7,7 @@ third of the final histories (``--history-factor`` 3); the host tier, when on, h
 per mode: prefix hit rate (tokens served from a cache / prompt tokens, turns after the first), the share
 loaded from the host tier, and TTFT p50 / p99 (request added to first token).
 
-    python -m benchmarks.host_tier_engine [--model smollm2-135m]
+    kvmesh bench host_tier_engine [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.report import print_table, write_json
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -64,7 +64,9 @@ def run(engine: LLMEngine, conversations: int, turns: int, user: int, output: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench host_tier_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)

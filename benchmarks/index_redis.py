@@ -7,7 +7,7 @@ held in full by one replica and by half by another (the script walks the whole c
 Latency is one lookup at a time through the async client; throughput keeps 32 lookups in flight.
 Memory is Redis' ``used_memory`` growth divided by the entries ingested.
 
-    python -m benchmarks.index_redis [--entries 1000000] [--lookups 2000]
+    kvmesh bench index_redis [--entries 1000000] [--lookups 2000]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import redis
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_prefix, script_source
 from kvmesh.router.prefix_index import PrefixIndex
@@ -91,11 +91,13 @@ async def measure_lookups(url, deployment, ids, chains, n: int, concurrency: int
     return {"p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[int(0.99 * len(lat))], "lookups_per_s": rate}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench index_redis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--lookups", type=int, default=2000)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows, results = [], []
     with EmbeddedRedis() as server:
         for replicas in (16, 64):

@@ -1,7 +1,7 @@
 """What vLLM-style KV events cost: encoding on the engine side, decoding into kvmesh hashes on the router side,
 and the lag from an engine step to the index answering for its blocks.
 
-    python -m benchmarks.kv_event_path [--steps 2000] [--lag-steps 200]
+    kvmesh bench kv_event_path [--steps 2000] [--lag-steps 200]
 
 Throughput is single-threaded, of the code alone: ``WireEncoder`` + ``encode_batch`` over engine events (one
 request's step storing 8 16-token blocks and evicting 8), then ``decode_batch`` + ``WorkerBlocks.apply`` over
@@ -20,16 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.replica.kv_event_publisher import WireEncoder, ZmqKVEventPublisher
-from kvmesh.replica.kv_events import BlockRemoved, BlockStored
-from kvmesh.router.index_publisher import KVIndexPublisher
-from kvmesh.router.kv_event_subscriber import KVEventSubscriber
-from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.worker_blocks import WorkerBlocks
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.kv_event_wire import (
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.kv_event_wire import (
     EventBatch,
     KVEventsConfig,
     RemovedBlocks,
@@ -37,6 +31,12 @@ from kvmesh.shared.kv_event_wire import (
     decode_batch,
     encode_batch,
 )
+from kvmesh.replica.kv_event_publisher import WireEncoder, ZmqKVEventPublisher
+from kvmesh.replica.kv_events import BlockRemoved, BlockStored
+from kvmesh.router.index_publisher import KVIndexPublisher
+from kvmesh.router.kv_event_subscriber import KVEventSubscriber
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.router.worker_blocks import WorkerBlocks
 
 
 def engine_steps(n: int, blocks: int = 8, size: int = 16) -> list[list]:
@@ -139,7 +139,9 @@ async def _measure(engine, url: str, replica: str, steps: int, sampling) -> list
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench kv_event_path", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--lag-steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)

@@ -1,10 +1,10 @@
 """How to scale a 4-bit KV cache: the candidate layouts side by side on SmolLM2, before committing to one.
 
-    python -m benchmarks.kv_int4_variants [--model smollm2-135m] [--ppl-chunks 8]
+    kvmesh bench kv_int4_variants [--model smollm2-135m] [--ppl-chunks 8]
 
 Each candidate is simulated in the engine's own torch attention path (gather route): every K and V the model
 stores is quantized and dequantized by the candidate (in float64) and written back in full precision, so
-only the rounding differs between candidates. Quality as ``benchmarks.kv_quant`` measures it (teacher-forced
+only the rounding differs between candidates. Quality as ``kvmesh bench kv_quant`` measures it (teacher-forced
 top-1 agreement with the full-precision cache's greedy continuations of 16 chat prompts, and perplexity on
 Python's pydoc topics text, and the top-1 agreement at each position of that text). Per token and KV head,
 unless said otherwise:
@@ -12,7 +12,7 @@ unless said otherwise:
 - ``sym``: symmetric, ``absmax / 7`` (15 levels); ``asym``: 16 levels from the vector's min to max (a scale
   and a zero point); ``mse``: ``sym`` with the clipping ratio of least squared error; ``g32``: a scale (and
   zero) per 32 channels instead of per head.
-- ``rot``: rotated by kvmesh's fixed randomized Hadamard matrix first (``kvmesh/kernels/quant.py``);
+- ``rot``: rotated by kvmesh's fixed randomized Hadamard matrix first (``kernels/quant.py``);
   ``c``: keys less their calibrated mean (exact for attention); ``s``: keys scaled per channel by
   ``sqrt(rms(q) / rms(k))`` from the calibration pass (queries by the inverse; exact for attention).
 - ``block``: keys quantized **per channel over each 16-token cache block** (KIVI's axis), asymmetric, the
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 import kvmesh.kernels.torch_attention as torch_attention
-from benchmarks.kv_quant import PROMPTS, perplexity_text, teacher_forced_logprobs, text_scores
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.kv_quality import PROMPTS, perplexity_text, teacher_forced_logprobs, text_scores
+from kvmesh.bench.harness.report import print_table, write_json
 from kvmesh.kernels.quant import (
     dequantize,
     dequantize_int4_keys,
@@ -274,14 +274,16 @@ def simulate(k: Rounding | None, v: Rounding | None, layers: int) -> Callable:
     return quantize
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench kv_int4_variants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ppl-chunks", type=int, default=8)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
     ap.add_argument("--only", default="", help="run only the candidates whose name contains this")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch_attention.cpu_op = lambda name: None  # the gather route: the only one that calls ``quantize``
     llm = LLM(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@
    and its text top-1: how often the top prediction at each of those positions is the full cache's (eight
    times the positions of (b), so a finer reading of the same agreement).
 
-    python -m benchmarks.kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
+    kvmesh bench kv_quant [--model smollm2-135m] [--requests 24] [--fit 4] [--max-tokens 64]
         [--skip-concurrency] [--speed-requests 16] [--speed-output 64] [--repeats 3]
 """
 
@@ -28,31 +28,11 @@ import time
 import numpy as np
 import torch
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.kernels import AttentionMetadata
+from kvmesh.bench.harness.kv_quality import PROMPTS, perplexity_text, teacher_forced_logprobs, text_scores
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.core.kv_dtype import KV_CACHE_DTYPES
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.replica.context import ForwardContext, forward_context
 from kvmesh.replica.model_runner import kv_bytes_per_block
-from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES
-
-PROMPTS = [
-    "Explain how photosynthesis works in three sentences.",
-    "Write a haiku about the sea.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "List five tips for writing clean Python code.",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a hash table handle collisions?",
-    "Give me a recipe for a simple tomato soup.",
-    "What are the main differences between TCP and UDP?",
-    "Describe the water cycle to a ten-year-old.",
-    "Why is the sky blue?",
-    "Write a short poem about autumn leaves.",
-    "What causes the seasons on Earth?",
-    "Explain what a neural network is in plain words.",
-    "Suggest three names for a bakery and explain each.",
-    "How do vaccines train the immune system?",
-    "What is the difference between weather and climate?",
-]
 
 
 def speed(model: str, requests: int, prompt: int, output: int, repeats: int) -> list[dict]:
@@ -116,40 +96,6 @@ def concurrency(model: str, dtype: str, requests: int, prompt: int, output: int,
     return rows
 
 
-@torch.inference_mode()
-def teacher_forced_logprobs(llm: LLM, tokens: list[int], start: int) -> torch.Tensor:
-    """Log-probs of ``tokens[start:]`` given their prefixes: one forward through the engine's own paged cache."""
-    engine = llm.engine
-    engine.reset_prefix_cache()  # the blocks below are overwritten; nothing cached may point at them
-    runner, n = engine.runner, len(tokens)
-    nb = -(-n // runner.block_size)
-    meta = AttentionMetadata.build([n], [n], [list(range(nb))], runner.block_size, runner.device)
-    ids = torch.tensor(tokens, device=runner.device)
-    rows = torch.arange(start - 1, n - 1, device=runner.device)
-    with forward_context(ForwardContext(meta, runner.kv_caches, runner.kernels)):
-        logits = runner.model(ids, torch.arange(n, device=runner.device), rows).float()
-    engine.reset_prefix_cache()
-    return logits.log_softmax(-1)
-
-
-def perplexity_text() -> str:
-    """A real English text every Python ships: the documentation topics of ``pydoc`` (``help()``), in order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def text_scores(llm: LLM, chunks: list[list[int]]) -> tuple[float, torch.Tensor]:
-    """Teacher forced over each chunk: the perplexity of every token after its first (exp of the mean negative
-    log-likelihood), and the top-1 prediction at each of those positions (concatenated)."""
-    nll, top = [], []
-    for c in chunks:
-        lp = teacher_forced_logprobs(llm, c, 1)
-        nll.append(-lp.gather(1, torch.tensor(c[1:])[:, None]).mean().item())
-        top.append(lp.argmax(-1))
-    return float(np.exp(np.mean(nll))), torch.cat(top)
-
-
 def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     results, ref_outs, ref_lps, ref_top = [], [], [], None
@@ -192,8 +138,38 @@ def quality(model: str, max_tokens: int, ppl_chunks: int, ppl_tokens: int) -> li
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def print_quality(rows: list[dict]) -> None:
+    """Per KV dtype: greedy agreement, teacher-forced differences and perplexity against the full cache's."""
+    ppl0 = rows[0]["perplexity"]
+    print_table(
+        [
+            "KV dtype",
+            "greedy prefix agreement",
+            "identical seqs",
+            "mean |dlogp|",
+            "teacher-forced top-1",
+            "text top-1",
+            "perplexity",
+        ],
+        [
+            [
+                r["kv_cache_dtype"],
+                f"{100 * r['greedy_prefix_agreement']:.1f}%",
+                f"{r['identical_sequences']}/{r['prompts']}",
+                f"{r['mean_abs_logprob_diff']:.4f}",
+                f"{100 * r['teacher_forced_top1']:.1f}%",
+                f"{100 * r['text_top1']:.2f}%",
+                f"{r['perplexity']:.3f} ({100 * (r['perplexity'] / ppl0 - 1):+.2f}%)",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench kv_quant", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=244, help="with --output 8: 252 tokens = 16 blocks, no growth")
@@ -206,7 +182,7 @@ def main() -> None:
     ap.add_argument("--speed-requests", type=int, default=16, help="speed: requests served at once")
     ap.add_argument("--speed-output", type=int, default=64, help="speed: output tokens each")
     ap.add_argument("--repeats", type=int, default=3, help="speed: runs per dtype (median)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out: dict = {"concurrency": [], "quality": [], "speed": []}
     for dtype in () if args.skip_concurrency else ("bfloat16", "float32"):
         out["concurrency"] += concurrency(args.model, dtype, args.requests, args.prompt, args.output, args.fit)
@@ -232,30 +208,7 @@ def main() -> None:
         [[r["kv_cache_dtype"], r["seconds"], r["output_tok_s"], f"{r['vs_auto']:.2f}x"] for r in out["speed"]],
     )
     out["quality"] = quality(args.model, args.max_tokens, args.ppl_chunks, args.ppl_tokens)
-    ppl0 = out["quality"][0]["perplexity"]
-    print_table(
-        [
-            "KV dtype",
-            "greedy prefix agreement",
-            "identical seqs",
-            "mean |dlogp|",
-            "teacher-forced top-1",
-            "text top-1",
-            "perplexity",
-        ],
-        [
-            [
-                r["kv_cache_dtype"],
-                f"{100 * r['greedy_prefix_agreement']:.1f}%",
-                f"{r['identical_sequences']}/{r['prompts']}",
-                f"{r['mean_abs_logprob_diff']:.4f}",
-                f"{100 * r['teacher_forced_top1']:.1f}%",
-                f"{100 * r['text_top1']:.2f}%",
-                f"{r['perplexity']:.3f} ({100 * (r['perplexity'] / ppl0 - 1):+.2f}%)",
-            ]
-            for r in out["quality"]
-        ],
-    )
+    print_quality(out["quality"])
     write_json("kv_quant", out)
 
 

@@ -10,19 +10,21 @@ allocation, caching of computed blocks), so the figures are what a replica's poo
 (c) 40 requests on an 8-block system prompt, 30 of them also on a 6-block few-shot preamble, each with
     3-4 blocks of its own (142 in all): blocks stored with prefix sharing vs without.
 
-    python -m benchmarks.memory_accounting
+    kvmesh bench memory_accounting
 """
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.core.hashing import model_seed
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.block_pool import BlockPool
 from kvmesh.replica.kv_cache_manager import KVCacheManager
 from kvmesh.replica.request import Request
-from kvmesh.shared.hashing import model_seed
-from kvmesh.shared.sampling_params import SamplingParams
 
 BLOCK = 16
 MAX_SEQ = 2048
@@ -31,7 +33,16 @@ SEED = model_seed("memory-accounting")
 
 def make_request(i: int, tokens: list[int]) -> Request:
     # No detokenizer: these requests are admitted and computed, never sampled.
-    return Request(f"r{i}", tokens, SamplingParams(max_tokens=1), MAX_SEQ + 1, set(), None, BLOCK, SEED, b"")
+    return Request(
+        request_id=f"r{i}",
+        prompt_token_ids=tokens,
+        params=SamplingParams(max_tokens=1),
+        max_total_tokens=MAX_SEQ + 1,
+        eos_token_ids=set(),
+        detokenizer=None,
+        block_size=BLOCK,
+        hash_seed=SEED,
+    )
 
 
 def admit(kv: KVCacheManager, req: Request) -> bool:
@@ -93,8 +104,8 @@ def case_c(enable_prefix_caching: bool) -> int:
     rng = np.random.default_rng(3)
     system, fewshot = distinct_tokens(rng, 8 * BLOCK), distinct_tokens(rng, 6 * BLOCK)
     own = [4] * 22 + [3] * 18
-    pool = BlockPool(1000)
-    kv = KVCacheManager(pool, BLOCK, enable_prefix_caching)
+    pool = BlockPool(1000, enable_prefix_caching)
+    kv = KVCacheManager(pool, BLOCK)
     for i in range(40):
         prompt = system + (fewshot if i < 30 else []) + distinct_tokens(rng, own[i] * BLOCK)
         assert admit(kv, make_request(i, prompt))
@@ -102,7 +113,12 @@ def case_c(enable_prefix_caching: bool) -> int:
     return pool.num_used
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="kvmesh bench memory_accounting",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     a, b = case_a(), case_b()
     shared, unshared = case_c(True), case_c(False)
     rows = [

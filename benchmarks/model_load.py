@@ -4,7 +4,7 @@ Each load runs in a fresh Python process against an empty temporary cache direct
 would; ``engine`` is the time to build the engine (weights, tokenizer, KV pool), ``process`` adds the
 interpreter and library imports.
 
-    python -m benchmarks.model_load [--warm-repeats 3] [--model smollm2-135m]
+    kvmesh bench model_load [--warm-repeats 3] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.report import median, print_table, write_json
 
 CHILD = (
     "import time; t0 = time.perf_counter(); from kvmesh.replica import LLM; t1 = time.perf_counter(); "
@@ -35,11 +35,13 @@ def load_once(model: str, cache_dir: str) -> tuple[float, float]:
     return engine, total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench model_load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--warm-repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvmesh-cache-") as cache:
         cold = load_once(args.model, cache)
         warm = [load_once(args.model, cache) for _ in range(args.warm_repeats)]

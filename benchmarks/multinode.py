@@ -1,7 +1,7 @@
 """Many nodes: time to ready on a cold and on a warm node, and failover under steady load.
 
 Two Ray nodes on this machine, each in a network namespace with its own address and HOME
-(``kvmesh/bench/netns_cluster.py``), Ray's token authentication on, ``kvmesh serve --address auto`` on
+(``benchmarks/harness/netns_cluster.py``), Ray's token authentication on, ``kvmesh serve --address auto`` on
 its defaults otherwise.
 
 - **start**: both engine replicas on the worker. First with the worker's HOME empty (a new machine: the
@@ -14,7 +14,7 @@ its defaults otherwise.
   time until the lost replica's index entries are gone, and the cache hit rate before the kill, while the
   node is away and after it returns.
 
-    python -m benchmarks.multinode [--model smollm2-135m] [--rate 2] [--kill-at 20] [--rejoin-at 40]
+    kvmesh bench multinode [--model smollm2-135m] [--rate 2] [--kill-at 20] [--rejoin-at 40]
         [--duration 90]
 
 Writes ``benchmarks/results/multinode.json``. Needs root (network namespaces).
@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvmesh.bench.netns_cluster import WORKER_RESOURCE, NetnsCluster
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.netns_cluster import WORKER_RESOURCE, NetnsCluster
+from kvmesh.bench.harness.report import print_table, write_json
 
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
 URL = "http://127.0.0.1:8000"
@@ -154,7 +154,7 @@ def bench_failover(cluster: NetnsCluster, model: str, tmp: Path, args) -> dict:
     config.write_text(f"replicas: 2\nengine_actor_options: {{num_cpus: 0, resources: {{kvmesh_engine: 1}}}}\n{ENGINE}")
     proc, _ = serve(cluster, model, config, tmp / "failover.log")
     try:
-        me = [sys.executable, "-m", "benchmarks.multinode"]
+        me = [KVMESH, "bench", "multinode"]
         load_out, watch_out = tmp / "load.json", tmp / "watch.json"
         load = cluster.popen(
             "head", [*me, "_load", model, str(args.rate), str(args.duration), str(load_out)], tmp / "load.log"
@@ -195,20 +195,23 @@ def bench_failover(cluster: NetnsCluster, model: str, tmp: Path, args) -> dict:
     }
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "_load":
-        asyncio.run(_load(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5])))
+def main(argv: list[str] | None = None) -> None:
+    helper = sys.argv[1:] if argv is None else argv  # the load and the watcher run as this benchmark, in the head
+    if helper[:1] == ["_load"]:
+        asyncio.run(_load(helper[1], float(helper[2]), float(helper[3]), Path(helper[4])))
         return
-    if len(sys.argv) > 1 and sys.argv[1] == "_watch":
-        _watch(float(sys.argv[2]), Path(sys.argv[3]))
+    if helper[:1] == ["_watch"]:
+        _watch(float(helper[1]), Path(helper[2]))
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench multinode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second, open loop")
     ap.add_argument("--kill-at", type=float, default=20.0)
     ap.add_argument("--rejoin-at", type=float, default=40.0)
     ap.add_argument("--duration", type=float, default=90.0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvmesh-multinode-") as tmp:
         cluster = NetnsCluster(Path(tmp), auth_token=secrets.token_hex(16))
         try:

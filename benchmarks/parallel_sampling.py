@@ -17,7 +17,7 @@ Independent requests with prefix caching on reuse what is cached when each is ad
 blocks are cached only once its prefill step ends, so a request admitted in that same step (with the step
 budget's leftover) holds a private copy.
 
-    python -m benchmarks.parallel_sampling [--n 8] [--prompt-tokens 1000] [--max-tokens 64 32] [--repeats 3]
+    kvmesh bench parallel_sampling [--n 8] [--prompt-tokens 1000] [--max-tokens 64 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.report import print_table, write_json
 from kvmesh.replica import LLM, SamplingParams
 
 SEED = 1234
@@ -86,14 +86,16 @@ def measure(model: str, caching: bool, prompt: list[int], n: int, lengths: list[
     return results
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench parallel_sampling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[64, 32])
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     prompt = np.random.default_rng(0).integers(100, 40000, args.prompt_tokens).tolist()
     results = {}
     for caching in (True, False):

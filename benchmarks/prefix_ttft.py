@@ -5,7 +5,7 @@ Cold: the prefix cache is reset before the request. Warm: right after it, a requ
 and a different question, so exactly the 96 prefix blocks are cached and only the 32-token question is
 prefilled. Both are measured in one run, alternating; medians over repeats.
 
-    python -m benchmarks.prefix_ttft [--repeats 7] [--model smollm2-135m]
+    kvmesh bench prefix_ttft [--repeats 7] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.report import median, print_table, write_json
 from kvmesh.replica import LLM, SamplingParams
 
 PREFIX, SUFFIX = 1536, 32
@@ -32,11 +32,13 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     raise RuntimeError("request produced no token")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench prefix_ttft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     llm = LLM(args.model)
     cold, warm, hits = [], [], []

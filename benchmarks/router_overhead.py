@@ -1,6 +1,6 @@
 """A router's own CPU per request and per streamed token, in front of one ``kvmesh engine``.
 
-    python -m benchmarks.router_overhead [--smg /work/peers/smg-venv/bin/smg] [--requests 30]
+    kvmesh bench router_overhead [--smg /work/peers/smg-venv/bin/smg] [--requests 30]
 
 Starts one engine, then each router in turn (``kvmesh router``; SGLang's ``smg --policy cache_aware`` when
 given) and sends the same chat request (a ~500-token prompt, cached after the first) one at a time with
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.peer_routers import MODEL, cpu_seconds, start_engines, start_router
-from kvmesh.bench.report import print_table, write_json
+from kvmesh.bench.harness.peer_fleet import MODEL, cpu_seconds, start_engines, start_router
+from kvmesh.bench.harness.report import print_table, write_json
 
 MAX_TOKENS = (1, 16, 64)
 DOCUMENT = " ".join(f"Sentence {i} tells a small fact about topic {i % 7}." for i in range(40))
@@ -64,7 +64,9 @@ def measure(kind: str, args: argparse.Namespace, engines: list) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench router_overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--smg", help="SGLang's router command (its own virtualenv's bin/smg)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)

@@ -8,9 +8,9 @@ half by another),
 hashing excluded (the ingress hashes once). Replicas are stand-ins carrying only what the router reads
 (replica id, load report). Before timing, ``--fill-prompts`` new prompts fill the router's bounded memory
 of recent decisions, as traffic does on a router that has run a while. Hashing:
-``kvmesh.shared.hashing.hash_blocks`` on 8k-token prompts, one process.
+``kvmesh.core.hashing.hash_blocks`` on 8k-token prompts, one process.
 
-    python -m benchmarks.routing_decision [--decisions 2000] [--replicas 256]
+    kvmesh bench routing_decision [--decisions 2000] [--replicas 256]
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from types import SimpleNamespace
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import GenerateCall
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.serve_router import KVAwareRequestRouter
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.messages import GenerateCall
 
 MODEL, DEPLOYMENT, TOKENS = "bench-model", "bench", 8192
 
@@ -55,12 +55,8 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
-    """Time ``n`` decisions over ``count`` replicas after ``fill_prompts`` new prompts filled the memory."""
-    rng = random.Random(0)
-    seed = model_seed(MODEL)
-    prompts = [[rng.randrange(50_000) for _ in range(TOKENS)] for _ in range(32)]
-    chains = [hash_blocks(p, 16, seed) for p in prompts]
+def publishers(url: str, chains: list[list[bytes]], count: int) -> list[KVIndexPublisher]:
+    """``count`` replicas' publishers, synced: each chain held in full by one replica and half by the next."""
     caches = [[] for _ in range(count)]
     for c, chain in enumerate(chains):
         caches[c % count] += chain
@@ -71,11 +67,13 @@ async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
         pubs.append(pub.start())
     for p in pubs:
         assert p.wait_synced(30)
-    dep = DeploymentID(name="engine", app_name="bench")
-    router = KVAwareRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(redis_url=url, deployment=DEPLOYMENT, model=MODEL, lookup_timeout_s=1.0)
+    return pubs
+
+
+def stand_ins(pubs: list[KVIndexPublisher], dep: DeploymentID, rng: random.Random) -> list[StandInReplica]:
+    """A stand-in per publisher, with a random load report."""
     now = time.time()
-    replicas = [
+    return [
         StandInReplica(
             ReplicaID(p.replica_id, dep),
             {
@@ -89,10 +87,10 @@ async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
         )
         for p in pubs
     ]
-    bodies = [
-        GenerateCall(request_id=f"b{i}", prompt_token_ids=[0] * TOKENS, block_hashes=ch, block_size=16)
-        for i, ch in enumerate(chains)
-    ]
+
+
+def time_lookups(router: KVAwareRequestRouter) -> list[float]:
+    """The seconds of every index lookup the router makes from now on, appended as they end."""
     lookup: list[float] = []
     timed = router.index.query
 
@@ -104,6 +102,25 @@ async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
             lookup.append(time.perf_counter() - t)
 
     router.index.query = lookup_timed
+    return lookup
+
+
+async def decisions(url: str, n: int, fill_prompts: int, count: int) -> dict:
+    """Time ``n`` decisions over ``count`` replicas after ``fill_prompts`` new prompts filled the memory."""
+    rng = random.Random(0)
+    seed = model_seed(MODEL)
+    prompts = [[rng.randrange(50_000) for _ in range(TOKENS)] for _ in range(32)]
+    chains = [hash_blocks(p, 16, seed) for p in prompts]
+    pubs = publishers(url, chains, count)
+    dep = DeploymentID(name="engine", app_name="bench")
+    router = KVAwareRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(redis_url=url, deployment=DEPLOYMENT, model=MODEL, lookup_timeout_s=1.0)
+    replicas = stand_ins(pubs, dep, rng)
+    bodies = [
+        GenerateCall(request_id=f"b{i}", prompt_token_ids=[0] * TOKENS, block_hashes=ch, block_size=16)
+        for i, ch in enumerate(chains)
+    ]
+    lookup = time_lookups(router)
     for i in range(50):  # warm up the connection pool and script cache
         await router.choose_replicas(replicas, pending(bodies[i % len(bodies)], i))
 
@@ -152,8 +169,10 @@ def hashing_rate(repeats: int = 200) -> float:
     return repeats * TOKENS / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench routing_decision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--decisions", type=int, default=2000)
     ap.add_argument(
         "--fill-prompts",
@@ -163,7 +182,7 @@ def main() -> None:
     )
     ap.add_argument("--replicas", type=int, default=16, help="candidate replicas priced per decision")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with EmbeddedRedis() as server:
         d = asyncio.run(decisions(server.url, args.decisions, args.fill_prompts, args.replicas))
     rate = hashing_rate()

@@ -28,32 +28,14 @@ import httpx
 import numpy as np
 import yaml
 
-from kvmesh.bench.load_client import Result, run_sessions
-from kvmesh.bench.report import print_table, pyplot, save_figure, write_json
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.bench.trace_workloads import WORKLOADS as TRACE_WORKLOADS
-from kvmesh.bench.workloads import Session, mooncake_trace, multi_turn_chat, shared_prefix, trace_sessions
-from kvmesh.router.prefix_lru import PrefixLRU
+from kvmesh.bench.harness.cache_bounds import pooled_bound
+from kvmesh.bench.harness.load_client import Result, run_sessions
+from kvmesh.bench.harness.report import print_table, pyplot, save_figure, write_json
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.bench.harness.trace_workloads import WORKLOADS as TRACE_WORKLOADS
+from kvmesh.bench.harness.workloads import Session, build_workload
 
 ROUTERS = "kv_aware,pow2,round_robin,session_hash,approx_tree"
-
-
-def build_workload(args: argparse.Namespace, seed: int, warmup: bool = False) -> list[Session]:
-    if args.workload == "multi_turn":
-        n = args.warmup if warmup else args.sessions
-        return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=args.think_s)
-    if args.workload == "shared_prefix":
-        if warmup:
-            return shared_prefix(seed=seed, groups=args.warmup, prompts_per_group=1, rate=args.rate)
-        return shared_prefix(seed=seed, groups=args.groups, prompts_per_group=args.sessions, rate=args.rate)
-    if args.workload in TRACE_WORKLOADS:  # generated traces: the warm-up is the same shape, another seed
-        rows = TRACE_WORKLOADS[args.workload](seed=seed)[: args.warmup if warmup else args.sessions]
-        return trace_sessions(rows, args.block_tokens, args.speed, args.max_tokens)
-    if not args.trace:
-        raise SystemExit("--workload mooncake needs --trace FILE")
-    offset = args.offset + (0 if warmup else args.warmup)  # warm-up rows come just before the measured ones
-    rows = args.warmup if warmup else args.sessions
-    return mooncake_trace(args.trace, args.block_tokens, args.speed, rows, offset, args.max_tokens)
 
 
 def _status(url: str) -> dict:
@@ -64,35 +46,9 @@ def _delta(before: dict, after: dict, key: str) -> dict[str, int]:
     return {rid: r.get(key, 0) - before.get(rid, {}).get(key, 0) for rid, r in after.items()}
 
 
-def _prefix_keys(ids: list[int], block_size: int, blocks: int) -> list[tuple[int, ...]]:
-    """The first ``blocks`` full blocks of ``ids``, each keyed by its whole prefix, as the hash chain keys it."""
-    return [tuple(ids[: (j + 1) * block_size]) for j in range(blocks)]
-
-
-def pooled_bound(
-    sent: list[tuple[list[int], list[int]]],
-    block_size: int,
-    capacity_blocks: int,
-    prefill: list[tuple[list[int], list[int]]] = (),
-) -> float:
-    """Hit rate by tokens of one pooled LRU over (prompt ids, reply ids) in send order, counted as the
-    engine counts hits (full blocks only, the last prompt token always recomputed). ``prefill`` (the
-    warm-up's requests) enters the cache first without being counted, as it does on the replicas."""
-    lru = PrefixLRU(capacity_blocks)
-    hit = total = 0
-    for k, (prompt, reply) in enumerate([*prefill, *sent]):
-        n = lru.leading(_prefix_keys(prompt, block_size, (len(prompt) - 1) // block_size))
-        if k >= len(prefill):
-            hit += n * block_size
-            total += len(prompt)
-        seq = prompt + reply
-        lru.touch(_prefix_keys(seq, block_size, len(seq) // block_size))
-    return hit / total if total else 0.0
-
-
 def sent_token_ids(model: str, sessions: list[Session], results: list[Result]) -> list[tuple[list[int], list[int]]]:
     """Rebuild what each request sent (chat: the template over the history) and received, in send order."""
-    from kvmesh.shared.model_files import apply_chat_template, load_tokenizer, resolve_model_dir
+    from kvmesh.core.model_files import apply_chat_template, load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(model))
     by_id = {s.session_id: s for s in sessions}
@@ -178,7 +134,7 @@ def run_router(
         )
         time.sleep(1.5)
         after = _status(server.url)
-        capacity = sum(r.get("num_blocks", 0) for r in after.values())
+        capacity = sum(r.get("kv_total_blocks") or 0 for r in after.values())
     summary = summarize(results, wall, before, after)
     summary["capacity_blocks"] = capacity
     summary["results"], summary["warmup_results"] = results, warm
@@ -210,7 +166,7 @@ def plot(path: Path, runs: dict[str, dict], bound: float | None) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -241,24 +197,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads per replica")
     ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
-    args = ap.parse_args(argv)
+    return ap
 
-    sessions = build_workload(args, args.seed)
-    warmup = build_workload(args, args.seed + 1000, warmup=True) if args.warmup else []
+
+def router_plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """``(label, policy, settings)`` per router of ``--routers``, then kv_aware once per ``--kv-variants`` entry."""
     plan = [(r, r, {}) for r in args.routers.split(",") if r]
     for variant in filter(None, args.kv_variants.split(";")):
         kwargs = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         plan.append((f"kv_aware({variant})", "kv_aware", kwargs))
-    runs: dict[str, dict] = {}
-    for label, router, kwargs in plan:
-        runs[label] = run_router(args, router, sessions, warmup, kwargs)
-    first = next(iter(runs.values()))
-    warm_sent = sent_token_ids(args.model, warmup, first["warmup_results"])
-    sent = sent_token_ids(args.model, sessions, first["results"])
-    bound = pooled_bound(sent, 16, first["capacity_blocks"], prefill=warm_sent)
-    for s in runs.values():
-        s["hit_rate_vs_pooled"] = s["hit_rate"] / bound if bound else None
-        del s["results"], s["warmup_results"]
+    return plan
+
+
+def print_runs(args: argparse.Namespace, sessions: list[Session], runs: dict[str, dict], bound: float) -> None:
+    """The routers side by side: latency percentiles, throughput, hit rate, imbalance, errors."""
 
     def ms(x: float | None) -> float | str:
         return 1000 * x if x is not None else "-"
@@ -296,6 +248,24 @@ def main(argv: list[str] | None = None) -> None:
         ],
         rows,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+
+    sessions = build_workload(args, args.seed)
+    warmup = build_workload(args, args.seed + 1000, warmup=True) if args.warmup else []
+    runs: dict[str, dict] = {}
+    for label, router, kwargs in router_plan(args):
+        runs[label] = run_router(args, router, sessions, warmup, kwargs)
+    first = next(iter(runs.values()))
+    warm_sent = sent_token_ids(args.model, warmup, first["warmup_results"])
+    sent = sent_token_ids(args.model, sessions, first["results"])
+    bound = pooled_bound(sent, 16, first["capacity_blocks"], prefill=warm_sent)
+    for s in runs.values():
+        s["hit_rate_vs_pooled"] = s["hit_rate"] / bound if bound else None
+        del s["results"], s["warmup_results"]
+    print_runs(args, sessions, runs, bound)
     payload = {
         "workload": args.workload,
         "args": {k: str(v) for k, v in vars(args).items()},

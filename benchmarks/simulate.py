@@ -1,21 +1,14 @@
 """Trace-driven fleet simulation of routing policies (the same policy objects the Ray router runs).
 
-A discrete-event model of N replicas, each with an LRU prefix cache of C blocks, ``max_num_seqs`` batch
-slots, a FIFO prefill stage whose time is the uncached tokens over the prefill rate, and a decode stage
-whose step time grows with the running batch. Requests come from a Mooncake-format trace: each 512-token hash id becomes
-one block (its ids are prefix-chained, so prefix structure is kept). Arrival times are rescaled so the
-offered work, assuming a pooled LRU of N x C blocks, is ``--target-load`` of the fleet's prefill capacity.
-Requests are spread over K independent router processes (per-process policy state, as Ray Serve runs one
-router per handle-holding process); prefix lookups read the replicas' exact caches, as the Redis index does,
-extended by each routing decision until its blocks land and for ``--predict-ttl`` trace seconds; the counts
-of conversation starts are shared by all of them, as the index shares them. Each replica reports what the
-engine would: its queued prefill (each request's uncached tokens, from routing until its prefill ran),
-running and waiting counts, its current step time and the trace's mean output length.
-Random tie-breaks are seeded per router process, so a run is reproducible. Each result also counts the
-blocks another replica held beyond the chosen one's (``passed_over``: moves for load). Runs are judged
-against bounds from the trace alone (``kvmesh/bench/cache_bounds.py``): the pooled LRU and the
-replication-aware bound at ``--bound-imbalance``. ``--shortlist k`` prices only the k replicas holding the
-prompt deepest plus k random ones per decision, for fleets of a thousand replicas.
+Replays a Mooncake-format trace (``--trace``) on ``--replicas`` simulated replicas of ``--capacity-blocks``
+blocks each (the model: ``benchmarks/harness/fleet_sim.py``), once per router of ``--routers`` (and once per
+``--miss-weights`` value for kv_aware), with arrival times rescaled so the offered work, assuming a pooled LRU
+of all the replicas' blocks, is ``--target-load`` of the fleet's prefill capacity. Requests are spread over
+``--router-processes`` independent router processes; a routing decision stands as a prediction until its
+blocks land and for ``--predict-ttl`` trace seconds. Runs are judged against bounds from the trace alone
+(``benchmarks/harness/cache_bounds.py``): the pooled LRU and the replication-aware bound at
+``--bound-imbalance``. ``--shortlist k`` prices only the k replicas holding the prompt deepest plus k random
+ones per decision, for fleets of a thousand replicas.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -24,460 +17,21 @@ measures our real engine) uses the measured constants instead, sped up by ``--sp
 factor that brings the measured prefill rate to the GPU-class 20,000 tokens/s; step costs scale by the
 same factor, so the measured balance between prefill and decode is kept).
 
-    python -m kvmesh.bench.simulate --trace benchmarks/workloads/mooncake/conversation_trace.jsonl \
+    kvmesh bench simulate --trace benchmarks/workloads/mooncake/conversation_trace.jsonl \\
         --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
-    python -m kvmesh.bench.simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
+    kvmesh bench simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import inspect
-import itertools
-import json
-import random
-import statistics
-import struct
-import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.bench.cache_bounds import BLOCK_TOKENS, lru_hit_rate, replicated_bound
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.replica.telemetry import BusyShare
-from kvmesh.router.baselines import POLICIES, make_policy
-from kvmesh.router.policy import ReplicaLoad, RouteRequest
-from kvmesh.router.prefix_lru import PrefixLRU
-from kvmesh.router.sessions import SESSION_DECAY_S, DecayingCounts
-from kvmesh.shared.defaults import PREDICT_TTL_S
-
-BOUND_IMBALANCE = 1.3
-"""The replication-aware bound lets the busiest replica serve this many times the mean number of requests."""
-PROGRESS_EVERY = 100_000
-"""Requests between two progress reports of a long simulation."""
-WINDOW_SHARE = 0.1
-"""A replica's prefill utilisation is averaged over this share of the trace's simulated span: the suite's traces
-last about a second of simulated time at GPU-class rates, so the engine's 10 s window would never fill."""
+from kvmesh.bench.harness.fleet_sim import BOUND_IMBALANCE, PREDICT_TTL_S, Costs, compare_routers, load_trace
+from kvmesh.bench.harness.report import print_table, write_json
 
 
-@dataclass(frozen=True)
-class Costs:
-    """How fast a simulated replica works."""
-
-    prefill_tok_s: float = 20_000.0
-    decode_s_per_seq: float = 0.00025
-    """Seconds one running sequence adds to a decode step."""
-    min_step_s: float = 0.015
-    """A decode step's base cost: ``step = min_step_s + running * decode_s_per_seq``, as our engine measures."""
-    slots: int = 64
-    host_load_tok_s: float = 200_000.0
-    """Tokens per second a host-tier prefix loads back at (PCIe-class: ~25 GB/s over ~128 KiB of KV per
-    token of an 8B Llama): 10x the prefill rate. Used only by replicas with a host tier."""
-
-    @classmethod
-    def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
-        """The measured engine, ``speedup`` times faster (default: to the GPU-class prefill rate)."""
-        cal = json.loads(path.read_text())
-        f = speedup or cls.prefill_tok_s / cal["prefill_tok_s"]
-        costs = cls(cal["prefill_tok_s"] * f, cal["decode_s_per_seq"] / f, cal["step_base_s"] / f)
-        return costs, f
-
-
-@dataclass
-class Req:
-    arrival: float
-    chain: list[bytes]
-    output: int
-    reused_blocks: int = 0
-    """Leading blocks it did not compute: device hits plus those loaded from the host tier."""
-    host_hits: int = 0
-    queued: int = 0
-    """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
-    ttft: float = 0.0
-    replica: int = -1
-    passed_over: int = 0
-    """Leading blocks another replica held (as the index answered) beyond the chosen one's: left for load."""
-    opened: bool = False
-    """The router took it for a new conversation (placed with bounded loads)."""
-
-    @property
-    def tokens(self) -> int:
-        return len(self.chain) * BLOCK_TOKENS
-
-
-class HolderIndex:
-    """Which replicas hold each block, kept by their inserts and evictions (the Redis index's shape): a lookup
-    touches the replicas that hold the prompt, not the whole fleet."""
-
-    def __init__(self) -> None:
-        self._holders: dict[bytes, set[int]] = {}
-
-    def update(self, replica: int, added: list[bytes], evicted: list[bytes]) -> None:
-        for h in added:
-            self._holders.setdefault(h, set()).add(replica)
-        for h in evicted:
-            held = self._holders.get(h)
-            if held is not None:
-                held.discard(replica)
-                if not held:
-                    del self._holders[h]
-
-    def deepest(self, chain: list[bytes], k: int) -> list[int]:
-        """Up to ``k`` replicas holding the deepest blocks of ``chain`` (deepest first)."""
-        out: dict[int, None] = {}
-        for h in reversed(chain):
-            for replica in self._holders.get(h, ()):
-                out[replica] = None
-                if len(out) >= k:
-                    return list(out)
-        return list(out)
-
-
-@dataclass
-class Replica:
-    rid: str
-    capacity: int
-    costs: Costs
-    host_capacity: int = 0
-    """Blocks of the host prefix tier: what the device evicts goes there (LRU), exclusive with the device."""
-    cache: PrefixLRU = field(init=False)
-    host: PrefixLRU = field(init=False)
-    prefill_queue: deque = field(default_factory=deque)
-    slot_waiters: deque = field(default_factory=deque)
-    running: int = 0
-    prefill_busy: bool = False
-    queued_tokens: int = 0
-    served: int = 0
-    index: HolderIndex | None = None
-    """The fleet's block index this replica keeps current (None: no shortlist, every replica is asked)."""
-    busy: BusyShare = field(default_factory=BusyShare)
-    """How busy its prefill has been, as the engine measures it (``kvmesh/replica/telemetry.py``)."""
-    mean_output_steps: float = 1.0
-    """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
-
-    def __post_init__(self) -> None:
-        self.cache = PrefixLRU(self.capacity)
-        self.host = PrefixLRU(self.host_capacity)
-
-    def leading_hits(self, chain: list[bytes]) -> int:
-        return self.cache.leading(chain)
-
-    def host_hits(self, chain: list[bytes], start: int) -> int:
-        """Blocks of ``chain`` after its first ``start`` that the host tier holds, in a row."""
-        return self.host.leading(chain[start:])
-
-    def insert(self, chain: list[bytes]) -> None:
-        for h in chain:
-            self.host.discard(h)  # loaded back or recomputed: the device holds it now
-        evicted = self.cache.touch(chain)
-        if self.host_capacity:
-            for h in evicted:
-                self.host.touch((h,))
-        if self.index is not None:
-            self.index.update(int(self.rid[1:]), chain, evicted)
-
-    def step_s(self) -> float:
-        """A decode step's time at the current batch."""
-        return self.costs.min_step_s + self.running * self.costs.decode_s_per_seq
-
-    def load(self, now: float = 0.0) -> ReplicaLoad:
-        return ReplicaLoad(
-            index_id=self.rid,
-            pending_prefill_tokens=self.queued_tokens,
-            num_running=self.running,
-            num_waiting=len(self.slot_waiters),
-            prefill_tok_s=self.costs.prefill_tok_s,
-            decode_s_per_seq=self.costs.decode_s_per_seq,
-            max_num_seqs=self.costs.slots,
-            step_s=self.step_s(),
-            mean_output_tokens=self.mean_output_steps,
-            cache_fill=len(self.cache) / self.capacity,
-            kv_total_blocks=self.capacity,
-            prefill_busy=self.busy.at(now),
-            host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
-        )
-
-
-def trace_rows(records) -> list[tuple[float, list[bytes], int]]:
-    """Simulator rows (arrival s, block chain, decode steps) from Mooncake-format records (dicts)."""
-    return [
-        (r["timestamp"] / 1000.0, [struct.pack("<q", h) for h in r["hash_ids"]], max(1, r["output_length"] // 32))
-        for r in records
-    ]
-
-
-def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], int]]:
-    with path.open() as f:
-        return trace_rows(json.loads(line) for line in itertools.islice(f, limit))
-
-
-def predicted_hits(predicted: dict, chain: list[bytes], now: float, ttl: float, landed: list[bool]) -> dict[str, int]:
-    """Per replica, the deepest block of the chain a router recently sent it (as the lookup script reads
-    the Redis predictions: each depth on its own, since shared shallow blocks name the latest choice).
-
-    A prediction ``(replica, routed at, request)`` stands until that request's blocks land in the replica's
-    cache (its KV events reach the index) and for ``ttl`` simulated seconds after routing, whichever is later.
-    """
-    out: dict[str, int] = {}
-    for i, h in enumerate(chain):
-        entry = predicted.get(h)
-        if entry is None:
-            break
-        if now - entry[1] <= ttl or not landed[entry[2]]:
-            out[entry[0]] = i + 1
-    return out
-
-
-class FleetSim:
-    """One run of ``policy_name`` over ``rows`` on ``n`` replicas of ``capacity`` blocks, with requests spread
-    over ``processes`` router processes and arrivals at ``scale`` x their trace times.
-
-    ``ttl``: how long a routing decision is remembered as a prediction, in trace seconds (the router's own
-    ``predict_ttl_s`` too, unless ``policy_kwargs`` set it): compressing arrivals compresses conversations'
-    think times, and a TTL left in simulated seconds would outlast them, telling the router where every history
-    went. ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
-    random and those a prediction names (a router's cost at a thousand replicas); a policy that hashes
-    (``preferred``) shortlists its own k top choices instead; 0: every replica. Events are arrivals, prefills
-    ending and requests finishing, taken in time order from one heap."""
-
-    def __init__(
-        self,
-        rows,
-        n: int,
-        capacity: int,
-        policy_name: str,
-        policy_kwargs: dict,
-        processes: int,
-        scale: float,
-        ttl: float,
-        costs: Costs = Costs(),
-        host_capacity: int = 0,
-        shortlist: int = 0,
-    ) -> None:
-        self.costs, self.shortlist, self.host_capacity = costs, shortlist, host_capacity
-        self.ttl_s = ttl * scale
-        window = max(rows[-1][0] - rows[0][0], 1e-9) * scale * WINDOW_SHARE
-        self.index = HolderIndex() if shortlist else None
-        mean_output = statistics.fmean(out for _, _, out in rows)
-        self.replicas = [
-            Replica(
-                f"r{i}",
-                capacity,
-                costs,
-                host_capacity,
-                index=self.index,
-                busy=BusyShare(window),
-                mean_output_steps=mean_output,
-            )
-            for i in range(n)
-        ]
-        self.ids = [rep.rid for rep in self.replicas]
-        self.sampler = random.Random(0)
-        self.clock = 0.0  # simulated time: the shared counts of conversation starts (the index's session.lua), TTLs
-        self.routers = self._routers(policy_name, policy_kwargs, processes)
-        self.uses_index = self.routers[0].uses_index
-        self.predicted: dict[bytes, tuple[str, float, int]] = {}  # Redis predict-on-route entries, all routers'
-        self.landed = [False] * len(rows)  # per request: its blocks are in its replica's cache, so the index has them
-        decay_s = getattr(self.routers[0], "session_decay_s", SESSION_DECAY_S)
-        self.starts = DecayingCounts(decay_s, clock=lambda: self.clock)
-        self.reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
-        self.seq = itertools.count()
-        self.events = [(r.arrival, next(self.seq), "arrive", i) for i, r in enumerate(self.reqs)]
-        heapq.heapify(self.events)
-
-    def _routers(self, name: str, kwargs: dict, processes: int) -> list:
-        """One policy object per router process, random tie-breaks seeded per process (reproducible runs),
-        reading simulated time where the policy keeps time."""
-        accepts = inspect.signature(POLICIES[name]).parameters
-        simulated = {"clock": lambda: self.clock} if "clock" in accepts else {}
-        if "predict_ttl_s" in accepts and "predict_ttl_s" not in kwargs:
-            simulated["predict_ttl_s"] = self.ttl_s
-        seeded = [{"seed": k} if "seed" in accepts else {} for k in range(processes)]
-        return [make_policy(name, **seed, **simulated, **kwargs) for seed in seeded]
-
-    def run(self, progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        """Serve the whole trace; ``progress`` hears the number of requests routed, every ``PROGRESS_EVERY``."""
-        handlers = {"arrive": self.arrive, "prefilled": self.prefilled, "done": self.done}
-        while self.events:
-            now, _, kind, i = heapq.heappop(self.events)
-            if progress is not None and kind == "arrive" and i and i % PROGRESS_EVERY == 0:
-                progress(i)
-            handlers[kind](i, now)
-        return self.summary()
-
-    def _push(self, at: float, kind: str, i: int) -> None:
-        heapq.heappush(self.events, (at, next(self.seq), kind, i))
-
-    def _asked(self, policy, req: RouteRequest, forecast: dict[str, int]) -> list[Replica]:
-        """The replicas this decision prices: all of them, or the shortlist."""
-        if not self.shortlist:
-            return self.replicas
-        n = len(self.replicas)
-        pool = [
-            *self.index.deepest(req.block_hashes, self.shortlist),
-            *self.sampler.sample(range(n), min(self.shortlist, n)),
-        ]
-        if hasattr(policy, "preferred"):  # a hashing policy's own top choices, not the holders
-            pool = [int(rid[1:]) for rid in policy.preferred(req, self.ids, self.shortlist)] or pool
-        return [self.replicas[j] for j in dict.fromkeys([*pool, *(int(o[1:]) for o in forecast)])]
-
-    def _hits(self, chain: list[bytes], asked: list[Replica], forecast: dict[str, int]) -> tuple[dict, dict]:
-        """What the index answers: leading device hits per replica (extended by predictions past what any
-        replica holds, as the lookup script does) and host-tier hits past them."""
-        device = {rep.rid: rep.leading_hits(chain) for rep in asked}
-        host = {rep.rid: rep.host_hits(chain, device[rep.rid]) for rep in asked} if self.host_capacity else {}
-        known = max(device.values())
-        for owner, k in forecast.items():
-            if k > known:
-                device[owner] = max(device[owner], k)
-        return device, host
-
-    def arrive(self, i: int, now: float) -> None:
-        """Route request ``i`` as its router process would, then queue it on the chosen replica."""
-        r = self.reqs[i]
-        policy = self.routers[i % len(self.routers)]
-        req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
-        forecast = predicted_hits(self.predicted, r.chain, now, self.ttl_s, self.landed) if self.uses_index else {}
-        asked = self._asked(policy, req, forecast)
-        device_hits, host = self._hits(r.chain, asked, forecast) if self.uses_index else (None, {})
-        candidates = [rep.load(now) for rep in asked]
-        self.clock = now
-        shared = {load.index_id: self.starts.get(load.index_id) for load in candidates} if self.uses_index else None
-        decision = policy.rank(req, candidates, device_hits, shared, host, fleet_size=len(self.replicas))
-        rid = decision.ranked[0]
-        policy.on_routed(req, rid, decision)
-        if device_hits:
-            r.passed_over = max(device_hits.values()) - device_hits[rid]
-        r.opened = decision.opens_session
-        if self.uses_index:
-            for h in r.chain:
-                self.predicted[h] = (rid, now, i)
-            if decision.opens_session:
-                self.starts.add(rid)
-        r.replica = int(rid[1:])
-        rep = self.replicas[r.replica]
-        # What the router believes the replica must prefill, never below the last token: a prediction can
-        # deepen the device hits past where the host tier's blocks were counted from.
-        believed = ((device_hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
-        r.queued = r.tokens - min(believed, r.tokens - 1)
-        rep.queued_tokens += r.queued
-        if rep.running < self.costs.slots:
-            rep.running += 1
-            rep.prefill_queue.append(i)
-            self.start_prefill(rep, now)
-        else:
-            rep.slot_waiters.append(i)
-
-    def start_prefill(self, rep: Replica, now: float) -> None:
-        """Start the replica's next queued prefill if its prefill stage is free: it takes the tokens not
-        cached when it starts, plus loading the host tier's blocks back."""
-        if rep.prefill_busy or not rep.prefill_queue:
-            return
-        i = rep.prefill_queue.popleft()
-        r = self.reqs[i]
-        device = rep.leading_hits(r.chain)
-        r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
-        r.reused_blocks = device + r.host_hits
-        uncached = r.tokens - r.reused_blocks * BLOCK_TOKENS
-        rep.prefill_busy = True
-        done = now + uncached / self.costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / self.costs.host_load_tok_s
-        rep.busy.add(now, done - now)
-        self._push(done, "prefilled", i)
-
-    def prefilled(self, i: int, now: float) -> None:
-        """Request ``i``'s first token: its blocks land in the cache; it decodes at the batch's step time."""
-        r = self.reqs[i]
-        rep = self.replicas[r.replica]
-        rep.prefill_busy = False
-        rep.queued_tokens -= r.queued
-        r.ttft = now - r.arrival
-        rep.insert(r.chain)
-        self.landed[i] = True
-        rep.served += 1
-        self._push(now + r.output * rep.step_s(), "done", i)
-        self.start_prefill(rep, now)
-
-    def done(self, i: int, now: float) -> None:
-        """Request ``i`` finished: its slot goes to the first waiter."""
-        rep = self.replicas[self.reqs[i].replica]
-        rep.running -= 1
-        if rep.slot_waiters:
-            rep.running += 1
-            rep.prefill_queue.append(rep.slot_waiters.popleft())
-            self.start_prefill(rep, now)
-
-    def summary(self) -> dict[str, float]:
-        reqs = self.reqs
-        ttfts = sorted(r.ttft for r in reqs)
-        served = [rep.served for rep in self.replicas]
-        blocks = sum(len(r.chain) for r in reqs)
-        return {
-            "hit_rate": sum(r.reused_blocks for r in reqs) / blocks,
-            "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
-            "ttft_mean_s": statistics.fmean(ttfts),
-            "ttft_p50_s": ttfts[len(ttfts) // 2],
-            "ttft_p99_s": ttfts[int(0.99 * len(ttfts))],
-            "imbalance": max(served) / statistics.fmean(served),
-            "passed_over": sum(r.passed_over for r in reqs) / blocks,
-            "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
-        }
-
-
-def offered_scale(rows, replicas: int, capacity: int, target_load: float, costs: Costs) -> tuple[float, float, float]:
-    """The factor on trace times that keeps a fleet's prefill ``target_load`` busy on the pooled-LRU bound
-    (``replicas x capacity`` blocks), with that bound's hit rate and the infinite cache's."""
-    span = max(rows[-1][0] - rows[0][0], 1e-9)
-    pooled, pooled_work = lru_hit_rate(rows, replicas * capacity, costs.prefill_tok_s)
-    infinite, _ = lru_hit_rate(rows, None, costs.prefill_tok_s)
-    return pooled_work / (target_load * replicas * span), pooled, infinite
-
-
-def compare_routers(
-    rows,
-    replicas: int,
-    capacity: int,
-    target_load: float,
-    processes: int,
-    runs: list[tuple[str, str, dict]],
-    costs: Costs = Costs(),
-    ttl: float = PREDICT_TTL_S,
-    on_result: Callable[[str, dict], None] | None = None,
-    host_capacity: int = 0,
-    imbalance: float = BOUND_IMBALANCE,
-    shortlist: int = 0,
-    progress: Callable[[str, int], None] | None = None,
-) -> tuple[dict[str, float], dict[str, dict]]:
-    """The cache bounds of ``rows`` (``kvmesh/bench/cache_bounds.py``: infinite, pooled LRU of ``replicas x
-    capacity`` blocks, replication-aware at ``imbalance``, its ceiling and its placed floor) and, per run
-    ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
-    contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
-    ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it.
-    ``shortlist``: as ``FleetSim``'s; ``progress(label, routed)`` hears from long runs."""
-    scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
-    replicated = replicated_bound(rows, replicas, capacity, imbalance, pooled)
-    results = {}
-    for label, name, kw in runs:
-        t0 = time.perf_counter()
-        report = None if progress is None else lambda n, label=label: progress(label, n)
-        sim = FleetSim(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist)
-        res = sim.run(report)
-        res["sim_seconds"] = time.perf_counter() - t0
-        results[label] = res
-        if on_result is not None:
-            on_result(label, res)
-    bounds = {
-        "infinite": infinite,
-        "pooled_lru": pooled,
-        "replicated": replicated.ceiling,
-        "replicated_placed": replicated.placed,
-    }
-    return bounds, results
-
-
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -502,35 +56,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
     ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    costs, speedup = Costs.from_calibration(args.calibration, args.speedup) if args.calibration else (Costs(), None)
-    if speedup:
-        print(f"calibrated costs x{speedup:.1f}: {costs}")
-    if not 0 < args.target_load < 2:
-        ap.error("--target-load must be in (0, 2)")
-    if args.bound_imbalance < 1:
-        ap.error("--bound-imbalance must be >= 1 (the busiest replica serves at least the mean)")
-    rows = load_trace(args.trace, args.limit)
+    return ap
+
+
+def runs_of(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """``(label, policy, settings)`` per router of ``--routers``, then kv_aware once per ``--miss-weights``."""
     runs = [(name, name, {}) for name in args.routers.split(",") if name]
     runs += [
         (f"kv_aware(miss_weight={float(w):g})", "kv_aware", {"miss_weight": float(w)})
         for w in args.miss_weights.split(",")
         if w
     ]
-    bounds, results = compare_routers(
-        rows,
-        args.replicas,
-        args.capacity_blocks,
-        args.target_load,
-        args.router_processes,
-        runs,
-        costs,
-        args.predict_ttl,
-        on_result=lambda label, res: print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True),
-        imbalance=args.bound_imbalance,
-        shortlist=args.shortlist,
-        progress=lambda label, n: print(f"{label}: {n:,} of {len(rows):,} requests routed", flush=True),
-    )
+    return runs
+
+
+def report(args: argparse.Namespace, rows: list, bounds: dict, results: dict) -> None:
+    """The table of every run's hit rate (and its share of each bound), TTFT and imbalance."""
     pooled, replicated = bounds["pooled_lru"], bounds["replicated"]
     table = [
         [
@@ -551,6 +92,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     headers = ["router", "hit rate", "of pooled", "of replicated", "TTFT mean s", "TTFT p99 s", "imbalance"]
     print_table(headers, table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    costs, speedup = Costs.from_calibration(args.calibration, args.speedup) if args.calibration else (Costs(), None)
+    if speedup:
+        print(f"calibrated costs x{speedup:.1f}: {costs}")
+    if not 0 < args.target_load < 2:
+        ap.error("--target-load must be in (0, 2)")
+    if args.bound_imbalance < 1:
+        ap.error("--bound-imbalance must be >= 1 (the busiest replica serves at least the mean)")
+    rows = load_trace(args.trace, args.limit)
+    bounds, results = compare_routers(
+        rows,
+        args.replicas,
+        args.capacity_blocks,
+        args.target_load,
+        args.router_processes,
+        runs_of(args),
+        costs,
+        args.predict_ttl,
+        on_result=lambda label, res: print(f"{label}: done in {res['sim_seconds']:.1f} s", flush=True),
+        imbalance=args.bound_imbalance,
+        shortlist=args.shortlist,
+        progress=lambda label, n: print(f"{label}: {n:,} of {len(rows):,} requests routed", flush=True),
+    )
+    report(args, rows, bounds, results)
     payload = {
         "requests": len(rows),
         "replicas": args.replicas,

@@ -25,10 +25,10 @@ import httpx
 import numpy as np
 import psutil
 
-from kvmesh.bench.load_client import run_sessions
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.bench.serve_process import ServeProcess
-from kvmesh.bench.workloads import Session, Step
+from kvmesh.bench.harness.load_client import run_sessions
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.bench.harness.serve_process import ServeProcess
+from kvmesh.bench.harness.workloads import Session, Step
 
 
 def _requests(seed: int, n: int, rate: float | None, prompt_tokens: int, max_tokens: int) -> list[Session]:
@@ -91,7 +91,7 @@ def classify(error: str | None) -> str:
     return "failed"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -107,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-inflight-requests", type=int, default=48)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="a request not answered by then has hung")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def run_soak(args: argparse.Namespace) -> tuple[float, float, list, list, dict]:
+    """Start the cluster, measure its capacity, offer ``--overload`` times it for ``--minutes``, and read the
+    replicas once idle: capacity and offered rate (req/s), the results, the memory samples, the end state."""
     serve_args = [
         "--model",
         args.model,
@@ -142,6 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         time.sleep(5)  # idle: every finished request must have returned its blocks
         end = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
+    return capacity, rate, results, samples, end
+
+
+def summarize(args: argparse.Namespace, capacity: float, rate: float, results: list, samples: list, end: dict) -> dict:
+    """Outcomes by kind, the memory trend over the second half, replicas left holding blocks or running."""
     outcomes = {k: 0 for k in ("completed", "refused", "failed", "hung")}
     for r in results:
         outcomes[classify(r.error)] += 1
@@ -166,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         "replicas_with_pinned_blocks_after": leaked,
         "refusal_p99_s": float(np.percentile(refused_latency, 99)) if refused_latency else None,
     }
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    slope = summary["rss_slope_second_half_mib_per_min"]
     print_table(
         [
             "capacity req/s",
@@ -181,19 +195,26 @@ def main(argv: list[str] | None = None) -> None:
         ],
         [
             [
-                capacity,
-                rate,
-                outcomes["completed"],
-                outcomes["refused"],
-                outcomes["failed"],
-                outcomes["hung"],
+                summary["capacity_req_s"],
+                summary["offered_req_s"],
+                summary["completed"],
+                summary["refused"],
+                summary["failed"],
+                summary["hung"],
                 summary["rss_start_mib"],
                 summary["rss_end_mib"],
                 slope if slope is not None else "-",
-                len(leaked),
+                len(summary["replicas_with_pinned_blocks_after"]),
             ]
         ],
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    capacity, rate, results, samples, end = run_soak(args)
+    summary = summarize(args, capacity, rate, results, samples, end)
+    print_summary(summary)
     write_json(
         "soak", {"args": vars(args) | {"json": str(args.json)}, "summary": summary, "samples": samples}, args.json
     )

@@ -6,7 +6,7 @@ token of short streamed chat requests over HTTP, and SIGTERM -> process exit. Th
 run through an in-process ``LLMEngine`` (no Ray, no HTTP) so the front door's share of TTFT is measured
 side by side on the same machine.
 
-    python -m kvmesh.bench.serve_startup [--replicas 2] [--repeats 3] [--model smollm2-135m]
+    kvmesh bench startup [--replicas 2] [--repeats 3] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import httpx
 
-from kvmesh.bench.report import median, print_table, write_json
-from kvmesh.bench.serve_process import ServeProcess
+from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.bench.harness.serve_process import ServeProcess
 
 PROMPTS = [f"Question {i}: name one colour of the sea." for i in range(20)]
 WARMUP = [f"Warm-up {i}: say hello." for i in range(6)]
@@ -80,13 +80,15 @@ def engine_ttft(model: str) -> float:
     return median(ttfts[len(WARMUP) :])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="kvmesh bench startup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    from kvmesh.shared.model_files import resolve_model_dir
+    args = parser.parse_args(argv)
+    from kvmesh.core.model_files import resolve_model_dir
 
     resolve_model_dir(args.model)  # weights cached before timing, as the issue's goal states
     runs = []
@@ -113,7 +115,7 @@ def main() -> None:
             "runs": runs,
             "median": summary,
             "engine_ttft_s": floor,
-            "command": f"python -m kvmesh.bench.serve_startup --replicas {args.replicas} --repeats {args.repeats}",
+            "command": f"kvmesh bench startup --replicas {args.replicas} --repeats {args.repeats}",
         },
     )
 

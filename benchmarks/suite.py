@@ -1,10 +1,10 @@
 """Every router on every workload shape, in the simulator: does a policy hold beyond the trace it was tuned on?
 
-For each workload of ``kvmesh/bench/trace_workloads.py`` (plus bursty and diurnal variants), each load, each
+For each workload of ``benchmarks/harness/trace_workloads.py`` (plus bursty and diurnal variants), each load, each
 fleet cache size (a multiple of the workload's working set: its distinct blocks) and each number of router
-processes, the simulator (``kvmesh/bench/simulate.py``) runs every router on the same trace. A cell reports
+processes, the simulator (``benchmarks/harness/fleet_sim.py``) runs every router on the same trace. A cell reports
 kv_aware's hit rate as a share of the pooled-LRU bound (and of the replication-aware one,
-``kvmesh/bench/cache_bounds.py``) and its mean / p99 TTFT against the best baseline,
+``benchmarks/harness/cache_bounds.py``) and its mean / p99 TTFT against the best baseline,
 and is flagged when a baseline beats kv_aware by more than 5% on mean or p99 TTFT. Writes JSON and a PNG
 heatmap (needs matplotlib).
 
@@ -21,45 +21,14 @@ import math
 import time
 from pathlib import Path
 
-from kvmesh.bench.report import print_table, pyplot, save_figure, write_json
-from kvmesh.bench.simulate import Costs, compare_routers, trace_rows
-from kvmesh.bench.trace_workloads import WORKLOADS
+from kvmesh.bench.harness.fleet_sim import Costs
+from kvmesh.bench.harness.report import print_table, pyplot, save_figure, write_json
+from kvmesh.bench.harness.router_cells import ROUTERS, VARIANTS, cell, workload_rows
+from kvmesh.bench.harness.trace_workloads import WORKLOADS
 
-ROUTERS = ("kv_aware", "pow2", "round_robin", "session_hash", "approx_tree")
-VARIANTS = {"agentic_bursty": ("agentic", "bursty"), "chat_diurnal": ("chat", "diurnal")}
-"""Extra suite workloads: a generator with a non-Poisson arrival shape."""
 SUITE_WORKLOADS = tuple(w for w in WORKLOADS if w != "mooncake")
 """The grid's generators: all but the fleet-scale Mooncake-like trace (``kvmesh bench simulate`` and
-``benchmarks/fleet_scale.py`` run that one)."""
-SLACK = 1.05
-"""A baseline beating kv_aware by more than this factor on mean or p99 TTFT flags the cell."""
-
-
-def workload_rows(name: str, seed: int, size: float):
-    gen, arrival = VARIANTS.get(name, (name, "poisson"))
-    return trace_rows(WORKLOADS[gen](seed=seed, size=size, arrival=arrival))
-
-
-def cell(
-    rows, replicas: int, cache_factor: float, load: float, processes: int, routers, costs: Costs, kv_kwargs=None
-) -> dict:
-    """One cell of the grid: every router on ``rows``, and how kv_aware (with ``kv_kwargs``) fares against the
-    best baseline."""
-    distinct = len({h for _, chain, _ in rows for h in chain})
-    capacity = max(1, math.ceil(cache_factor * distinct / replicas))
-    runs = [(r, r, (kv_kwargs or {}) if r == "kv_aware" else {}) for r in routers]
-    bounds, results = compare_routers(rows, replicas, capacity, load, processes, runs, costs)
-    out = {"capacity_blocks": capacity, "working_set_blocks": distinct, "bounds": bounds, "routers": results}
-    ours, others = results.get("kv_aware"), {k: v for k, v in results.items() if k != "kv_aware"}
-    if ours is not None and others:
-        best_mean = min(v["ttft_mean_s"] for v in others.values())
-        best_p99 = min(v["ttft_p99_s"] for v in others.values())
-        out["of_pooled"] = ours["hit_rate"] / bounds["pooled_lru"] if bounds["pooled_lru"] > 0 else None
-        out["of_replicated"] = ours["hit_rate"] / bounds["replicated"] if bounds["replicated"] > 0 else None
-        out["mean_vs_best"] = ours["ttft_mean_s"] / best_mean if best_mean > 0 else None
-        out["p99_vs_best"] = ours["ttft_p99_s"] / best_p99 if best_p99 > 0 else None
-        out["beaten"] = bool(ours["ttft_mean_s"] > SLACK * best_mean or ours["ttft_p99_s"] > SLACK * best_p99)
-    return out
+``kvmesh bench fleet_scale`` run that one)."""
 
 
 def heatmap(cells: list[dict], path: Path) -> None:
@@ -93,7 +62,7 @@ def heatmap(cells: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvmesh bench suite", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -107,12 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-aware", type=json.loads, default={}, help="kv_aware settings, e.g. '{\"busy_weight\": 0}'")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
-    names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS and w not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown workloads {unknown}; choose from {[*WORKLOADS, *VARIANTS]}")
-    routers = [r for r in args.routers.split(",") if r]
+    return ap
+
+
+def run_grid(args: argparse.Namespace, names: list[str], routers: list[str]) -> tuple[list[dict], list[list]]:
+    """Every cell of the grid (workload x load x cache x processes), with its progress printed, and its row
+    of the summary table."""
     grid = [
         (load, cache, procs)
         for load in map(float, args.loads.split(","))
@@ -146,6 +115,18 @@ def main(argv: list[str] | None = None) -> None:
                     "BEATEN" if c.get("beaten") else "",
                 ]
             )
+    return cells, table
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS and w not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown workloads {unknown}; choose from {[*WORKLOADS, *VARIANTS]}")
+    routers = [r for r in args.routers.split(",") if r]
+    cells, table = run_grid(args, names, routers)
     print()
     print_table(
         [

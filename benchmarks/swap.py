@@ -6,7 +6,7 @@ outputs, so running sequences are preempted again and again as they grow. Each `
 (recompute, swap, auto) runs on a fresh engine, in alternation, ``--repeats`` times; medians. Reports
 output tokens/s, the preemptions, how many swapped, and the computed tokens thrown away (recomputed).
 
-    python -m benchmarks.swap [--model smollm2-135m] [--prompt 512] [--output 256] [--requests 6] [--fit 3]
+    kvmesh bench swap [--model smollm2-135m] [--prompt 512] [--output 256] [--requests 6] [--fit 3]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from kvmesh.bench.report import median, print_table, write_json
+from kvmesh.bench.harness.report import median, print_table, write_json
 from kvmesh.replica import LLM, SamplingParams
 
 MODES = ("recompute", "swap", "auto")
@@ -41,15 +41,17 @@ def run(model: str, mode: str, prompts: list[list[int]], output: int, blocks: in
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench swap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--fit", type=int, default=3, help="prompts the KV pool holds at once (not their outputs)")
     ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, args.prompt).tolist() for _ in range(args.requests)]
     blocks = args.fit * -(-(args.prompt + 1) // 16)

@@ -8,9 +8,9 @@ server = HTTP - in-process (HTTP, tokenizer-free request handling, the stream), 
 torch.profiler's table of one in-process request of the shortest length (ops by self CPU time, and the count
 of device kernels it launched). Engines run alone: nothing else should use the machine.
 
-    python -m benchmarks.ttft_floor [--model smollm2-135m] [--device cpu] [--threads 1] [--repeats 7]
-    python -m benchmarks.ttft_floor --shape tiny --json ttft_floor_tiny       # the engine's own floor
-    python -m benchmarks.ttft_floor --shape llama8b --tokenizer DIR --device cuda --kv-cache-gib 8 --profile OUT
+    kvmesh bench ttft_floor [--model smollm2-135m] [--device cpu] [--threads 1] [--repeats 7]
+    kvmesh bench ttft_floor --shape tiny --json ttft_floor_tiny       # the engine's own floor
+    kvmesh bench ttft_floor --shape llama8b --tokenizer DIR --device cuda --kv-cache-gib 8 --profile OUT
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.peer_routers import Child
-from kvmesh.bench.report import median, print_table, write_json
-from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.bench.harness.peer_fleet import Child
+from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.cluster.launch.embedded_redis import free_port
 
 
 def random_prompts(rng: random.Random, n: int, count: int) -> list[list[int]]:
@@ -46,7 +46,7 @@ def http_ttft(url: str, model: str, prompt: list[int], client: httpx.Client) -> 
 def over_http(args: argparse.Namespace, model: str, lengths: list[int]) -> dict[int, dict[str, float]]:
     """Per length, median HTTP TTFT (s) back to back and after ``--idle-s`` of idleness."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "engine", "--model", model, "--port", str(port)]
     cmd += ["--device", args.device, "--threads", str(args.threads), *engine_flags(args)]
     child = Child("engine", cmd, f"http://127.0.0.1:{port}", "/health")
     rng, out = random.Random(1), {}
@@ -137,10 +137,16 @@ def profile(first_token, prompt: list[int], out_dir: Path, cuda: bool) -> None:
 
 
 def random_weights(shape: str, tokenizer: Path | None) -> str:
-    """A model directory of random weights in ``shape`` (``benchmarks/gpu_suite.py``; ``tiny``: the 1-layer
-    model of ``benchmarks/engine_overhead.py``, whose forward pass is nearly free), reused if present."""
-    from benchmarks.engine_overhead import tiny_model
-    from benchmarks.gpu_suite import LLAMA3_8B_SHAPE, Scale, llama_shaped, random_model, smollm2_config
+    """A model directory of random weights in ``shape`` (``benchmarks/harness/model_shapes.py``; ``tiny``: the
+    1-layer model of ``kvmesh bench engine_overhead``, whose forward pass is nearly free), reused if present."""
+    from kvmesh.bench.harness.model_shapes import (
+        LLAMA3_8B_SHAPE,
+        Scale,
+        llama_shaped,
+        random_model,
+        smollm2_config,
+        tiny_model,
+    )
 
     if shape == "tiny":
         path = Path("/tmp/kvmesh-random-tiny")
@@ -150,7 +156,9 @@ def random_weights(shape: str, tokenizer: Path | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench ttft_floor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m", help="alias, directory or .gguf (or --shape)")
     ap.add_argument("--shape", choices=("llama8b", "smollm2", "tiny"), help="random weights in this shape instead")
     ap.add_argument("--tokenizer", type=Path, help="with --shape: a directory of SmolLM2's tokenizer files")

@@ -2,7 +2,7 @@
 
 ``torch.nn.functional.linear`` on the CPU repacks its weight into the GEMM's blocked layout on every call;
 for a serving engine, whose weights never change, that is work thrown away on every step (measured by
-``python -m benchmarks.cpu_linear``; figures in ``benchmarks/results/README.md``).
+``kvmesh bench cpu_linear``; figures in ``benchmarks/results/README.md``).
 ``pack_linears`` replaces each ``nn.Linear`` of a model on the CPU with a ``PackedLinear`` holding its
 weight in oneDNN's layout (the dense weight is dropped unless something else, such as a tied embedding,
 still holds it) and, in float32, a second copy in 32-column panels for ``linear_panels``
@@ -18,7 +18,7 @@ first calls for each weight shape and size of batch (rows, by powers of two) and
   threads, SmolLM2's 1,536 -> 576 projection at 512 rows ran no faster than with one).
 - ``panels`` (float32): a decode step reads every weight once, more than stays in the caches between steps,
   and oneDNN's GEMM does not hide that stream behind its arithmetic; the panel kernel prefetches the next
-  panel while one computes (faster on decode-sized batches: ``python -m benchmarks.cpu_linear
+  panel while one computes (faster on decode-sized batches: ``kvmesh bench cpu_linear
   --decode-step``). oneDNN stays faster on prefill-sized batches.
 
 The ways can differ in the last bits of a result, like any change of GEMM blocking.

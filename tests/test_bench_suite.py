@@ -1,4 +1,4 @@
-"""The workload family (kvmesh/bench/trace_workloads.py) and the router suite over it (kvmesh/bench/suite.py)."""
+"""The workload family (benchmarks/harness/trace_workloads.py) and the router suite over it (kvmesh bench suite)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.bench.simulate import Costs
-from kvmesh.bench.suite import ROUTERS, cell, main, workload_rows
-from kvmesh.bench.trace_workloads import WORKLOADS, agentic, arrival_times, long_single, rag, tenants
+from kvmesh.bench.harness.fleet_sim import Costs
+from kvmesh.bench.harness.router_cells import ROUTERS, cell, workload_rows
+from kvmesh.bench.harness.trace_workloads import WORKLOADS, agentic, arrival_times, long_single, rag, tenants
+from kvmesh.cluster.launch.cli import main as cli_main
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -75,8 +76,10 @@ def test_kv_aware_leads_every_baseline_on_reuse_heavy_workloads(workload):
 
 def test_suite_command_writes_every_cell(tmp_path):
     out = tmp_path / "suite.json"
-    main(
+    rc = cli_main(
         [
+            "bench",
+            "suite",
             "--workloads",
             "few_shot,chat_diurnal",
             "--loads",
@@ -95,6 +98,7 @@ def test_suite_command_writes_every_cell(tmp_path):
             str(out),
         ]
     )
+    assert rc == 0
     cells = json.loads(out.read_text())["cells"]
     assert {(c["workload"], c["cache_factor"]) for c in cells} == {
         (w, f) for w in ("few_shot", "chat_diurnal") for f in (1.0, 2.0)
@@ -111,9 +115,9 @@ def test_the_mooncake_like_generator_has_the_real_traces_shape():
     much reuse on an unbounded cache, every prompt on the one shared system block."""
     from pathlib import Path
 
-    from kvmesh.bench.cache_bounds import lru_hit_rate
-    from kvmesh.bench.simulate import load_trace, trace_rows
-    from kvmesh.bench.trace_workloads import mooncake
+    from kvmesh.bench.harness.cache_bounds import lru_hit_rate
+    from kvmesh.bench.harness.fleet_sim import load_trace, trace_rows
+    from kvmesh.bench.harness.trace_workloads import mooncake
 
     real = load_trace(Path(__file__).parents[1] / "benchmarks/workloads/mooncake/conversation_trace.jsonl", None)
     made = trace_rows(mooncake(seed=0, size=1.0))

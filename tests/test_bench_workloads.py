@@ -7,8 +7,14 @@ import itertools
 import json
 from pathlib import Path
 
-from kvmesh.bench.bench_run import build_workload, pooled_bound
-from kvmesh.bench.workloads import block_tokens_for, mooncake_trace, multi_turn_chat, shared_prefix
+from kvmesh.bench.harness.cache_bounds import pooled_bound
+from kvmesh.bench.harness.workloads import (
+    block_tokens_for,
+    build_workload,
+    mooncake_trace,
+    multi_turn_chat,
+    shared_prefix,
+)
 
 
 def test_workloads_are_reproducible_from_their_seed():
@@ -73,7 +79,7 @@ def test_autoscale_prompts_step_or_ramp_to_the_long_length():
     over ``ramp_s`` (a ramp), each within ±10% of its nominal length, token ids never shared."""
     from argparse import Namespace
 
-    from kvmesh.bench.autoscale import StepPrompts
+    from kvmesh.bench.harness.workloads import StepPrompts
 
     args = Namespace(base_s=10.0, step_s=40.0, ramp_s=0.0, short=100, long=600, max_tokens=8)
     step = StepPrompts(0, args)

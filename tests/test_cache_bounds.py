@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.bench.cache_bounds import (
+from kvmesh.bench.harness.cache_bounds import (
     packed_placement,
     per_replica_cap,
     placed_hit_rate,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.engine_occupancy import summarize
+from kvmesh.bench.harness.engine_occupancy import summarize
 
 
 def test_busy_engines_and_queued_requests_are_counted_per_sample():

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from transformers import AutoTokenizer
 
-from benchmarks.kv_quant import teacher_forced_logprobs
+from kvmesh.bench.harness.kv_quality import teacher_forced_logprobs
 from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference
 from kvmesh.kernels.triton_attention import paged_attention_triton, store_kv_triton
 from kvmesh.replica import LLM, SamplingParams

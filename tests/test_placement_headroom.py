@@ -1,10 +1,10 @@
-"""The placement estimate of ``benchmarks/peer_routers.py``: which requests a router could still place better."""
+"""The placement estimate of ``kvmesh bench peer_routers``: which requests a router could still place better."""
 
 import json
 
 import pytest
 
-from benchmarks.placement_headroom import estimate, placed_on_freest, reanalyse
+from kvmesh.bench.harness.placement_estimate import estimate, placed_on_freest, reanalyse
 
 IDLE = {16: 0.1, 256: 0.5, 1024: 2.0}
 

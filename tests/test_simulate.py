@@ -3,8 +3,8 @@ round robin and stay within the pooled-LRU bound."""
 
 import json
 
-from kvmesh.bench.cache_bounds import lru_hit_rate
-from kvmesh.bench.simulate import PREDICT_TTL_S, Costs, FleetSim, load_trace, predicted_hits
+from kvmesh.bench.harness.cache_bounds import lru_hit_rate
+from kvmesh.bench.harness.fleet_sim import PREDICT_TTL_S, Costs, FleetSim, load_trace, predicted_hits
 
 
 def test_kv_aware_beats_round_robin_on_a_conversation_trace(tmp_path):
@@ -41,9 +41,9 @@ def test_a_replicas_queued_prefill_never_reads_below_zero(monkeypatch):
     and takes the whole fleet's traffic (an agentic run once sent 1,745 of 2,443 requests to one of 8)."""
     import math
 
-    from benchmarks.host_tier_sim import working_set
-    from kvmesh.bench.simulate import Replica, compare_routers, trace_rows
-    from kvmesh.bench.trace_workloads import agentic
+    from kvmesh.bench.harness.fleet_sim import Replica, compare_routers, trace_rows
+    from kvmesh.bench.harness.host_tier_modes import working_set
+    from kvmesh.bench.harness.trace_workloads import agentic
 
     seen = []
     load = Replica.load
@@ -78,9 +78,9 @@ def test_routing_that_knows_the_host_tier_finds_histories_a_blind_router_loses()
     turn to the replica whose host tier holds its history; routed blind to the tier, turns land where
     nothing is held more often. The simulator's predictions run on trace time, so think times compressed
     to reach the offered load do not let a blind router remember where every history went."""
-    from benchmarks.host_tier_sim import run_workload
-    from kvmesh.bench.simulate import trace_rows
-    from kvmesh.bench.trace_workloads import chat
+    from kvmesh.bench.harness.fleet_sim import trace_rows
+    from kvmesh.bench.harness.host_tier_modes import run_workload
+    from kvmesh.bench.harness.trace_workloads import chat
 
     res = run_workload(trace_rows(chat(seed=0, size=0.5)), 4, 0.25, 4.0, 0.8, 2)
     modes = res["modes"]
@@ -94,7 +94,7 @@ def test_routing_that_knows_the_host_tier_finds_histories_a_blind_router_loses()
 def test_simulate_command_reports_the_replication_aware_bound(tmp_path):
     """``kvmesh bench simulate`` writes ``bounds.replicated`` (the hit rate) beside the pooled bound: below the
     infinite cache, above what the trie-order placement reaches, and looser for a looser load cap."""
-    from kvmesh.bench.simulate import main
+    from kvmesh.cluster.launch.cli import main as cli_main
 
     rows = []
     for c in range(24):  # 24 conversations of 3 turns on one system prompt
@@ -107,7 +107,9 @@ def test_simulate_command_reports_the_replication_aware_bound(tmp_path):
     for imbalance in ("1", "2"):
         out[imbalance] = tmp_path / f"sim{imbalance}.json"
         args = ["--trace", str(trace), "--replicas", "8", "--capacity-blocks", "100", "--routers", "kv_aware"]
-        main([*args, "--bound-imbalance", imbalance, "--json", str(out[imbalance])])
+        assert (
+            cli_main(["bench", "simulate", *args, "--bound-imbalance", imbalance, "--json", str(out[imbalance])]) == 0
+        )
     tight, loose = (json.loads(p.read_text())["bounds"] for p in out.values())
     assert 0 < tight["replicated_placed"] <= tight["replicated"] < tight["pooled_lru"] <= tight["infinite"]
     assert tight["replicated"] < loose["replicated"]  # 9 readers of the prompt per replica, not 3: fewer copies
@@ -115,7 +117,7 @@ def test_simulate_command_reports_the_replication_aware_bound(tmp_path):
 
 def test_the_holder_index_follows_inserts_and_evictions():
     """The block -> replicas map a shortlist reads stays what the replicas' caches hold."""
-    from kvmesh.bench.simulate import HolderIndex, Replica
+    from kvmesh.bench.harness.fleet_sim import HolderIndex, Replica
 
     index = HolderIndex()
     reps = [Replica(f"r{i}", 3, Costs(), index=index) for i in range(3)]
@@ -133,8 +135,8 @@ def test_a_shortlisted_router_routes_a_large_fleet_as_one_that_prices_every_repl
     """Pricing the 16 deepest holders and 16 random replicas instead of all 128 keeps the hit rate within a
     few percent and the mean TTFT within a tenth, for much less of the decision's work; session_hash prices
     its own 16 top choices."""
-    from kvmesh.bench.simulate import compare_routers, trace_rows
-    from kvmesh.bench.trace_workloads import mooncake
+    from kvmesh.bench.harness.fleet_sim import compare_routers, trace_rows
+    from kvmesh.bench.harness.trace_workloads import mooncake
 
     rows = trace_rows(mooncake(seed=1, size=0.3))
     runs = [("kv_aware", "kv_aware", {})]
@@ -156,8 +158,8 @@ def test_at_fleet_scale_kv_aware_keeps_conversations_on_their_histories():
     it passes over without its wide-fleet history pricing (``history_weight: 0``) and reaches 96% of the
     replication-aware bound (97.0% in this run; the unpriced router 90.4%), for at most a fifth more mean TTFT
     (the trade ``docs/routing.md`` describes)."""
-    from kvmesh.bench.simulate import compare_routers, trace_rows
-    from kvmesh.bench.trace_workloads import mooncake
+    from kvmesh.bench.harness.fleet_sim import compare_routers, trace_rows
+    from kvmesh.bench.harness.trace_workloads import mooncake
 
     rows = trace_rows(mooncake(seed=2, size=0.3))
     runs = [("default", "kv_aware", {}), ("unpriced", "kv_aware", {"history_weight": 0})]

@@ -13,6 +13,9 @@ Two references:
   (sorted by their block chains, so every prefix's readers are contiguous) cut into consecutive groups,
   one per replica, each replayed through its own LRU of ``capacity`` blocks. The optimum lies between the
   two; ``tests/test_cache_bounds.py`` checks both against brute force on small traces.
+
+On a real cluster's run (``kvmesh bench run``), ``pooled_bound`` is the pooled LRU's hit rate by tokens over
+the prompts and replies as sent and received, counted as the engine counts hits.
 """
 
 from __future__ import annotations
@@ -109,3 +112,29 @@ def replicated_bound(
     # raises the ceiling to what was placed.
     ceiling = max(min(1.0 - replication_misses(rows, cap) / total, pooled), placed)
     return ReplicatedBound(ceiling, placed, cap, imbalance)
+
+
+def _prefix_keys(ids: list[int], block_size: int, blocks: int) -> list[tuple[int, ...]]:
+    """The first ``blocks`` full blocks of ``ids``, each keyed by its whole prefix, as the hash chain keys it."""
+    return [tuple(ids[: (j + 1) * block_size]) for j in range(blocks)]
+
+
+def pooled_bound(
+    sent: list[tuple[list[int], list[int]]],
+    block_size: int,
+    capacity_blocks: int,
+    prefill: list[tuple[list[int], list[int]]] = (),
+) -> float:
+    """Hit rate by tokens of one pooled LRU over (prompt ids, reply ids) in send order, counted as the
+    engine counts hits (full blocks only, the last prompt token always recomputed). ``prefill`` (the
+    warm-up's requests) enters the cache first without being counted, as it does on the replicas."""
+    lru = PrefixLRU(capacity_blocks)
+    hit = total = 0
+    for k, (prompt, reply) in enumerate([*prefill, *sent]):
+        n = lru.leading(_prefix_keys(prompt, block_size, (len(prompt) - 1) // block_size))
+        if k >= len(prefill):
+            hit += n * block_size
+            total += len(prompt)
+        seq = prompt + reply
+        lru.touch(_prefix_keys(seq, block_size, len(seq) // block_size))
+    return hit / total if total else 0.0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvmesh.bench.workloads import Session, Step
+from kvmesh.bench.harness.workloads import Session, Step
 
 
 @dataclass

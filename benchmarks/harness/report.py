@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvmesh.cluster.status import format_table
+from kvmesh.cluster.monitoring.status import format_table
 
 RESULTS_DIR_ENV = "KVMESH_RESULTS_DIR"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from kvmesh.cluster.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
-from kvmesh.cluster.embedded_redis import free_port
-from kvmesh.shared.processes import die_with_parent
+from kvmesh.cluster.launch.config import PROBE_DEADLINE_ENV, PROBE_DEADLINE_S
+from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.core.processes import die_with_parent
 
 
 class ServeProcess:
@@ -44,7 +44,7 @@ class ServeProcess:
         cmd = [
             sys.executable,
             "-m",
-            "kvmesh.cluster.cli",
+            "kvmesh.cluster.launch.cli",
             "serve",
             "--port",
             str(self.http),

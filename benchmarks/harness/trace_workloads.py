@@ -22,7 +22,7 @@ Arrivals (``arrival=``): ``poisson``; ``bursty`` (clusters of 5 requests on aver
 mean gap); ``diurnal`` (the rate follows one sine period over the trace, 0.2x to 1.8x). The simulator
 rescales time to its target load, so only the shape of the arrivals matters, not the rate.
 
-    python -m kvmesh.bench.trace_workloads agentic --out agentic.jsonl [--seed 0] [--size 1.0]
+    python -m kvmesh.bench.harness.trace_workloads agentic --out agentic.jsonl [--seed 0] [--size 1.0]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""vLLM's half of ``benchmarks/engine_overhead.py``: run by the python of a virtualenv holding vLLM's CPU
+"""vLLM's half of ``kvmesh bench engine_overhead``: run by the python of a virtualenv holding vLLM's CPU
 build (never a kvmesh dependency), so it imports nothing of kvmesh.
 
-    VENV/bin/python benchmarks/vllm_side.py MODEL_DIR WORK.json
+    VENV/bin/python benchmarks/harness/vllm_side.py MODEL_DIR WORK.json
 
 WORK.json: ``prompts`` (token id lists), ``output_lens``, ``sampled`` (temperature 1, top_p 0.9, unseeded:
 its CPU build fails requests that carry a seed; else greedy), ``threads``, ``dtype`` (default float32).

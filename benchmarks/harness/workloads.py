@@ -14,10 +14,15 @@ SmolLM2's vocabulary, so ``*_tokens`` knobs are close to real token counts.
   a group system prompt of S tokens plus a Q-token question.
 - ``mooncake_trace``: replay of a Mooncake-format trace; each 512-token hash id becomes one deterministic
   block of ``block_tokens`` token ids, so the prefix structure is kept at CPU scale; timestamps / speed.
+- ``build_workload``: one of these (or a generated trace of ``trace_workloads.py``) as ``kvmesh bench run``'s
+  options choose it, with a warm-up of another seed.
+- ``StepPrompts`` / ``step_workload``: ``kvmesh bench autoscale``'s load, short prompts then long ones (a step
+  or a ramp), on random token ids so that only KV demand changes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass, field
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+
+from kvmesh.bench.harness.trace_workloads import WORKLOADS as TRACE_WORKLOADS
 
 WORDS = """time year people way day man thing woman life child world school state family student group country
 problem hand part place case week company system program question work government number night point home
@@ -153,7 +160,7 @@ def mooncake_trace(
 def trace_sessions(
     rows: list[dict], block_tokens: int = 16, speed: float = 1.0, max_output_tokens: int = 32, first: int = 0
 ) -> list[Session]:
-    """Mooncake-format rows (a file's, or ``kvmesh/bench/trace_workloads.py``'s) as completion sessions on token
+    """Mooncake-format rows (a file's, or ``benchmarks/harness/trace_workloads.py``'s) as completion sessions on token
     ids. Lengths scale by ``block_tokens / 512`` (every 512-token block becomes ``block_tokens`` tokens);
     output lengths scale the same way, capped at ``max_output_tokens``; arrival times are divided by
     ``speed``. ``first``: the first row's number, for the labels."""
@@ -176,3 +183,58 @@ def trace_sessions(
 
 
 WORKLOADS = {"multi_turn": multi_turn_chat, "shared_prefix": shared_prefix, "mooncake": mooncake_trace}
+
+
+def build_workload(args: argparse.Namespace, seed: int, warmup: bool = False) -> list[Session]:
+    if args.workload == "multi_turn":
+        n = args.warmup if warmup else args.sessions
+        return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=args.think_s)
+    if args.workload == "shared_prefix":
+        if warmup:
+            return shared_prefix(seed=seed, groups=args.warmup, prompts_per_group=1, rate=args.rate)
+        return shared_prefix(seed=seed, groups=args.groups, prompts_per_group=args.sessions, rate=args.rate)
+    if args.workload in TRACE_WORKLOADS:  # generated traces: the warm-up is the same shape, another seed
+        rows = TRACE_WORKLOADS[args.workload](seed=seed)[: args.warmup if warmup else args.sessions]
+        return trace_sessions(rows, args.block_tokens, args.speed, args.max_tokens)
+    if not args.trace:
+        raise SystemExit("--workload mooncake needs --trace FILE")
+    offset = args.offset + (0 if warmup else args.warmup)  # warm-up rows come just before the measured ones
+    rows = args.warmup if warmup else args.sessions
+    return mooncake_trace(args.trace, args.block_tokens, args.speed, rows, offset, args.max_tokens)
+
+
+class StepPrompts:
+    """Prompts of ``short`` tokens before ``base_s`` and ``long`` ones after (±10%; growing linearly over
+    ``ramp_s`` first), for sessions created at time ``t``. Token ids are random, so no request reuses
+    another's prefix: only KV demand changes."""
+
+    def __init__(self, seed: int, args: argparse.Namespace, vocab: int = 49152) -> None:
+        self.rng, self.args, self.vocab = random.Random(seed), args, vocab
+        self.sessions: list[Session] = []
+
+    def __call__(self, t: float) -> Session | None:
+        a = self.args
+        if t >= a.base_s + a.step_s:
+            return None
+        grown = min(1.0, (t - a.base_s) / a.ramp_s) if a.ramp_s else 1.0  # share of the way to long
+        n = a.short if t < a.base_s else round(a.short + (a.long - a.short) * grown)
+        n = self.rng.randint(int(0.9 * n), int(1.1 * n))
+        ids = [self.rng.randrange(1000, self.vocab - 1) for _ in range(n)]
+        session = Session(
+            f"s{len(self.sessions)}",
+            t,
+            [Step(token_ids=ids, max_tokens=a.max_tokens)],
+            chat=False,
+            labels={"phase": "step" if t >= a.base_s else "base"},
+        )
+        self.sessions.append(session)
+        return session
+
+
+def step_workload(seed: int, args: argparse.Namespace) -> list[Session]:
+    """Open loop: Poisson arrivals at ``args.rate`` over the base and the step."""
+    prompts, rng = StepPrompts(seed, args), random.Random(seed + 1)
+    t = rng.expovariate(args.rate)
+    while prompts(t) is not None:
+        t += rng.expovariate(args.rate)
+    return prompts.sessions
