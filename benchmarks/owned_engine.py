@@ -1,8 +1,8 @@
 """What running a kvmesh engine in an actor its Serve replica owns costs (how a deployment mixing external
-workers with kvmesh's engines runs them, ``kvmesh/cluster/mixed_deployment.py``) against the engine in the
+workers with kvmesh's engines runs them, ``cluster/workers/mixed_deployment.py``) against the engine in the
 replica's own process (the engine deployment).
 
-    python -m benchmarks.owned_engine [--repeats 3] [--requests 6] [--streams 4] [--max-tokens 64]
+    kvmesh bench owned_engine [--repeats 3] [--requests 6] [--streams 4] [--max-tokens 64]
 
 Both deployments run side by side in one local Ray session, one SmolLM2 engine each (two torch threads), and
 are called through their Serve handles with ``GenerateCall``s, alternating run by run: ``--requests``
@@ -25,16 +25,18 @@ import uuid
 import ray
 from ray import serve
 
-from kvmesh.bench.report import print_table, write_json
-from kvmesh.cluster.engine_deployment import engine_deployment
-from kvmesh.cluster.mixed_deployment import mixed_deployment
-from kvmesh.shared.messages import GenerateCall
-from kvmesh.shared.model_files import resolve_model_dir
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.bench.harness.report import print_table, write_json
+from kvmesh.cluster.engines.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.cluster.workers.mixed_deployment import OwnedEngines, mixed_deployment
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.messages import GenerateCall
+from kvmesh.core.model_files import resolve_model_dir
+from kvmesh.core.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 128
-ROUTING = {"redis_url": "", "deployment": "owned-bench", "policy": "kv_aware", "policy_kwargs": {}}
-ROUTING |= {"stats_period_s": 1.0, "max_ongoing_requests": 64, "max_queued_requests": -1}
+ROUTING = RoutingSettings(redis_url="", deployment="owned-bench")
+"""No index (an empty URL): one engine each, nothing to route between."""
 
 
 def new_call(rng: random.Random, max_tokens: int) -> GenerateCall:
@@ -75,11 +77,10 @@ async def run(handle, rng: random.Random, args: argparse.Namespace) -> dict:
 
 def deploy(args: argparse.Namespace) -> dict:
     """Both deployments, each with one engine, as Serve handles by name."""
-    engine = {"model": str(resolve_model_dir("smollm2-135m", weights=True)), "torch_threads": 2}
-    engine |= {"num_kv_blocks": 1024, "max_num_seqs": 16}
-    in_process = engine_deployment(engine, num_replicas=1, **ROUTING)
-    proxy = {"model": engine["model"]}
-    owned = mixed_deployment([], proxy, {"engine": engine, "redis_url": ""}, 1, ROUTING, {"num_cpus": 0})
+    model = str(resolve_model_dir("smollm2-135m", weights=True))
+    engine = EngineConfig(model=model, torch_threads=2, num_kv_blocks=1024, max_num_seqs=16)
+    in_process = engine_deployment(engine, ROUTING, num_replicas=1)
+    owned = mixed_deployment([], model, ROUTING, OwnedEngines(engine=engine, actor_options={"num_cpus": 0}), 1)
     handles = {}
     for name, app in (("in the replica", in_process), ("owned actor", owned)):
         handle = serve.run(app, name=name.replace(" ", "-"), route_prefix=None)
@@ -88,7 +89,9 @@ def deploy(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvmesh bench owned_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--streams", type=int, default=4)

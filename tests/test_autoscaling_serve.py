@@ -14,8 +14,10 @@ from collections import Counter
 import pytest
 import redis
 
-from kvmesh.cluster.autoscaling import autoscaling_config
-from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.autoscaling import autoscaling_config
+from kvmesh.cluster.engines.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.router.index_schema import index_prefix
 from tests.serve_helpers import greedy_call
 
@@ -75,14 +77,8 @@ def test_kv_pressure_scales_out_and_drains_back_without_losing_requests(ray_serv
             "downscale_delay_s": 4.0,
         },
     )
-    app = engine_deployment(
-        engine,
-        redis_url=redis_server.url,
-        deployment=INDEX,
-        stats_period_s=0.5,
-        autoscaling=scaling,
-        drain_timeout_s=30,
-    )
+    routing = RoutingSettings(redis_url=redis_server.url, deployment=INDEX, stats_period_s=0.5)
+    app = engine_deployment(EngineConfig(**engine), routing, autoscaling=scaling, drain_timeout_s=30)
     handle = ray_serve.run(app, name=APP, route_prefix=None).options(method_name="generate", stream=True)
     try:
         assert running_replicas(ray_serve) == 1

@@ -4,7 +4,7 @@ import sys
 
 def run_cli(*args, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "kvmesh.cluster.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "kvmesh.cluster.launch.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -43,7 +43,7 @@ def test_engine_and_router_refuse_a_port_they_cannot_listen_on_before_saying_rea
 
 
 def test_router_refuses_bad_settings_before_serving():
-    from kvmesh.cluster.embedded_redis import free_port
+    from kvmesh.cluster.launch.embedded_redis import free_port
 
     worker = ["--worker", "http://127.0.0.1:9", "--port", str(free_port())]
     res = run_cli("router", *worker, "--worker", "http://127.0.0.1:9/", timeout=60)
@@ -54,7 +54,7 @@ def test_router_refuses_bad_settings_before_serving():
 
 
 def test_router_and_serve_refuse_bad_policy_settings_before_serving():
-    from kvmesh.cluster.embedded_redis import free_port
+    from kvmesh.cluster.launch.embedded_redis import free_port
 
     router = ["router", "--worker", "http://127.0.0.1:9", "--port", str(free_port())]
     serve = ["serve", "--port", str(free_port())]
@@ -68,9 +68,9 @@ def test_router_and_serve_refuse_bad_policy_settings_before_serving():
 
 
 def test_policy_settings_reach_the_policy():
-    from kvmesh.cluster.cli import _policy_kwargs, build_parser
-    from kvmesh.cluster.config import build_config
-    from kvmesh.cluster.router_server import LocalRouter
+    from kvmesh.cluster.launch.cli import _policy_kwargs, build_parser
+    from kvmesh.cluster.launch.config import build_config
+    from kvmesh.cluster.workers.router_server import LocalRouter
 
     args = build_parser().parse_args(["router", "--worker", "http://w:8000", "--policy-kwargs", '{"wait_cap": 3}'])
     assert LocalRouter([], args.policy, _policy_kwargs(args)).policy.wait_cap == 3
@@ -78,8 +78,23 @@ def test_policy_settings_reach_the_policy():
 
 
 def test_engine_refuses_a_thread_count_or_context_below_one():
-    from kvmesh.cluster.embedded_redis import free_port
+    from kvmesh.cluster.launch.embedded_redis import free_port
 
     for flag, name in (("--threads", "torch_threads"), ("--max-model-len", "max_model_len")):
         res = run_cli("engine", "--port", str(free_port()), flag, "-2", timeout=60)
         assert res.returncode == 2 and f"{name} must be positive" in res.stderr, res.stderr[-500:]
+
+
+def test_kvmesh_serve_configures_before_ray_is_imported():
+    """A local Ray binds loopback only if its environment is set before Ray is first imported
+    (``launcher._start_ray``): building the configuration must not import Ray (a ``RoutingSettings``
+    import once did, and every Ray port listened on all interfaces)."""
+    code = (
+        "import sys\n"
+        "from kvmesh.cluster.launch.config import build_config\n"
+        "import kvmesh.cluster.launch.cli, kvmesh.cluster.launch.launcher\n"
+        "build_config(overrides={'workers': [{'url': 'http://h:1'}]}).routing()\n"
+        "print('ray' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -18,13 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.cluster.config import ClusterConfig
-from kvmesh.cluster.mixed_deployment import mixed_deployment
-from kvmesh.cluster.worker_proxy import worker_deployment
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.cluster.launch.config import ClusterConfig
+from kvmesh.cluster.workers.mixed_deployment import OwnedEngines, mixed_deployment
+from kvmesh.cluster.workers.worker_proxy import worker_deployment
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import LoadReport
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.messages import LoadReport
 from tests.serve_helpers import ENGINE_SLOT, greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -43,7 +45,7 @@ def free_port() -> int:
 
 def start_engine(model: str, port: int, events: Path, log: Path) -> subprocess.Popen:
     config = f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{events}.pub", "replay_endpoint": "ipc://{events}.replay"}}'
-    args = [sys.executable, "-m", "kvmesh.cluster.cli", "engine", "--model", model, "--port", str(port)]
+    args = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "engine", "--model", model, "--port", str(port)]
     args += ["--threads", "1", "--num-kv-blocks", "160", "--max-num-seqs", "8", "--kv-events-config", config]
     return subprocess.Popen(
         args, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "KVMESH_REDIS_URL": ""}
@@ -97,16 +99,10 @@ def workers(ray_serve, redis_server, tiny_llama_dir, tmp_path_factory):
     try:
         for proc, spec in zip(procs, specs, strict=True):
             wait_healthy(spec["url"], proc)
-        app = worker_deployment(
-            specs,
-            model,
-            model,
-            16,
-            redis_url=redis_server.url,
-            deployment="ext",
-            policy_kwargs=WIDE_TIES,
-            stats_period_s=0.5,
+        routing = RoutingSettings(
+            redis_url=redis_server.url, deployment="ext", policy_kwargs=WIDE_TIES, stats_period_s=0.5
         )
+        app = worker_deployment([WorkerSpec(**spec) for spec in specs], model, model, 16, routing)
         handle = ray_serve.run(app, name="external-workers", route_prefix=None)
         time.sleep(1.5)  # first load reports reach the router
         yield handle.options(method_name="generate", stream=True), model, redis_server.url, procs
@@ -163,7 +159,7 @@ def test_kvmesh_router_process_routes_by_the_workers_events(workers, tmp_path):
         specs += ["--worker", f"http://127.0.0.1:{port},kv_events={pub},replay={replay}"]
         assert httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache").json() == {"status": "ok"}
     port, log = free_port(), tmp_path / "router.log"
-    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", "router", "--model", model, "--port", str(port), *specs]
+    cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "router", "--model", model, "--port", str(port), *specs]
     cmd += ["--policy-kwargs", json.dumps(WIDE_TIES)]
     router = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -205,13 +201,10 @@ def test_workers_mixed_with_kvmesh_replicas_are_routed_as_one_fleet(workers, ray
     _, model, url, procs = workers
     proc = next(p for p in procs if p.poll() is None)
     spec = spec_of(proc)
-    common = {"redis_url": url, "deployment": "mix"}
-    proxy = {"model": model, "served_name": model, "block_size": 16, **common}
-    engine = {"engine": {"model": model, "num_kv_blocks": 160, "max_num_seqs": 8, "torch_threads": 1}, **common}
-    routing = {"policy": "kv_aware", "policy_kwargs": {}, "stats_period_s": 0.5, **common}
-    routing |= {"max_ongoing_requests": 64, "max_queued_requests": -1}
+    routing = RoutingSettings(redis_url=url, deployment="mix", stats_period_s=0.5)
+    engine = EngineConfig(model=model, num_kv_blocks=160, max_num_seqs=8, torch_threads=1)
     slot = {"num_cpus": 0, "resources": {ENGINE_SLOT: 1}}
-    app = mixed_deployment([spec], proxy, engine, 1, routing, slot)
+    app = mixed_deployment([WorkerSpec(**spec)], model, routing, OwnedEngines(engine=engine, actor_options=slot), 1)
     handle = ray_serve.run(app, name="mixed", route_prefix=None).options(method_name="generate", stream=True)
     assert ray.available_resources().get(ENGINE_SLOT, 0) == 0  # the engine's actor holds the one slot
     prompts = [[2000 + 89 * p + i for i in range(200)] for p in range(6)]

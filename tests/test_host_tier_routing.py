@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.replica import EngineConfig, LLMEngine
 from kvmesh.router.prefix_index import PrefixIndex
 from tests.serve_helpers import greedy_call
@@ -34,7 +35,8 @@ def tiered(ray_serve, redis_server, tiny_llama_dir):
         "torch_threads": 1,
         "max_num_seqs": 4,
     }
-    app = engine_deployment(engine, num_replicas=2, redis_url=redis_server.url, deployment="ht", stats_period_s=0.5)
+    routing = RoutingSettings(redis_url=redis_server.url, deployment="ht", stats_period_s=0.5)
+    app = engine_deployment(EngineConfig(**engine), routing, num_replicas=2)
     handle = ray_serve.run(app, name="host-tier-it", route_prefix=None)
     time.sleep(1.5)  # first load reports reach the router
     yield handle.options(method_name="generate", stream=True), model, redis_server.url

@@ -9,7 +9,9 @@ from itertools import pairwise
 
 import pytest
 
-from kvmesh.cluster.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.engine_deployment import engine_deployment
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.core.engine_config import EngineConfig
 from tests.serve_helpers import greedy_call
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -28,9 +30,8 @@ def engine_handle(ray_serve, redis_server, tiny_llama_dir):
         "torch_threads": 1,
         "max_num_seqs": 8,
     }
-    app = engine_deployment(
-        engine, num_replicas=REPLICAS, redis_url=redis_server.url, deployment="it", stats_period_s=0.5
-    )
+    routing = RoutingSettings(redis_url=redis_server.url, deployment="it", stats_period_s=0.5)
+    app = engine_deployment(EngineConfig(**engine), routing, num_replicas=REPLICAS)
     handle = ray_serve.run(app, name="routing-it", route_prefix=None)
     time.sleep(1.5)  # first load reports reach the router
     yield handle.options(method_name="generate", stream=True), str(tiny_llama_dir)
@@ -104,7 +105,8 @@ def test_hot_system_prompt_spreads_once_loaded(engine_handle):
 def test_baseline_selected_by_one_config_value_serves_for_real(ray_serve, redis_server, tiny_llama_dir):
     """``policy="pow2"`` deploys Ray Serve's own PowerOfTwoChoicesRequestRouter on the same engines."""
     engine = {"model": str(tiny_llama_dir), "num_kv_blocks": 256, "torch_threads": 1}
-    app = engine_deployment(engine, num_replicas=2, redis_url=redis_server.url, deployment="pow2", policy="pow2")
+    routing = RoutingSettings(redis_url=redis_server.url, deployment="pow2", policy="pow2")
+    app = engine_deployment(EngineConfig(**engine), routing, num_replicas=2)
     handle = ray_serve.run(app, name="pow2-it", route_prefix=None).options(method_name="generate", stream=True)
     model = str(tiny_llama_dir)
 

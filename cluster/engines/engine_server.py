@@ -3,7 +3,7 @@
 The analogue of ``vllm serve``, so any router (SGLang's ``smg``, ``vllm-router``, Dynamo, llm-d, or kvmesh's own
 ``workers:``) can put kvmesh engines behind it: the same routes as the cluster's ingress (chat, completions,
 tokenize, detokenize, models, health, metrics), its KV events on vLLM's wire with ``--kv-events-config``.
-It is the ingress's own front door (``kvmesh.cluster.front_door.front_door``) over an engine in this process:
+It is the ingress's own front door (``kvmesh.cluster.ingress.front_door.front_door``) over an engine in this process:
 ``LocalHandle`` stands where the deployment handle would.
 """
 
@@ -15,14 +15,16 @@ import logging
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from kvmesh.cluster.admission import key_digests
-from kvmesh.cluster.engine_replica import EngineReplica
-from kvmesh.cluster.front_door import IngressSettings, front_door
-from kvmesh.cluster.generation import LocalHandle
-from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
-from kvmesh.cluster.listen import listen, serve
-from kvmesh.shared.messages import ReplicaStatus
-from kvmesh.shared.sampling_params import MAX_N
+from kvmesh.cluster.engines.engine_replica import EngineReplica
+from kvmesh.cluster.hosting.listen import listen, serve
+from kvmesh.cluster.ingress.admission import key_digests
+from kvmesh.cluster.ingress.front_door import IngressSettings, front_door
+from kvmesh.cluster.ingress.generation import LocalHandle
+from kvmesh.cluster.ingress.http_api import HttpApi, bound_app, set_admission
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.kv_event_wire import KVEventsConfig
+from kvmesh.core.messages import ReplicaStatus
+from kvmesh.core.sampling_params import MAX_N
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def build_app(server: EngineServer) -> FastAPI:
     return engine_app
 
 
-def run_engine_server(args: argparse.Namespace, engine: dict, kv_events: dict | None) -> int:
+def run_engine_server(args: argparse.Namespace, engine: EngineConfig, kv_events: KVEventsConfig | None) -> int:
     sock = listen(args.host, args.port)
     replica = EngineReplica(engine, redis_url=None, kv_events=kv_events)
     config = replica.engine.config

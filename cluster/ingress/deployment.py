@@ -1,5 +1,5 @@
-"""The ingress: the Ray Serve deployment that is kvmesh's front door, HTTP (``kvmesh/cluster/http_api.py``) and
-gRPC (``kvmesh/cluster/grpc_api.py``) over one ``Generation`` (``kvmesh/cluster/generation.py``).
+"""The ingress: the Ray Serve deployment that is kvmesh's front door, HTTP (``cluster/ingress/http_api.py``) and
+gRPC (``cluster/ingress/grpc_api.py``) over one ``Generation`` (``cluster/ingress/generation.py``).
 
 The ingress validates a request, renders the chat template, tokenizes ONCE and hashes the prompt's blocks
 ONCE, then calls the engine deployment's handle with a ``GenerateCall``: the KV-aware router on that
@@ -19,11 +19,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from kvmesh.cluster.front_door import IngressSettings, front_door
-from kvmesh.cluster.generation import HandleErrors
-from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
-from kvmesh.cluster.http_api import HttpApi, app, set_admission
-from kvmesh.cluster.nodes import node_address
+from kvmesh.cluster.hosting.nodes import node_address
+from kvmesh.cluster.ingress.front_door import IngressSettings, front_door
+from kvmesh.cluster.ingress.generation import HandleErrors
+from kvmesh.cluster.ingress.grpc_api import GrpcApi, serve_grpc
+from kvmesh.cluster.ingress.http_api import HttpApi, app, set_admission
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.prefix_index import PrefixIndex
 
@@ -35,11 +35,11 @@ every replica is busy and the queue is full."""
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress(HttpApi, GrpcApi):
-    def __init__(self, engine_handle: DeploymentHandle, settings: dict) -> None:
+    def __init__(self, engine_handle: DeploymentHandle, settings: IngressSettings) -> None:
         # Ray ships this class by value (its name in this module is the deployment), so nothing else makes the
         # replica import this module; the routes bind to the class (serve.ingress above) only when it does.
         importlib.import_module(__name__)
-        self.settings = s = IngressSettings(**settings)
+        self.settings = s = settings
         self.generation, self.admission = front_door(s, engine_handle, RAY_HANDLE_ERRORS)
         set_admission(self.admission)
         redis_url = index_redis_url(s.redis_url)

@@ -1,27 +1,26 @@
 """The kvmesh application: the ingress in front of the engine deployment and its KV-aware router.
 
 ``build_app`` is what ``kvmesh serve`` runs; ``app_builder`` is the same for Ray Serve config files
-(``import_path: kvmesh.cluster.app:app_builder`` with ``args:`` holding ``ClusterConfig`` fields), as a KubeRay
+(``import_path: kvmesh.cluster.launch.app:app_builder`` with ``args:`` holding ``ClusterConfig`` fields), as a KubeRay
 ``serveConfigV2`` uses it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 from ray import serve
 
-from kvmesh.cluster.admission import key_digests
-from kvmesh.cluster.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
-from kvmesh.cluster.engine_deployment import engine_deployment
-from kvmesh.cluster.front_door import IngressSettings
-from kvmesh.cluster.ingress import Ingress
-from kvmesh.cluster.mixed_deployment import mixed_deployment
-from kvmesh.cluster.worker_proxy import worker_deployment
+from kvmesh.cluster.engines.engine_deployment import engine_deployment
+from kvmesh.cluster.ingress.admission import key_digests
+from kvmesh.cluster.ingress.deployment import Ingress
+from kvmesh.cluster.ingress.front_door import IngressSettings
+from kvmesh.cluster.launch.config import APP_NAME, PROBE_DEADLINE_ENV, PROBE_DEADLINE_S, ClusterConfig, build_config
+from kvmesh.cluster.workers.mixed_deployment import OwnedEngines, mixed_deployment
+from kvmesh.cluster.workers.worker_proxy import worker_deployment
+from kvmesh.core.sampling_params import MAX_N
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url
-from kvmesh.shared.sampling_params import MAX_N
 
 
 def with_env(actor_options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -40,71 +39,67 @@ def build_app(
     under a Serve config file Ray's gRPC proxy serves it instead). ``engine_nodes``: how many nodes can hold
     engine replicas (each CPU replica takes its share of its node's cores)."""
     env = env or {}
-    engine_cfg = config.engine_config()
     engine = _engines(config, env, engine_nodes)
-    settings = IngressSettings(
-        model=config.model,
-        served_model_name=config.name,
-        block_size=engine_cfg.block_size,
-        max_model_len=engine_cfg.max_model_len,
-        max_n=min(MAX_N, engine_cfg.max_num_seqs),
-        redis_url=config.redis_url,
-        deployment=APP_NAME,
-        policy=config.policy,
-        api_key_digests=key_digests(config.api_keys),
-        max_inflight_requests=config.max_inflight_requests,
-        max_request_bytes=config.max_request_bytes,
-        grpc_host=config.host if serve_grpc and config.grpc_port else None,
-        grpc_port=config.grpc_port if serve_grpc and config.grpc_port else None,
-        share_prefix_cache=config.share_prefix_cache,
-        enable_docs=config.enable_docs,
-        no_replica_timeout_s=config.no_replica_timeout_s,
-    )
     # Ray's own limit sits above ours, so the ingress answers 429 itself while /health and /metrics still pass.
     ongoing = config.max_inflight_requests + 64 if config.max_inflight_requests else 100_000
     deadline = {PROBE_DEADLINE_ENV: os.environ.get(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)}
     actor = with_env(config.ingress_actor_options, {**deadline, **env})
     return Ingress.options(
         num_replicas=config.ingress_replicas, max_ongoing_requests=ongoing, ray_actor_options=actor
-    ).bind(engine, dataclasses.asdict(settings))
+    ).bind(engine, ingress_settings(config, serve_grpc))
+
+
+def ingress_settings(config: ClusterConfig, serve_grpc: bool) -> IngressSettings:
+    """What each ingress replica is given: the model and hashing it agrees on with the engines, its limits."""
+    grpc = serve_grpc and bool(config.grpc_port)
+    return IngressSettings(
+        model=config.model,
+        served_model_name=config.name,
+        block_size=config.engine.block_size,
+        max_model_len=config.engine.max_model_len,
+        max_n=min(MAX_N, config.engine.max_num_seqs),
+        redis_url=config.redis_url,
+        deployment=APP_NAME,
+        policy=config.policy,
+        api_key_digests=key_digests(config.api_keys),
+        max_inflight_requests=config.max_inflight_requests,
+        max_request_bytes=config.max_request_bytes,
+        grpc_host=config.host if grpc else None,
+        grpc_port=config.grpc_port if grpc else None,
+        share_prefix_cache=config.share_prefix_cache,
+        enable_docs=config.enable_docs,
+        no_replica_timeout_s=config.no_replica_timeout_s,
+    )
 
 
 def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> serve.Application:
     """The engine deployment: kvmesh's engines, one proxy per external worker (``config.workers``), or both
-    mixed (``kvmesh/cluster/mixed_deployment.py``), behind the same router settings."""
-    routing = {
-        "redis_url": config.redis_url,
-        "deployment": APP_NAME,
-        "policy": config.policy,
-        "policy_kwargs": config.policy_kwargs,
-        "stats_period_s": config.stats_period_s,
-        "max_ongoing_requests": config.max_ongoing_requests,
-        "max_queued_requests": config.max_queued_requests,
-    }
-    block_size = config.engine_config().block_size
+    mixed (``cluster/workers/mixed_deployment.py``), behind the same router settings."""
+    routing, replicas = config.routing(), with_env({"num_cpus": 0}, env)
+    kv_events = config.kv_events_config if config.kv_events_config.enabled else None
+    per_node = config.replicas_per_node(engine_nodes)
     if config.workers and config.replicas:
-        proxy = {"model": config.model, "served_name": config.name, "block_size": block_size}
-        proxy |= {"redis_url": config.redis_url, "deployment": APP_NAME}
-        engine = {"engine": config.engine_settings(), "redis_url": config.redis_url, "deployment": APP_NAME}
-        engine |= {"replicas_per_node": config.replicas_per_node(engine_nodes), "kv_events": config.kv_events_config}
-        engines, replicas = with_env(config.engine_actor_options, env), with_env({"num_cpus": 0}, env)
+        engines = OwnedEngines(
+            engine=config.engine,
+            actor_options=with_env(config.engine_actor_options, env),
+            replicas_per_node=per_node,
+            kv_events=kv_events,
+        )
         return mixed_deployment(
-            config.workers, proxy, engine, config.replicas, routing, engines, replicas, config.drain_timeout_s
+            config.workers, config.name, routing, engines, config.replicas, replicas, config.drain_timeout_s
         )
     if config.workers:
-        actor = with_env({"num_cpus": 0}, env)
-        return worker_deployment(
-            config.workers, config.model, config.name, block_size, ray_actor_options=actor, **routing
-        )
+        block_size = config.engine.block_size
+        return worker_deployment(config.workers, config.model, config.name, block_size, routing, replicas)
     return engine_deployment(
-        config.engine_settings(),
+        config.engine,
+        routing,
         num_replicas=config.replicas,
         ray_actor_options=with_env(config.engine_actor_options, env),
         autoscaling=config.autoscaling_config(),
         drain_timeout_s=config.drain_timeout_s,
-        replicas_per_node=config.replicas_per_node(engine_nodes),
-        kv_events=config.kv_events_config,
-        **routing,
+        replicas_per_node=per_node,
+        kv_events=kv_events,
     )
 
 

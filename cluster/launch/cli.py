@@ -10,9 +10,10 @@ import os
 import sys
 import time
 
-from kvmesh.shared.engine_config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
-from kvmesh.shared.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
-from kvmesh.shared.model_files import DEFAULT_MODEL
+from kvmesh.core.engine_config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
+from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
+from kvmesh.core.kv_event_wire import KVEventsConfig
+from kvmesh.core.model_files import DEFAULT_MODEL
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -75,14 +76,9 @@ def _engine_settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in engine.items() if v is not None}
 
 
-def _kv_events(args: argparse.Namespace) -> dict | None:
-    """``--kv-events-config`` checked now (a typo fails before any model loads), as its JSON mapping."""
-    from kvmesh.shared.kv_event_wire import KVEventsConfig
-
-    if args.kv_events_config is None:
-        return None
-    KVEventsConfig.parse(args.kv_events_config)
-    return json.loads(args.kv_events_config)
+def _kv_events(args: argparse.Namespace) -> KVEventsConfig | None:
+    """``--kv-events-config``, checked now: a typo fails before any model loads."""
+    return None if args.kv_events_config is None else KVEventsConfig.parse(args.kv_events_config)
 
 
 POLICY_KWARGS_HELP = "the policy's settings as JSON, e.g. '{\"session_balance\": 1.5}' (docs/routing.md)"
@@ -102,28 +98,28 @@ def _policy_kwargs(args: argparse.Namespace) -> dict | None:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.engine_server import run_engine_server
+    from kvmesh.cluster.engines.engine_server import run_engine_server
 
-    return run_engine_server(args, {"model": args.model, **_engine_settings(args)}, _kv_events(args))
+    return run_engine_server(args, EngineConfig(model=args.model, **_engine_settings(args)), _kv_events(args))
 
 
 def _router(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.router_server import run_router_server
+    from kvmesh.cluster.workers.router_server import run_router_server
 
     return run_router_server(args, _policy_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.config import build_config
-    from kvmesh.cluster.launcher import run_until_signalled
-    from kvmesh.cluster.worker_spec import WorkerSpec
+    from kvmesh.cluster.launch.config import build_config
+    from kvmesh.cluster.launch.launcher import run_until_signalled
+    from kvmesh.cluster.workers.worker_spec import WorkerSpec
 
     autoscaling = {"upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s}
     overrides = {
         "model": args.model,
         "served_model_name": args.served_model_name,
         "replicas": 0 if args.worker and args.replicas is None else args.replicas,
-        "workers": [vars(WorkerSpec.parse(w)) for w in args.worker] if args.worker else None,
+        "workers": [WorkerSpec.parse(w) for w in args.worker] if args.worker else None,
         "ingress_replicas": args.ingress_replicas,
         "policy": args.policy,
         "policy_kwargs": _policy_kwargs(args),
@@ -153,38 +149,27 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.status import fetch_status, render_status
+    from kvmesh.cluster.monitoring.status import fetch_status, render_status
 
     try:
         status = fetch_status(args.url, api_key=args.api_key or os.environ.get("KVMESH_API_KEY"))
     except ConnectionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    print(json.dumps(status.as_dict(), indent=2) if args.json else render_status(status))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.plan import run
+    from kvmesh.cluster.launch.plan import run
 
     return run(args)
 
 
-BENCH_COMMANDS = {
-    "run": "kvmesh.bench.bench_run",
-    "simulate": "kvmesh.bench.simulate",
-    "suite": "kvmesh.bench.suite",
-    "calibrate": "kvmesh.bench.calibrate",
-    "startup": "kvmesh.bench.serve_startup",
-    "autoscale": "kvmesh.bench.autoscale",
-    "soak": "kvmesh.bench.soak",
-}
-
-
 def _bench(args: argparse.Namespace) -> int:
-    import importlib
+    from kvmesh.bench import command
 
-    importlib.import_module(BENCH_COMMANDS[args.bench]).main(args.rest)
+    command(args.bench).main(args.rest)
     return 0
 
 
@@ -276,7 +261,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser(
         "serve",
         help="start a cluster: Ray, Redis, OpenAI HTTP on :8000, gRPC on :9000, N engine replicas",
-        description="Flags override the --config YAML file, which overrides the defaults (kvmesh/cluster/config.py).",
+        description="Flags override the --config YAML file, which overrides the defaults (cluster/launch/config.py).",
     )
     srv.add_argument("--config", help="YAML file of ClusterConfig settings (engine settings under `engine:`)")
     srv.add_argument("--model", help=f"alias, HF model directory, .gguf file or hub id (default {DEFAULT_MODEL})")
@@ -407,13 +392,15 @@ def _add_router_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_command(sub: argparse._SubParsersAction) -> None:
-    """``kvmesh bench NAME ...``: hands the rest to benchmark NAME."""
+    """``kvmesh bench NAME ...``: hands the rest to benchmark NAME (the module benchmarks/NAME.py)."""
+    from kvmesh.bench import commands
+
     bench = sub.add_parser(
         "bench",
         help="benchmarks: run (routers side by side on a real cluster), simulate (fleet-scale trace), suite, ...",
-        description="kvmesh bench NAME --help shows the options of benchmark NAME (run, simulate, suite, ...).",
+        description="kvmesh bench NAME runs benchmarks/NAME.py; kvmesh bench NAME --help shows its options.",
     )
-    bench.add_argument("bench", choices=sorted(BENCH_COMMANDS))
+    bench.add_argument("bench", choices=commands(), metavar="NAME", help=", ".join(commands()))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_bench)
 

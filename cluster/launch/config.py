@@ -2,7 +2,9 @@
 
 One ``ClusterConfig`` describes a deployment. ``kvmesh serve`` builds it from (lowest to highest) these
 defaults, ``--config FILE`` and the flags a user typed. Engine settings live under ``engine:`` and are
-``EngineConfig`` fields, checked by it, so there is one definition of each.
+``EngineConfig`` fields, checked by it, so there is one definition of each. The file and the flags give
+mappings; ``ClusterConfig`` turns each into its record (``EngineConfig``, ``WorkerSpec``, ``KVEventsConfig``),
+and those records are what reaches the replicas through Ray.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Any
 
 import yaml
 
-from kvmesh.cluster.autoscaling import autoscaling_config
-from kvmesh.cluster.worker_spec import WorkerSpec, distinct
+from kvmesh.cluster.engines.autoscaling import autoscaling_config
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.cluster.workers.worker_spec import WorkerSpec, distinct
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.kv_event_wire import KVEventsConfig
+from kvmesh.core.model_files import DEFAULT_MODEL
 from kvmesh.router.baselines import make_policy
-from kvmesh.shared.engine_config import EngineConfig
-from kvmesh.shared.kv_event_wire import KVEventsConfig
-from kvmesh.shared.model_files import DEFAULT_MODEL
 
 PROBE_DEADLINE_ENV = "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"
 PROBE_DEADLINE_S = "0.5"
@@ -34,7 +37,7 @@ HEAD = "node:__internal_head__"
 """The resource Ray gives only its head node."""
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 9000
-GRPC_SERVICER = "kvmesh.cluster.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
+GRPC_SERVICER = "kvmesh.cluster.ingress.proto.kvmesh_pb2_grpc.add_KVMeshServicer_to_server"
 
 
 @dataclass
@@ -45,10 +48,10 @@ class ClusterConfig:
     """The name clients send as ``model`` (default: ``model``)."""
     replicas: int | None = None
     """kvmesh's own engine replicas (the starting count when autoscaling): 2 by default, 0 with ``workers``;
-    more beside ``workers`` mixes them (``kvmesh/cluster/mixed_deployment.py``)."""
-    workers: list[dict[str, Any]] = field(default_factory=list)
+    more beside ``workers`` mixes them (``cluster/workers/mixed_deployment.py``)."""
+    workers: list[WorkerSpec] = field(default_factory=list)
     """External OpenAI-compatible engines to route (vLLM, SGLang, ``kvmesh engine``): ``url`` and, for KV-aware
-    routing, their vLLM-style event endpoints ``kv_events`` and ``replay`` (``kvmesh/cluster/worker_proxy.py``)."""
+    routing, their vLLM-style event endpoints ``kv_events`` and ``replay`` (``cluster/workers/worker_proxy.py``)."""
     min_replicas: int = 1
     max_replicas: int | None = None
     """Autoscale the engine replicas between ``min_replicas`` and this; ``None`` keeps ``replicas`` fixed."""
@@ -65,8 +68,9 @@ class ClusterConfig:
     policy: str = "kv_aware"
     """Routing policy: kv_aware, or a baseline (pow2 = Ray's default, round_robin, session_hash, approx_tree)."""
     policy_kwargs: dict[str, Any] = field(default_factory=dict)
-    engine: dict[str, Any] = field(default_factory=dict)
-    """``EngineConfig`` fields (block_size, max_num_seqs, kv_cache_bytes, max_model_len, device, ...)."""
+    engine: EngineConfig = field(default_factory=dict)
+    """Each engine replica's settings (block_size, max_num_seqs, kv_cache_bytes, max_model_len, device, ...):
+    given as a mapping of ``EngineConfig`` fields (``model`` is this config's)."""
     engine_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
     """Ray actor options of each engine replica (``num_cpus``, ``num_gpus``, ``resources``, ...). No CPUs by
     default, so several replicas share a laptop; on a cluster, claim a GPU (or CPUs) per replica so replicas
@@ -105,7 +109,7 @@ class ClusterConfig:
     """Serve the API's ``/docs``, ``/redoc`` and ``/openapi.json``."""
     no_replica_timeout_s: float = 5.0
     """How long a request waits while no engine replica is alive before it is answered 503 with Retry-After."""
-    kv_events_config: dict[str, Any] = field(default_factory=dict)
+    kv_events_config: KVEventsConfig = field(default_factory=dict)
     """vLLM's ``--kv-events-config`` (same keys): each engine replica also publishes its KV events on ZMQ, ports
     offset by its replica rank, for routers that read vLLM's events (``docs/kv_events.md``)."""
     stats_period_s: float = 1.0
@@ -116,6 +120,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.ingress_replicas < 1:
             raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
+        self.engine = _engine_config(self.model, self.engine)  # raises ValueError on bad engine settings
+        self.workers = distinct([w if isinstance(w, WorkerSpec) else WorkerSpec(**w) for w in self.workers])
+        if not isinstance(self.kv_events_config, KVEventsConfig):
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.replicas is None:
             self.replicas = 0 if self.workers else 2
         self._check_workers()
@@ -126,8 +134,6 @@ class ClusterConfig:
             raise ValueError(f"port {self.http_port} is out of range")
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"port {self.grpc_port} is out of range (0 turns gRPC off)")
-        self.engine_config()  # raises ValueError on bad engine settings
-        KVEventsConfig.parse(self.kv_events_config)
         self.autoscaling_config()  # and on bad autoscaling settings
         if self.max_queued_requests < -1 or self.max_inflight_requests < 0:
             raise ValueError("max_queued_requests must be >= -1 and max_inflight_requests >= 0")
@@ -139,7 +145,6 @@ class ClusterConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     def _check_workers(self) -> None:
-        distinct([WorkerSpec(**worker) for worker in self.workers])  # raises ValueError naming a bad field
         if not self.workers and self.replicas < 1:
             raise ValueError(f"replicas must be at least 1 (or 0 with workers), got {self.replicas}")
         if self.replicas < 0:
@@ -156,11 +161,17 @@ class ClusterConfig:
     def name(self) -> str:
         return self.served_model_name or self.model
 
-    def engine_config(self) -> EngineConfig:
-        try:
-            return EngineConfig(model=self.model, **self.engine)
-        except TypeError as exc:
-            raise ValueError(f"engine: {exc}") from None
+    def routing(self) -> RoutingSettings:
+        """How the engine deployment is routed and bounded."""
+        return RoutingSettings(
+            redis_url=self.redis_url,
+            deployment=APP_NAME,
+            policy=self.policy,
+            policy_kwargs=self.policy_kwargs,
+            stats_period_s=self.stats_period_s,
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
+        )
 
     def autoscaling_config(self) -> dict[str, Any] | None:
         """Ray's ``autoscaling_config`` for the engine deployment, or ``None`` for a fixed size."""
@@ -175,15 +186,25 @@ class ClusterConfig:
             self.autoscaling,
         )
 
-    def engine_settings(self) -> dict[str, Any]:
-        """Engine settings for each replica (``torch_threads`` unset: each replica sizes it on its own node,
-        ``kvmesh.cluster.nodes.replica_threads``)."""
-        return {"model": self.model, **self.engine}
-
     def replicas_per_node(self, engine_nodes: int = 1) -> int:
         """The most engine replicas one node may hold, spread over ``engine_nodes``: replicas sharing a
         node split its cores among them, so a scaled-out node is not oversubscribed."""
         return -(-max(self.replicas, self.max_replicas or 0) // max(1, engine_nodes))
+
+
+def _engine_config(model: str, engine: EngineConfig | dict[str, Any]) -> EngineConfig:
+    """``engine`` as an ``EngineConfig`` of ``model`` (``torch_threads`` left unset: each replica sizes it on
+    its own node, ``kvmesh.cluster.hosting.nodes.replica_threads``)."""
+    if isinstance(engine, EngineConfig):
+        if engine.model != model:
+            raise ValueError(f"engine.model {engine.model!r} is not the cluster's model {model!r}")
+        return engine
+    if not isinstance(engine, dict):
+        raise ValueError(f"engine must be a mapping of engine settings, got {engine!r}")
+    try:
+        return EngineConfig(model=model, **engine)
+    except TypeError as exc:
+        raise ValueError(f"engine: {exc}") from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -205,7 +226,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         if value is None:
             continue
         if key in ("engine", "autoscaling"):
-            values[key] = {**(values.get(key) or {}), **value}
+            values[key] = {**(values.get(key) or {}), **value}  # mappings here: records only once built
         else:
             values[key] = value
     return ClusterConfig(**values)

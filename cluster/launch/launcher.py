@@ -24,9 +24,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvmesh.cluster.config import APP_NAME, ClusterConfig
-from kvmesh.cluster.embedded_redis import EmbeddedRedis
-from kvmesh.cluster.nodes import node_address, prepare_nodes
+from kvmesh.cluster.hosting.nodes import node_address, prepare_nodes
+from kvmesh.cluster.launch.config import APP_NAME, ClusterConfig
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 from kvmesh.router.index_schema import REDIS_URL_ENV, index_redis_url, redacted
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def serve_cluster(
 ) -> int:
     """Run the cluster until ``stop`` is set. ``on_ray_started`` runs right after ``ray.init``, which
     replaces the process's SIGTERM handler: a caller that handles signals installs its own there."""
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     stop = stop or threading.Event()
     t0 = time.monotonic()
@@ -152,13 +152,13 @@ def _deploy(config: ClusterConfig, redis_url: str, t0: float) -> str:
     arguments."""
     from ray import serve
 
-    from kvmesh.cluster.app import build_app
+    from kvmesh.cluster.launch.app import build_app
 
     prepared = []
     if config.workers:
         _say(f"routing {len(config.workers)} external worker(s) of {config.name} (policy {config.policy}) ...")
     if config.replicas:
-        prepared = prepare_nodes(config.model, config.engine_config().device, config.engine_actor_options, _say)
+        prepared = prepare_nodes(config.model, config.engine.device, config.engine_actor_options, _say)
         _say(f"deploying {config.replicas} engine replica(s) of {config.model} (policy {config.policy}) ...")
     deployed = threading.Event()
     threading.Thread(target=_watch_deployments, args=(deployed, t0), daemon=True).start()
@@ -226,7 +226,7 @@ def _endpoints(config: ClusterConfig, ingress_node: str, redis_url: str) -> str:
     here = node_address()
     host = ingress_node if config.host == "0.0.0.0" else config.host
     where = f" on node {ingress_node} (the ingress's node)" if config.host != "0.0.0.0" and ingress_node != here else ""
-    grpc = f"{host}:{config.grpc_port}{where}  (kvmesh.KVMesh, kvmesh/cluster/proto/kvmesh.proto)"
+    grpc = f"{host}:{config.grpc_port}{where}  (kvmesh.KVMesh, cluster/ingress/proto/kvmesh.proto)"
     return (
         f"  OpenAI HTTP  http://{host}:{config.http_port}/v1{where}  (metrics: /metrics, status: /status)\n"
         f"  gRPC         {grpc if config.grpc_port else 'off'}\n"

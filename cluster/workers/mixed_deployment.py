@@ -17,14 +17,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray import serve
 
-from kvmesh.cluster.nodes import replica_rank
-from kvmesh.cluster.router_config import engine_deployment_options
-from kvmesh.cluster.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy
-from kvmesh.shared.messages import GenerateCall, GenerateChunk
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.cluster.hosting.nodes import replica_rank
+from kvmesh.cluster.workers.worker_proxy import HEALTH_TIMEOUT_S, WorkerProxy
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.kv_event_wire import KVEventsConfig
+from kvmesh.core.messages import GenerateCall, GenerateChunk
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +39,39 @@ CLOSE_TIMEOUT_S = 30.0
 """How long a removed replica waits for its engine actor to leave the index before killing it."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class OwnedEngines:
+    """kvmesh's engines of a mixed deployment: each runs ``engine`` in a Ray actor started with
+    ``actor_options`` (the replicas themselves claim nothing)."""
+
+    engine: EngineConfig
+    actor_options: dict[str, Any]
+    replicas_per_node: int = 1
+    """Engines that may share one node's cores (each CPU engine takes its share)."""
+    kv_events: KVEventsConfig | None = None
+
+
 class OwnedEngine:
     """A kvmesh engine (``EngineReplica``) in a Ray actor this replica owns, started with ``actor_options``,
     under this replica's Serve identity (the router matches the engine's index entries and load reports to
     it); Ray ends the actor with its owner. Calls and streams are relayed, a chunk per object."""
 
-    def __init__(self, engine: dict, actor_options: dict, rank_offset: int) -> None:
-        from kvmesh.cluster.engine_replica import EngineReplica  # here, so a worker's proxy never loads torch
+    def __init__(self, engines: OwnedEngines, routing: RoutingSettings, rank_offset: int) -> None:
+        from kvmesh.cluster.engines.engine_replica import EngineReplica  # here, so a worker's proxy never loads torch
 
         context = serve.get_replica_context()
         identity = (context.replica_id.unique_id, context.rank)
-        actor = ray.remote(EngineReplica).options(**actor_options)
-        self.actor = actor.remote(**engine, rank_offset=rank_offset, identity=identity)
-        claims = {k: v for k, v in actor_options.items() if k != "runtime_env"}  # its env holds the index's password
+        actor = ray.remote(EngineReplica).options(**engines.actor_options)
+        self.actor = actor.remote(
+            engines.engine,
+            redis_url=routing.redis_url,
+            deployment=routing.deployment,
+            replicas_per_node=engines.replicas_per_node,
+            kv_events=engines.kv_events,
+            rank_offset=rank_offset,
+            identity=identity,
+        )
+        claims = {k: v for k, v in engines.actor_options.items() if k != "runtime_env"}  # its env: the index password
         started, t0 = self.actor.status.remote(), time.monotonic()
         while not ray.wait([started], timeout=START_REPORT_S)[0]:  # a GPU node may be on its way, a model loading
             log.warning(
@@ -88,12 +113,16 @@ class OwnedEngine:
 class MixedReplica:
     """A worker's proxy or a kvmesh engine, by this replica's rank; Ray Serve's calls go to the one it is."""
 
-    def __init__(self, workers: list[dict], proxy: dict, engine: dict, engine_actor_options: dict) -> None:
+    def __init__(
+        self, workers: list[WorkerSpec], served_name: str, routing: RoutingSettings, engines: OwnedEngines
+    ) -> None:
         rank = replica_rank(serve.get_replica_context().rank)
         if rank < len(workers):
-            self.role: WorkerProxy | OwnedEngine = WorkerProxy(workers, **proxy)
+            engine = engines.engine
+            args = (engine.model, served_name, engine.block_size, routing.redis_url, routing.deployment)
+            self.role: WorkerProxy | OwnedEngine = WorkerProxy(workers, *args)
         else:
-            self.role = OwnedEngine(engine, engine_actor_options, rank_offset=len(workers))
+            self.role = OwnedEngine(engines, routing, rank_offset=len(workers))
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         async for chunk in self.role.generate(call):
@@ -113,23 +142,21 @@ class MixedReplica:
 
 
 def mixed_deployment(
-    workers: list[dict],
-    proxy: dict,
-    engine: dict,
+    workers: list[WorkerSpec],
+    served_name: str,
+    routing: RoutingSettings,
+    engines: OwnedEngines,
     num_engines: int,
-    routing: dict,
-    engine_actor_options: dict,
     ray_actor_options: dict | None = None,
     drain_timeout_s: float = 60.0,
 ) -> serve.Application:
-    """The engine deployment over ``workers`` (``proxy``: ``WorkerProxy``'s other arguments) and ``num_engines``
-    kvmesh engines (``engine``: ``EngineReplica``'s arguments, each engine's actor started with
-    ``engine_actor_options``); ``routing`` as ``engine_deployment`` takes it; ``ray_actor_options``: the
-    replicas' own, which claim no resource (default ``num_cpus: 0``; an environment may be added)."""
+    """The engine deployment over ``workers`` and ``num_engines`` kvmesh engines (``engines``), behind the router
+    ``routing`` sets; ``ray_actor_options``: the replicas' own, which claim no resource (default
+    ``num_cpus: 0``; an environment may be added)."""
     return serve.deployment(
         MixedReplica,
-        **engine_deployment_options(proxy["model"], **routing, drain_timeout_s=drain_timeout_s),
+        **routing.deployment_options(engines.engine.model, drain_timeout_s=drain_timeout_s),
         num_replicas=len(workers) + num_engines,
         ray_actor_options=ray_actor_options or {"num_cpus": 0},
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
-    ).bind(workers, proxy, engine, engine_actor_options)
+    ).bind(workers, served_name, routing, engines)

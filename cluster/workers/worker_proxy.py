@@ -2,7 +2,7 @@
 ``kvmesh engine``) is stood for by one replica of the engine deployment, a ``WorkerProxy``, so the KV-aware
 router, the index and ``kvmesh status`` treat it as one of their own.
 
-The ``rank``-th replica stands for ``workers[rank]`` through a ``Worker`` (``kvmesh/cluster/worker_client.py``:
+The ``rank``-th replica stands for ``workers[rank]`` through a ``Worker`` (``cluster/workers/worker_client.py``:
 forwarding, its cache from its KV events, its load) and publishes that cache to the index under its own
 replica id, with heartbeats. A worker that stops answering has its entries removed at once and reports
 itself saturated, so routers rank it last; it also fails the proxy's health check, so Ray replaces the
@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from kvmesh.cluster.nodes import node_address, replica_rank
-from kvmesh.cluster.router_config import engine_deployment_options
-from kvmesh.cluster.worker_client import Worker, wait_for_worker
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.engines.router_config import RoutingSettings
+from kvmesh.cluster.hosting.nodes import node_address, replica_rank
+from kvmesh.cluster.workers.worker_client import Worker, wait_for_worker
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.worker_blocks import DEVICE, HOST
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus
 
 HEALTH_TIMEOUT_S = 5.0
 SATURATED = 1_000_000
@@ -36,7 +36,7 @@ class WorkerProxy:
 
     def __init__(
         self,
-        workers: list[dict],
+        workers: list[WorkerSpec],
         model: str,
         served_name: str,
         block_size: int,
@@ -44,7 +44,7 @@ class WorkerProxy:
         deployment: str = "kvmesh",
     ) -> None:
         context = serve.get_replica_context()
-        spec = WorkerSpec(**workers[replica_rank(context.rank) % len(workers)])
+        spec = workers[replica_rank(context.rank) % len(workers)]
         self.node = node_address()
         self.worker = Worker(spec, model, served_name, block_size, on_changes=self._publish)
         wait_for_worker(spec.url, self.worker.headers)
@@ -115,25 +115,18 @@ class WorkerProxy:
 
 
 def worker_deployment(
-    workers: list[dict],
+    workers: list[WorkerSpec],
     model: str,
     served_name: str,
     block_size: int,
-    redis_url: str | None = None,
-    deployment: str = "kvmesh",
-    policy: str = "kv_aware",
-    policy_kwargs: dict | None = None,
-    stats_period_s: float = 1.0,
-    max_ongoing_requests: int = 64,
-    max_queued_requests: int = -1,
+    routing: RoutingSettings,
     ray_actor_options: dict | None = None,
 ) -> serve.Application:
     """The engine deployment over external workers: one ``WorkerProxy`` replica per worker, the same router."""
-    routing = (redis_url, deployment, policy, policy_kwargs, stats_period_s, max_ongoing_requests, max_queued_requests)
     return serve.deployment(
         WorkerProxy,
-        **engine_deployment_options(model, *routing),
+        **routing.deployment_options(model),
         num_replicas=len(workers),
         ray_actor_options=ray_actor_options or {"num_cpus": 0},
         health_check_timeout_s=HEALTH_TIMEOUT_S * 2,
-    ).bind(workers, model, served_name, block_size, redis_url, deployment)
+    ).bind(workers, model, served_name, block_size, routing.redis_url, routing.deployment)
