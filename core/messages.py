@@ -18,12 +18,18 @@ another. Torch-free: the ingress, the routers and the autoscaler import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_STEP_S
-from kvmesh.shared.hashing import BlockHash
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.core.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_STEP_S
+from kvmesh.core.hashing import BlockHash
+from kvmesh.core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,7 +37,7 @@ class GenerateCall:
     request_id: str
     prompt_token_ids: list[int]
     block_hashes: list[BlockHash]
-    """The prompt's full blocks, hashed once by the ingress (``kvmesh/shared/hashing.py``); the replica checks
+    """The prompt's full blocks, hashed once by the ingress (``core/hashing.py``); the replica checks
     that they are its own before using them."""
     block_size: int
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -89,17 +95,16 @@ BUSY_WINDOW_S = 10.0
 
 
 @dataclass(slots=True, kw_only=True)
-class LoadReport:
-    """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time)."""
+class EngineLoad:
+    """What an engine measures of its own load: the part of its state routers price a newcomer's wait with.
+    ``LoadReport`` sends it to routers; ``EngineStats`` adds the engine's counters to it."""
 
-    index_id: str
-    reported_at: float = 0.0
-    """Unix time the report was taken (0: unknown)."""
-    pending_prefill_tokens: int = 0
-    """Prompt tokens queued or mid-prefill."""
     num_running: int = 0
     num_waiting: int = 0
+    pending_prefill_tokens: int = 0
+    """Prompt tokens queued or mid-prefill."""
     kv_usage: float = 0.0
+    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
     kv_free_blocks: int | None = None
     """Blocks a newcomer could take once the queue ahead of it is admitted (free or evictable, less what
     queued prompts need)."""
@@ -117,33 +122,110 @@ class LoadReport:
     """Prompt tokens per second the replica reads back from its disk tier and loads (its measured disk read
     and host copy bandwidths over the KV bytes per token); None without a disk tier."""
     prefill_busy: float | None = None
-    """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average); None until measured."""
+    """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average): what routers price
+    cache churn by; None until measured."""
     step_s: float = DEFAULT_STEP_S
     mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     max_num_seqs: int = 256
+
+
+class MalformedReport(ValueError):
+    """A report whose JSON does not fit its record: a missing field or a value of the wrong type."""
+
+
+def checked_fields(cls: type, values: Any) -> dict[str, Any]:
+    """``values``' entries that are fields of the dataclass ``cls``, each checked against the field's type (an
+    int passes for a float); keys ``cls`` does not know are dropped (a newer sender's). Raises
+    ``MalformedReport`` naming the field, so a reader logs a clear line instead of failing later."""
+    if not isinstance(values, dict):
+        raise MalformedReport(f"{cls.__name__}: expected a JSON object, got {type(values).__name__}")
+    hints = _field_types(cls)
+    for name, value in values.items():
+        if name in hints and not _conforms(value, hints[name]):
+            raise MalformedReport(f"{cls.__name__}.{name}: {value!r} is not {hints[name]}")
+    missing = [name for name in _required(cls) if name not in values]
+    if missing:
+        raise MalformedReport(f"{cls.__name__}: missing {', '.join(missing)}")
+    return {name: value for name, value in values.items() if name in hints}
+
+
+@functools.cache
+def _required(cls: type) -> tuple[str, ...]:
+    no_default = dataclasses.MISSING
+    return tuple(f.name for f in dataclasses.fields(cls) if f.default is no_default and f.default_factory is no_default)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits ``hint`` (the field types these records use: scalars, optionals, lists,
+    mappings and records of them)."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool):
+        return isinstance(value, hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_conforms(v, item) for v in value.values())
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)
+    return True  # Any
+
+
+@dataclass(slots=True, kw_only=True)
+class LoadReport(EngineLoad):
+    """What routers need to estimate a newcomer's wait on a replica, taken at ``reported_at`` (unix time):
+    its engine's load and where it runs."""
+
+    index_id: str
+    reported_at: float = 0.0
+    """Unix time the report was taken (0: unknown)."""
     node: str = ""
     """The address of the Ray node the replica runs on."""
     index_error: str | None = None
     """Why the replica's last write to the index Redis failed (naming its address); None while it works.
     This report travels through Ray, so it reaches the ingress when Redis does not."""
 
+    @classmethod
+    def of(cls, load: EngineLoad, **where: Any) -> LoadReport:
+        """The report of an engine whose state is ``load`` (an ``EngineStats`` too); ``where``: the fields of
+        its own (``index_id``, ``reported_at``, ``node``, ``index_error``)."""
+        return cls(**{f.name: getattr(load, f.name) for f in dataclasses.fields(EngineLoad)}, **where)
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> LoadReport | None:
-        """The report a replica sent, or None if it has not reported (or reported something else)."""
+    def from_dict(cls, values: dict[str, Any] | None, sender: str = "a replica") -> LoadReport | None:
+        """The report ``sender`` sent, or None if it has not reported (or reported something else). A report
+        with a field of the wrong type is refused with a log line naming the sender and the field: routers
+        then price that replica as unreported instead of failing on it later."""
         if not values or "index_id" not in values:
             return None
-        return cls(**{k: v for k, v in values.items() if k in _LOAD_REPORT_FIELDS})
-
-
-_LOAD_REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(LoadReport))
+        try:
+            return cls(**checked_fields(cls, values))
+        except MalformedReport as exc:
+            log.warning("ignoring a malformed load report from %s: %s", sender, exc)
+            return None
 
 
 @dataclass(slots=True, kw_only=True)
 class KVPressure:
-    """A replica's KV demand for the autoscaling policy (``kvmesh/cluster/autoscaling.py``), in blocks.
+    """A replica's KV demand for the autoscaling policy (``cluster/engines/autoscaling.py``), in blocks.
 
     Sent through Ray's ``record_autoscaling_stats`` (a dict of numbers: ``as_dict``); Ray averages each field
     per replica over its look-back window and hands the policy one dict per field (``per_replica``)."""
@@ -178,23 +260,22 @@ class KVPressure:
 
 
 @dataclass(slots=True, kw_only=True)
-class EngineStats:
-    """An engine's counters (``LLMEngine.stats``): what ``kvmesh status`` and the metrics show of it."""
+class EngineStats(EngineLoad):
+    """An engine's state at one moment (``LLMEngine.stats``), read once: its load and its counters. The
+    routers' ``LoadReport``, the autoscaler's ``KVPressure`` and the ``ReplicaStatus`` of ``kvmesh status``
+    and the metrics are all derived from it."""
 
-    kv_usage: float = 0.0
-    """Share of KV blocks pinned by requests (cached but evictable blocks count as free)."""
-    prefix_hit_rate: float = 0.0
-    """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
-    num_running: int = 0
-    num_waiting: int = 0
+    waiting_blocks: int = 0
+    """Blocks the waiting requests' tokens will need."""
+    num_free_blocks: int = 0
+    """Blocks an allocation may take: empty plus evictable cached ones."""
+    num_cached_blocks: int = 0
+    """Evictable blocks holding cached prefixes."""
     num_preemptions: int = 0
     num_swapped_out: int = 0
     """Preemptions that swapped the sequence to host memory instead of dropping its KV."""
     num_recomputed_tokens: int = 0
     """Computed tokens thrown away by preemptions that recompute."""
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
     requests_admitted: int = 0
     """Requests admitted since start (each counted once, however often it was preempted)."""
     prompt_tokens: int = 0
@@ -203,8 +284,6 @@ class EngineStats:
     over any window is the ratio of their increments."""
     cached_prompt_tokens_host: int = 0
     """Of ``cached_prompt_tokens``, those loaded back from the host tier."""
-    host_hit_rate: float = 0.0
-    """Prompt tokens loaded from the host tier / admitted (included in ``prefix_hit_rate``)."""
     host_tier_blocks: int = 0
     """Host-tier blocks set aside for evicted prefix blocks (0: no host prefix tier)."""
     host_tier_used_blocks: int = 0
@@ -216,8 +295,29 @@ class EngineStats:
     disk_blocks_dropped: int = 0
     """Blocks the disk tier did not keep since start: its write queue was full (a disk slower than evictions)
     or their write failed (a full disk)."""
-    prefill_busy: float = 0.0
-    """Share of the last ``BUSY_WINDOW_S`` spent prefilling: what routers price cache churn by."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over prompt tokens admitted, since start."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens loaded from the host tier over admitted (included in ``prefix_hit_rate``)."""
+        return self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def kv_pressure(self, preemptions_seen: int = 0) -> KVPressure:
+        """For the autoscaler: blocks pinned by requests (evictable cached ones are free capacity, not demand),
+        blocks the waiting prompts will need, the pool, the queue, and the preemptions since the count
+        ``preemptions_seen``."""
+        return KVPressure(
+            kv_used_blocks=(self.kv_total_blocks or 0) - self.num_free_blocks,
+            kv_waiting_blocks=self.waiting_blocks,
+            kv_total_blocks=self.kv_total_blocks or 0,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            preemptions=self.num_preemptions - preemptions_seen,
+        )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -260,6 +360,84 @@ class ReplicaStatus(EngineStats):
         return dataclasses.asdict(self)
 
     @classmethod
+    def of(cls, stats: EngineStats, **process: Any) -> ReplicaStatus:
+        """The status of a replica whose engine is at ``stats``; ``process``: the fields of its own."""
+        return cls(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(EngineStats)}, **process)
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ReplicaStatus:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        """A stored or served status (fields a report lacks, an older replica's, read as their defaults); raises
+        ``MalformedReport`` for a field of the wrong type."""
+        return cls(**checked_fields(cls, values))
+
+
+@dataclass(slots=True, kw_only=True)
+class RoutingCount:
+    """How many requests one routing policy placed for one reason (``Decision.reason``)."""
+
+    policy: str
+    reason: str
+    count: int
+
+
+@dataclass(slots=True, kw_only=True)
+class IndexCutOff:
+    """A replica that serves but cannot write to the index (its load reports say so through Ray)."""
+
+    node: str
+    error: str
+
+
+@dataclass(slots=True, kw_only=True)
+class RedisHealth:
+    """The index Redis as one ingress sees it."""
+
+    ok: bool
+    ping_ms: float | None = None
+    used_memory: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class IndexSize:
+    entries: int
+    """(block, replica) entries the replicas have published."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ClusterStatus:
+    """What ``/status`` answers (the ingress's and ``kvmesh router``'s alike, built in one place:
+    ``HttpApi.status``) and ``kvmesh status`` shows: ``as_dict`` / ``from_dict`` at that HTTP edge."""
+
+    model: str
+    policy: str
+    replicas: dict[str, ReplicaStatus]
+    decisions: list[RoutingCount]
+    index: IndexSize
+    live_replicas: int | None
+    """Engine replicas (or workers) the routers of this process see alive; None before any router exists here
+    (the first request creates it)."""
+    redis: RedisHealth | None = None
+    """None: this server routes without Redis (``kvmesh router``, ``kvmesh engine``)."""
+    index_unreachable: dict[str, IndexCutOff] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> ClusterStatus:
+        """The status a server answered; raises ``MalformedReport`` naming what does not fit."""
+        v = checked_fields(cls, values)
+        redis = v.get("redis")
+        return cls(
+            model=v["model"],
+            policy=v["policy"],
+            replicas={rid: ReplicaStatus.from_dict(r) for rid, r in v["replicas"].items()},
+            decisions=[RoutingCount(**checked_fields(RoutingCount, d)) for d in v["decisions"]],
+            index=IndexSize(**checked_fields(IndexSize, v["index"])),
+            live_replicas=v["live_replicas"],
+            redis=None if redis is None else RedisHealth(**checked_fields(RedisHealth, redis)),
+            index_unreachable={
+                rid: IndexCutOff(**checked_fields(IndexCutOff, c)) for rid, c in v.get("index_unreachable", {}).items()
+            },
+        )

@@ -8,19 +8,20 @@ event loop stays responsive while the model computes and the engine is never tou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.errors import RequestFailed
+from kvmesh.core.hashing import BlockHash
+from kvmesh.core.messages import EngineStats
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
-from kvmesh.replica.telemetry import EngineSnapshot
-from kvmesh.shared.engine_config import EngineConfig
-from kvmesh.shared.errors import RequestFailed
-from kvmesh.shared.hashing import BlockHash
-from kvmesh.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,21 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def snapshot(self) -> EngineSnapshot:
-        """The engine's snapshot, with the requests received but not yet handed to it (they wait for the step
-        in progress to end) counted as waiting: a router must not see an engine mid-step as idle. A text
-        prompt's tokens are not known before it is tokenized: it counts as a request, not as tokens."""
-        snapshot = self.engine.snapshot()
+    def stats(self) -> EngineStats:
+        """The engine's state, with the requests received but not yet handed to it (they wait for the step in
+        progress to end) counted as waiting: a router must not see an engine mid-step as idle. A text prompt's
+        tokens are not known before it is tokenized: it counts as a request, not as tokens."""
+        stats = self.engine.stats()
         adds = [op for op in tuple(self._pending) if isinstance(op, _Add)]
         lengths = [len(op.prompt) for op in adds if isinstance(op.prompt, list)]
-        snapshot.num_waiting += len(adds)
-        snapshot.pending_prefill_tokens += sum(lengths)
-        snapshot.waiting_blocks += sum(-(-n // self.engine.block_size) for n in lengths)  # per request, as the engine's
-        return snapshot
+        blocks = sum(-(-n // self.engine.block_size) for n in lengths)  # per request, as the engine's
+        return dataclasses.replace(
+            stats,
+            num_waiting=stats.num_waiting + len(adds),
+            pending_prefill_tokens=stats.pending_prefill_tokens + sum(lengths),
+            waiting_blocks=stats.waiting_blocks + blocks,
+            kv_free_blocks=stats.kv_free_blocks - blocks,
+        )
 
     def abort(self, request_id: str) -> None:
         self._pending.append(_Abort(request_id=request_id))

@@ -1,121 +1,12 @@
-"""What an engine tells the world about itself: its measured speed and one snapshot of its state.
-
-``StepRates`` turns step timings into the rates routers price queues with. ``EngineSnapshot`` is read once
-(``LLMEngine.snapshot``) and every report is derived from it: the routers' ``LoadReport``
-(``kvmesh/shared/messages.py``), the autoscaler's KV pressure and the ``EngineStats`` of ``kvmesh status``.
-"""
+"""How fast an engine is: ``StepRates`` turns step timings into the rates routers price queues with, and
+``BusyShare`` keeps how busy its prefill was lately. They feed ``LLMEngine.stats`` (``core/messages.py``'s
+``EngineStats``), from which every report is derived."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from kvmesh.core.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_S
+from kvmesh.core.messages import BUSY_WINDOW_S
 from kvmesh.router.sessions import decayed
-from kvmesh.shared.defaults import DEFAULT_MEAN_OUTPUT_TOKENS, DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_S
-from kvmesh.shared.messages import BUSY_WINDOW_S, EngineStats, KVPressure, LoadReport
-
-
-@dataclass
-class EngineSnapshot:
-    num_running: int
-    num_waiting: int
-    pending_prefill_tokens: int
-    """Prompt tokens still to prefill: the waiting requests' and those of running requests mid-prefill."""
-    waiting_blocks: int
-    """Blocks the waiting requests' tokens will need."""
-    num_blocks: int
-    num_free_blocks: int
-    """Blocks an allocation may take: empty plus evictable cached ones."""
-    num_evictable_blocks: int
-    kv_usage: float
-    cache_fill: float
-    max_num_seqs: int
-    num_preemptions: int
-    num_swapped_out: int
-    num_recomputed_tokens: int
-    requests_admitted: int
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    cached_prompt_tokens_host: int
-    host_tier_blocks: int
-    host_tier_used_blocks: int
-    disk_tier_blocks: int
-    disk_tier_used_blocks: int
-    disk_blocks_read: int
-    disk_blocks_dropped: int
-    host_load_tok_s: float | None
-    """Prompt tokens per second loaded back from the host tier (None: no host prefix tier)."""
-    disk_load_tok_s: float | None
-    prefill_tok_s: float | None
-    """None until measured: routers then assume what the replica's peers measured."""
-    decode_s_per_seq: float | None
-    step_s: float
-    mean_output_tokens: float
-    prefill_busy: float = 0.0
-    """Share of the last ``BUSY_WINDOW_S`` spent prefilling (moving average)."""
-
-    def load_report(self, index_id: str, reported_at: float) -> LoadReport:
-        """For routers: the wait a newcomer would see here. ``kv_free_blocks`` is what it could take once
-        the queue ahead of it is admitted, so a long prompt does not go where it would wait for running
-        sequences to finish while another pool has room."""
-        return LoadReport(
-            index_id=index_id,
-            reported_at=reported_at,
-            pending_prefill_tokens=self.pending_prefill_tokens,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_usage=self.kv_usage,
-            kv_free_blocks=self.num_free_blocks - self.waiting_blocks,
-            kv_total_blocks=self.num_blocks,
-            cache_fill=self.cache_fill,
-            prefill_tok_s=self.prefill_tok_s,
-            prefill_busy=self.prefill_busy,
-            host_load_tok_s=self.host_load_tok_s,
-            disk_load_tok_s=self.disk_load_tok_s,
-            decode_s_per_seq=self.decode_s_per_seq,
-            step_s=self.step_s,
-            mean_output_tokens=self.mean_output_tokens,
-            max_num_seqs=self.max_num_seqs,
-        )
-
-    def kv_pressure(self, preemptions_seen: int = 0) -> KVPressure:
-        """For the autoscaler (``kvmesh/cluster/autoscaling.py``): blocks pinned by requests (evictable cached ones
-        are free capacity, not demand), blocks the waiting prompts will need, the pool, the queue, and the
-        preemptions since the count ``preemptions_seen``."""
-        return KVPressure(
-            kv_used_blocks=self.num_blocks - self.num_free_blocks,
-            kv_waiting_blocks=self.waiting_blocks,
-            kv_total_blocks=self.num_blocks,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            preemptions=self.num_preemptions - preemptions_seen,
-        )
-
-    def stats(self) -> EngineStats:
-        """For ``kvmesh status`` and the metrics."""
-        return EngineStats(
-            kv_usage=self.kv_usage,
-            prefix_hit_rate=self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_preemptions=self.num_preemptions,
-            num_swapped_out=self.num_swapped_out,
-            num_recomputed_tokens=self.num_recomputed_tokens,
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            num_cached_blocks=self.num_evictable_blocks,
-            requests_admitted=self.requests_admitted,
-            prompt_tokens=self.prompt_tokens,
-            cached_prompt_tokens=self.cached_prompt_tokens,
-            cached_prompt_tokens_host=self.cached_prompt_tokens_host,
-            host_hit_rate=self.cached_prompt_tokens_host / self.prompt_tokens if self.prompt_tokens else 0.0,
-            host_tier_blocks=self.host_tier_blocks,
-            host_tier_used_blocks=self.host_tier_used_blocks,
-            disk_tier_blocks=self.disk_tier_blocks,
-            disk_tier_used_blocks=self.disk_tier_used_blocks,
-            disk_blocks_read=self.disk_blocks_read,
-            disk_blocks_dropped=self.disk_blocks_dropped,
-            prefill_busy=self.prefill_busy,
-        )
 
 
 class BusyShare:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from kvmesh.core.defaults import PREDICT_TTL_S
+from kvmesh.core.hashing import BlockHash
+from kvmesh.core.messages import RedisHealth, ReplicaStatus
 from kvmesh.router.index_schema import block_key, chain_arg, index_prefix, script_source
 from kvmesh.router.sessions import SESSION_DECAY_S, decayed
-from kvmesh.shared.defaults import PREDICT_TTL_S
-from kvmesh.shared.hashing import BlockHash
-from kvmesh.shared.messages import ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,17 @@ class PrefixIndex:
         if not ids:
             return {}
         raw = await self.client.mget([f"{self.prefix}st:{rid}" for rid in ids])
-        return {rid: ReplicaStatus.from_dict(json.loads(r)) for rid, r in zip(ids, raw, strict=True) if r is not None}
+        reports = {}
+        for rid, report in zip(ids, raw, strict=True):
+            if report is None:
+                continue
+            try:
+                reports[rid] = ReplicaStatus.from_dict(json.loads(report))
+            except ValueError as exc:  # not JSON, or a field of the wrong type (MalformedReport)
+                log.warning("ignoring replica %s's malformed status report: %s", rid, exc)
+        return reports
 
-    async def health(self) -> dict:
+    async def health(self) -> RedisHealth:
         """Redis reachability, round-trip time and memory, for ``kvmesh status``."""
         t0 = time.perf_counter()
         try:
@@ -179,8 +187,8 @@ class PrefixIndex:
             rtt = time.perf_counter() - t0
             memory = await self.client.info("memory")
         except (RedisError, OSError) as exc:
-            return {"ok": False, "error": repr(exc)}
-        return {"ok": True, "ping_ms": round(1000 * rtt, 3), "used_memory": memory.get("used_memory_human")}
+            return RedisHealth(ok=False, error=repr(exc))
+        return RedisHealth(ok=True, ping_ms=round(1000 * rtt, 3), used_memory=memory.get("used_memory_human"))
 
     async def sweep(self) -> list[str]:
         """Purge every registered replica whose heartbeat expired (a crash, a lost node); returns their ids.

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.core.messages import BUSY_WINDOW_S, LoadReport
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.replica.kv_events import AllBlocksCleared, BlockStored
-from kvmesh.shared.messages import BUSY_WINDOW_S
 
 BLOCK = 4
 POOL = 24
@@ -150,7 +150,7 @@ def test_kv_exhaustion_completes_every_request_through_preemption(tiny_llama_dir
     assert finished == set(ids) and set(produced.values()) == {64}
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the pool was meant to overflow"
-    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+    assert stats.num_free_blocks == stats.kv_total_blocks and stats.num_running == 0
 
 
 def test_load_report_tells_routers_how_much_kv_room_a_newcomer_has(tiny_llama_dir):
@@ -159,7 +159,7 @@ def test_load_report_tells_routers_how_much_kv_room_a_newcomer_has(tiny_llama_di
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=24, max_num_seqs=16))
 
     def report():
-        return engine.snapshot().load_report("r", 0.0)
+        return LoadReport.of(engine.stats(), index_id="r")
 
     assert report().kv_free_blocks == 24 and report().kv_total_blocks == 24
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -175,7 +175,7 @@ def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
     """Routers price cache churn by how busy the fleet's prefill is: a replica that only prefilled reports a
     share of the last window in proportion to the time it spent at it, and an idle one reports none."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=256, max_num_seqs=16))
-    assert engine.snapshot().load_report("r", 0.0).prefill_busy == 0.0
+    assert LoadReport.of(engine.stats(), index_id="r").prefill_busy == 0.0
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for r in range(8):
@@ -183,7 +183,7 @@ def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
         while engine.has_unfinished:
             engine.step()
     elapsed = time.perf_counter() - t0
-    busy = engine.snapshot().load_report("r", 0.0).prefill_busy
+    busy = LoadReport.of(engine.stats(), index_id="r").prefill_busy
     assert 0.3 * elapsed / BUSY_WINDOW_S < busy <= min(1.0, elapsed / BUSY_WINDOW_S)  # most of the time it ran
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.config import ClusterConfig, build_config
-from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest
-from kvmesh.cluster.status import render_status
-from kvmesh.shared.errors import InvalidRequest
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, KVPressure, TokenLogprob, Usage
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.cluster.launch.config import ClusterConfig, build_config
+from kvmesh.cluster.monitoring.status import render_status
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.openai_requests import ChatCompletionRequest, CompletionRequest
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.errors import InvalidRequest
+from kvmesh.core.messages import ClusterStatus, GenerateCall, GenerateChunk, KVPressure, TokenLogprob, Usage
+from kvmesh.core.sampling_params import SamplingParams
 
 
 def test_chat_request_translates_to_sampling_params():
@@ -119,8 +120,8 @@ def test_defaults_clients_send_are_accepted_and_vllm_extensions_honoured():
 def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
     import asyncio
 
-    from kvmesh.cluster.generation import gather
-    from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
+    from kvmesh.cluster.ingress.generation import gather
+    from kvmesh.cluster.protocol.openai_responses import ResponseShape, usage_dict
 
     assert CompletionRequest(model="m", prompt="x", n=3).check().n == 3
     chat = ResponseShape("chatcmpl-1", chat=True, model="m", n=3)
@@ -167,9 +168,9 @@ def test_n_choices_are_shaped_by_index_and_gathered_from_interleaved_chunks():
 def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     import asyncio
 
-    from kvmesh.cluster.engine_replica import EngineReplica
+    from kvmesh.cluster.engines.engine_replica import EngineReplica
 
-    server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    server = EngineReplica(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
     call = GenerateCall(
         request_id="r",
         prompt_token_ids=list(range(100, 137)),
@@ -193,7 +194,7 @@ def test_engine_replica_streams_each_sequence_with_its_index(tiny_llama_dir):
     status, stats = server.status(), dataclasses.asdict(server.engine.stats())
     del stats["prefill_busy"]  # a moving average: it decays between the two reads
     assert status.as_dict().items() >= stats.items() and stats["requests_admitted"] >= 1
-    assert (status.pid, status.num_running, status.num_blocks, status.error) == (os.getpid(), 0, 64, None)
+    assert (status.pid, status.num_running, status.kv_total_blocks, status.error) == (os.getpid(), 0, 64, None)
     pressure = KVPressure.from_dict(server.record_autoscaling_stats())
     assert pressure == KVPressure(
         kv_used_blocks=0, kv_waiting_blocks=0, kv_total_blocks=64, num_running=0, num_waiting=0, preemptions=0
@@ -242,8 +243,8 @@ def test_config_layers_defaults_file_and_flags(tmp_path: Path):
     file.write_text("replicas: 3\npolicy: pow2\nengine:\n  block_size: 32\n  max_num_seqs: 4\n")
     config = build_config(file, {"replicas": 5, "policy": None, "engine": {"max_num_seqs": 8}})
     assert (config.replicas, config.policy) == (5, "pow2")
-    assert config.engine == {"block_size": 32, "max_num_seqs": 8}
-    assert config.engine_config().block_size == 32
+    assert (config.engine.block_size, config.engine.max_num_seqs, config.engine.model) == (32, 8, config.model)
+    assert config.engine == EngineConfig(model=config.model, block_size=32, max_num_seqs=8)
     assert build_config().replicas == ClusterConfig().replicas
 
 
@@ -257,9 +258,9 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path):
     assert scaling["policy"]["policy_kwargs"] == {"target_kv_util": 0.5}
     # Threads are shared among the most replicas a node may hold, so a scaled-out node is not oversubscribed;
     # each replica counts its own node's cores (a 12-core node here), unless it claimed CPUs from Ray.
-    from kvmesh.cluster.nodes import replica_threads
+    from kvmesh.cluster.hosting.nodes import replica_threads
 
-    assert "torch_threads" not in config.engine_settings()
+    assert config.engine.torch_threads is None
     assert (config.replicas_per_node(1), config.replicas_per_node(2), config.replicas_per_node(4)) == (6, 3, 2)
     assert replica_threads(config.replicas_per_node(1), None, cores=12) == 2
     assert replica_threads(config.replicas_per_node(2), 0.0, cores=12) == 4
@@ -271,7 +272,7 @@ def test_autoscaling_settings_from_file_and_flags(tmp_path: Path):
 
 
 def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Path):
-    from kvmesh.cluster.nodes import available_cpus
+    from kvmesh.cluster.hosting.nodes import available_cpus
 
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("250000 100000\n")  # a pod limited to 2.5 CPUs
@@ -282,7 +283,7 @@ def test_threads_follow_a_containers_cpu_quota_not_the_nodes_cores(tmp_path: Pat
 
 
 def test_app_builder_takes_the_redis_url_from_the_environment(monkeypatch):
-    from kvmesh.cluster.app import app_builder
+    from kvmesh.cluster.launch.app import app_builder
     from kvmesh.router.index_schema import REDIS_URL_ENV
 
     monkeypatch.delenv(REDIS_URL_ENV, raising=False)
@@ -324,21 +325,25 @@ def test_status_table_lists_replicas_and_decisions():
         "model": "m",
         "policy": "kv_aware",
         "index": {"entries": 12},
+        "live_replicas": 2,
         "redis": {"ok": True, "ping_ms": 0.2, "used_memory": "1M"},
         "replicas": {
             "r1": {
                 "kv_usage": 0.5,
-                "prefix_hit_rate": 0.25,
+                "prompt_tokens": 64,
+                "cached_prompt_tokens": 16,
                 "num_running": 2,
                 "num_waiting": 1,
                 "num_preemptions": 0,
+                "prefill_busy": 0.0,
                 "index_entries": 12,
                 "node": "198.18.0.2",
             },
             "r2": {
                 "kv_usage": 0.75,
-                "prefix_hit_rate": 0.5,
-                "host_hit_rate": 0.125,
+                "prompt_tokens": 64,
+                "cached_prompt_tokens": 32,
+                "cached_prompt_tokens_host": 8,
                 "host_tier_used_blocks": 30,
                 "host_tier_blocks": 200,
                 "disk_tier_used_blocks": 7,
@@ -352,29 +357,29 @@ def test_status_table_lists_replicas_and_decisions():
         },
         "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
     }
-    rows = [line.split() for line in render_status(status).splitlines()]
+    rows = [line.split() for line in render_status(ClusterStatus.from_dict(status)).splitlines()]
     assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "off", "2", "1", "0", "0%", "12"] in rows
     assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "7/900", "1", "0", "3", "62%", "40"] in rows
     assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
-    down = render_status({**status, "replicas": {}, "decisions": [], "redis": {"ok": False}, "live_replicas": 0})
+    down = {**status, "replicas": {}, "decisions": [], "redis": {"ok": False}, "live_replicas": 0}
+    down = render_status(ClusterStatus.from_dict(down))
     assert "Redis DOWN" in down and "no replica reports" in down and "no routing decisions" in down
     assert "no live engine replica" in down
     # A replica that lost the index still reports through Ray: status names it beside "Redis ok".
     cut = {"r3": {"node": "198.18.0.3", "error": "ConnectionError('refused') at 198.18.0.1:6390"}}
-    text = render_status({**status, "index_unreachable": cut})
+    text = render_status(ClusterStatus.from_dict({**status, "index_unreachable": cut}))
     assert "(not from 1 replica(s))" in text.splitlines()[0]
     assert "replica r3 on 198.18.0.3 cannot reach the index: ConnectionError('refused') at 198.18.0.1:6390" in text
 
 
 def test_committed_grpc_stubs_match_the_proto(tmp_path: Path):
-    from kvmesh.cluster.proto.build import build
+    from kvmesh.cluster.ingress.proto.build import build
 
     build(tmp_path)
-    generated = tmp_path / "kvmesh" / "cluster" / "proto"
-    committed = Path(__file__).resolve().parents[1] / "kvmesh" / "cluster" / "proto"
+    committed = Path(__file__).resolve().parents[1] / "cluster" / "ingress" / "proto"
     for name in ("kvmesh_pb2.py", "kvmesh_pb2_grpc.py"):
-        assert (generated / name).read_text() == (committed / name).read_text(), (
-            "rerun python -m kvmesh.cluster.proto.build"
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), (
+            "rerun python -m kvmesh.cluster.ingress.proto.build"
         )
 
 
@@ -382,9 +387,10 @@ def test_ingress_never_imports_torch(smollm_dir):
     """Nor do the processes that only route: ``kvmesh router`` and Serve's proxies of external workers, in a
     deployment of their own or mixed with kvmesh's engines (whose actors load it)."""
     code = (
-        "import sys, kvmesh.cluster.ingress, kvmesh.cluster.router_server, kvmesh.cluster.worker_proxy\n"
-        "import kvmesh.cluster.mixed_deployment\n"
-        "from kvmesh.shared.model_files import apply_chat_template, load_tokenizer\n"
+        "import sys, kvmesh.cluster.ingress.deployment\n"
+        "import kvmesh.cluster.workers.router_server, kvmesh.cluster.workers.worker_proxy\n"
+        "import kvmesh.cluster.workers.mixed_deployment\n"
+        "from kvmesh.core.model_files import apply_chat_template, load_tokenizer\n"
         f"tok = load_tokenizer(__import__('pathlib').Path({str(smollm_dir)!r}))\n"
         "assert apply_chat_template(tok, [{'role': 'user', 'content': 'hi'}])\n"
         "print('torch' in sys.modules)\n"
@@ -394,10 +400,10 @@ def test_ingress_never_imports_torch(smollm_dir):
 
 
 def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
-    from kvmesh.cluster.engine_replica import EngineReplica
-    from kvmesh.shared.hashing import first_block_extra, hash_blocks, model_seed
+    from kvmesh.cluster.engines.engine_replica import EngineReplica
+    from kvmesh.core.hashing import first_block_extra, hash_blocks, model_seed
 
-    server = EngineReplica({"model": str(tiny_llama_dir), "num_kv_blocks": 64})
+    server = EngineReplica(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
     ids = list(range(100, 180))  # 5 full blocks
     seed = model_seed(str(tiny_llama_dir))
 
@@ -419,7 +425,7 @@ def test_engine_accepts_only_its_own_block_hashes(tiny_llama_dir):
 def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path):
     import huggingface_hub
 
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     asked = []
     monkeypatch.setattr(
@@ -434,7 +440,7 @@ def test_the_ingress_fetches_no_weights_from_the_hub(monkeypatch, tmp_path: Path
 def test_a_model_the_hub_does_not_give_is_named_with_what_was_tried():
     """A mistyped model name: the error says what kvmesh looked for (aliases, paths, the hub), not only the
     hub's own message (here the hub is unreachable; with a network it answers that no such repository exists)."""
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     with pytest.raises(FileNotFoundError, match=r"'kvmesh-tests/smolm2-135m' is not a known alias .*smollm2-135m"):
         resolve_model_dir("kvmesh-tests/smolm2-135m")
@@ -449,8 +455,8 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm_dir):
     import gc
     import time
 
-    from kvmesh.cluster.generation import Generation
-    from kvmesh.shared.model_files import load_tokenizer
+    from kvmesh.cluster.ingress.generation import Generation
+    from kvmesh.core.model_files import load_tokenizer
 
     generation = object.__new__(Generation)
     generation.tokenizer = load_tokenizer(smollm_dir)
@@ -490,9 +496,9 @@ def test_a_retry_cancels_the_first_attempt_and_uses_a_fresh_request_id(monkeypat
 
     from ray.exceptions import ActorUnavailableError
 
-    import kvmesh.cluster.generation as generation_module
-    from kvmesh.cluster.generation import Generation, ModelLimits, Prepared, new_request_id
-    from kvmesh.cluster.ingress import RAY_HANDLE_ERRORS
+    import kvmesh.cluster.ingress.generation as generation_module
+    from kvmesh.cluster.ingress.deployment import RAY_HANDLE_ERRORS
+    from kvmesh.cluster.ingress.generation import Generation, ModelLimits, Prepared, new_request_id
 
     monkeypatch.setattr(generation_module, "RETRY_BACKOFF_S", 0.0)
 
@@ -554,8 +560,8 @@ def test_the_routers_wait_long_enough_for_a_busy_replicas_probe(monkeypatch):
     replica, sends a request past the replica holding its prefix. The ingress gets 0.5 s unless told."""
     from ray.serve._private.build_app import build_app
 
-    from kvmesh.cluster.app import app_builder
-    from kvmesh.cluster.config import PROBE_DEADLINE_ENV
+    from kvmesh.cluster.launch.app import app_builder
+    from kvmesh.cluster.launch.config import PROBE_DEADLINE_ENV
     from kvmesh.router.index_schema import REDIS_URL_ENV
 
     monkeypatch.setenv(REDIS_URL_ENV, "redis://127.0.0.1:1/0")
@@ -585,8 +591,8 @@ class NoEngine:
 @pytest.fixture(scope="module")
 def generation(smollm_dir):
     """The ingress's ``Generation`` with SmolLM2's tokenizer and chat template, up to the engine call."""
-    from kvmesh.cluster.generation import Generation, ModelLimits
-    from kvmesh.shared.model_files import load_tokenizer, vocab_size
+    from kvmesh.cluster.ingress.generation import Generation, ModelLimits
+    from kvmesh.core.model_files import load_tokenizer, vocab_size
 
     limits = ModelLimits({"m"}, "m", vocab_size(smollm_dir), max_model_len=2048, max_prompt_bytes=1 << 20, max_n=4)
     return Generation(NoEngine(), load_tokenizer(smollm_dir), model="m", block_size=16, limits=limits)
@@ -596,7 +602,7 @@ def _http_chat(generation, messages: list[dict], **fields):
     """A chat completion prepared as the HTTP route prepares it, from the JSON body's fields."""
     import asyncio
 
-    from kvmesh.cluster.http_api import HttpApi
+    from kvmesh.cluster.ingress.http_api import HttpApi
 
     api = HttpApi()
     api.generation = generation
@@ -608,8 +614,8 @@ def _grpc_generate(generation, **fields):
     """A ``GenerateRequest`` prepared as the gRPC methods prepare it."""
     import asyncio
 
-    from kvmesh.cluster.grpc_api import GrpcApi
-    from kvmesh.cluster.proto import kvmesh_pb2
+    from kvmesh.cluster.ingress.grpc_api import GrpcApi
+    from kvmesh.cluster.ingress.proto import kvmesh_pb2
 
     api = GrpcApi()
     api.generation = generation
@@ -619,7 +625,7 @@ def _grpc_generate(generation, **fields):
 def test_a_developer_message_reaches_the_chat_template_as_system_over_http_and_grpc(generation):
     """OpenAI's ``developer`` role is ``system`` to a chat template, whichever API the chat came through:
     SmolLM2's template would otherwise add its default system prompt and render a ``developer`` turn."""
-    from kvmesh.cluster.proto import kvmesh_pb2
+    from kvmesh.cluster.ingress.proto import kvmesh_pb2
 
     def chat(role: str) -> list[dict]:
         return [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
@@ -643,10 +649,10 @@ def test_min_p_reaches_sampling_params_over_http_and_grpc_and_out_of_range_is_re
 
     import grpc
 
-    from kvmesh.cluster.admission import Admission
-    from kvmesh.cluster.embedded_redis import free_port
-    from kvmesh.cluster.grpc_api import GrpcApi, serve_grpc
-    from kvmesh.cluster.proto import kvmesh_pb2, kvmesh_pb2_grpc
+    from kvmesh.cluster.ingress.admission import Admission
+    from kvmesh.cluster.ingress.grpc_api import GrpcApi, serve_grpc
+    from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
+    from kvmesh.cluster.launch.embedded_redis import free_port
 
     user = [{"role": "user", "content": "Hello"}]
     assert _http_chat(generation, user, min_p=0.05).params.min_p == 0.05
@@ -682,7 +688,7 @@ def test_prompt_size_is_bounded_in_utf8_bytes_not_characters(generation):
     two-byte characters are over a 100-byte bound although 60 characters are not."""
     import asyncio
 
-    from kvmesh.cluster.generation import Generation
+    from kvmesh.cluster.ingress.generation import Generation
 
     limits = dataclasses.replace(generation.limits, max_prompt_bytes=100)
     small = Generation(NoEngine(), generation.tokenizer, model="m", block_size=16, limits=limits)
@@ -706,7 +712,7 @@ def test_prompt_size_is_bounded_in_utf8_bytes_not_characters(generation):
 def test_a_request_waits_for_a_live_replica_only_within_the_bound():
     """No engine replica alive for the bound: ``NoLiveReplica`` (the ingress answers 503); a slow first chunk
     while replicas live (a queue), or before the router knows (None), is waited for; chunks pass unchanged."""
-    from kvmesh.cluster.generation import NoLiveReplica, first_then_rest
+    from kvmesh.cluster.ingress.generation import NoLiveReplica, first_then_rest
 
     async def slow(delay: float, items: list[int]):
         await asyncio.sleep(delay)
@@ -733,8 +739,8 @@ def test_a_request_waits_for_a_live_replica_only_within_the_bound():
 def test_nodes_prepared_are_those_an_engine_replica_fits_and_env_reaches_every_replica():
     """Per-node preparation visits the nodes with every resource a replica asks for; the index URL reaches
     replicas through their runtime environment, merged with what the operator set there."""
-    from kvmesh.cluster.app import with_env
-    from kvmesh.cluster.nodes import fits
+    from kvmesh.cluster.hosting.nodes import fits
+    from kvmesh.cluster.launch.app import with_env
 
     head = {"Resources": {"CPU": 4.0, "node:__internal_head__": 1.0}}
     gpu_worker = {"Resources": {"CPU": 16.0, "GPU": 1.0, "gpu_pool": 1.0}}
@@ -757,8 +763,8 @@ def test_workers_beside_gpu_engines_leave_the_gpus_to_the_engines():
     claim no GPU; each engine's actor gets ``engine_actor_options`` with the replicas' environment."""
     from ray.serve._private.build_app import build_app as build_serve_app
 
-    from kvmesh.cluster.app import build_app
-    from kvmesh.cluster.config import ClusterConfig
+    from kvmesh.cluster.launch.app import build_app
+    from kvmesh.cluster.launch.config import ClusterConfig
 
     config = ClusterConfig(
         replicas=2, workers=[{"url": "http://gpu-node-1:8000"}], engine_actor_options={"num_gpus": 1}
@@ -768,6 +774,6 @@ def test_workers_beside_gpu_engines_leave_the_gpus_to_the_engines():
     assert engine._deployment_config.num_replicas == 3
     assert engine.ray_actor_options["num_cpus"] == 0 and not engine.ray_actor_options.get("num_gpus")
     assert engine.ray_actor_options["runtime_env"]["env_vars"]["KVMESH_REDIS_URL"] == "redis://r:6379/0"
-    engine_actor_options = engine.init_args[3]
+    engine_actor_options = engine.init_args[3].actor_options  # the OwnedEngines record, as itself
     assert engine_actor_options["num_gpus"] == 1
     assert engine_actor_options["runtime_env"]["env_vars"]["KVMESH_REDIS_URL"] == "redis://r:6379/0"

@@ -8,12 +8,12 @@ import time
 import pytest
 import redis
 
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import ReplicaStatus
 from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import block_key, index_prefix
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.messages import ReplicaStatus
 from tests.index_helpers import disk_tag, entries_of_slot, host_tag, lookup, query
 
 MODEL = "m"
@@ -67,13 +67,18 @@ def test_lookup_counts_leading_blocks_per_replica(redis_server, request):
 def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_server, request):
     """A replica's ``ReplicaStatus`` is stored beside its heartbeat with its publisher's index size and read
     back typed by the ingress; a status that fails still beats, and its counters show as unknown."""
-    from kvmesh.cluster import metrics
-    from kvmesh.cluster.status import render_status
+    from kvmesh.cluster.monitoring import metrics
+    from kvmesh.cluster.monitoring.status import render_status
+    from kvmesh.core.messages import ClusterStatus
 
     dep = request.node.name
     cache = FakeCache()
     ok = make_publisher(
-        redis_server.url, dep, "ok", cache, status=lambda: ReplicaStatus(num_running=3, kv_usage=0.5, pid=42)
+        redis_server.url,
+        dep,
+        "ok",
+        cache,
+        status=lambda: ReplicaStatus(num_running=3, kv_usage=0.5, pid=42, prefill_busy=0.0),
     )
 
     def broken() -> ReplicaStatus:
@@ -115,10 +120,12 @@ def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_ser
         "model": MODEL,
         "policy": "kv_aware",
         "index": {"entries": 7},
+        "live_replicas": 2,
+        "decisions": [],
         "redis": {"ok": True},
         "replicas": {rid: r.as_dict() for rid, r in reports.items()},
     }
-    rows = [line.split() for line in render_status(status).splitlines()]
+    rows = [line.split() for line in render_status(ClusterStatus.from_dict(status)).splitlines()]
     assert [ok.replica_id, "?", "50.0%", "0.0%", "off", "off", "off", "3", "0", "0", "0%", "7"] in rows
     assert [bad.replica_id, *["?"] * 10, "0"] in rows
     ok.close()
@@ -321,7 +328,7 @@ def test_lookup_of_empty_or_unknown(redis_server, n):
 
 
 def test_password_protected_redis_works_and_a_wrong_password_fails_closed():
-    from kvmesh.cluster.embedded_redis import EmbeddedRedis
+    from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(password="index-s3cret") as server:
         cache = FakeCache()
@@ -337,16 +344,16 @@ def test_password_protected_redis_works_and_a_wrong_password_fails_closed():
 def test_nothing_from_redis_or_the_network_is_unpickled_or_evaluated():
     """Our packages never deserialize with pickle/marshal, evaluate strings or load YAML unsafely."""
     import re
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from tests.source_tree import ROOT as root
+    from tests.source_tree import modules
+
     risky = re.compile(
         r"\b(pickle|cPickle|marshal|dill|shelve)\.loads?\b|(?<![.\w])(eval|exec)\(|yaml\.load\(|yaml\.unsafe_load"
     )
     device_hits = [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
-        for package in ("kvmesh", "benchmarks")
-        for path in (root / package).rglob("*.py")
+        for _, path in modules()
         if "_pb2" not in path.name
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if risky.search(line)

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from kvmesh.core.errors import InvalidRequest, RequestFailed
 from kvmesh.replica import LLM, AsyncLLM, SamplingParams
-from kvmesh.shared.errors import InvalidRequest, RequestFailed
 
 PROMPT = "The history of the printing press begins"
 
@@ -339,18 +339,18 @@ def test_a_request_received_during_a_step_is_reported_waiting(llm, monkeypatch):
         first = asyncio.create_task(drain(allm.generate(list(range(100, 140)), params)))
         try:
             assert await asyncio.to_thread(running.wait, 30)
-            before = engine.snapshot()
+            before = engine.stats()
             second = asyncio.create_task(drain(allm.generate(list(range(200, 264)), params)))
             await asyncio.sleep(0.05)  # received: queued behind the held step
-            during = allm.snapshot()
-            assert engine.snapshot().num_waiting == before.num_waiting  # the engine itself has not seen it
+            during = allm.stats()
+            assert engine.stats().num_waiting == before.num_waiting  # the engine itself has not seen it
             assert during.num_waiting == before.num_waiting + 1
             assert during.pending_prefill_tokens == before.pending_prefill_tokens + 64
             assert during.waiting_blocks == before.waiting_blocks + -(-64 // engine.block_size)
         finally:
             release.set()
         await asyncio.gather(first, second)
-        assert allm.snapshot().num_waiting == 0
+        assert allm.stats().num_waiting == 0
         await allm.shutdown()
 
     asyncio.run(main())

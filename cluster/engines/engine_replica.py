@@ -1,6 +1,6 @@
 """One kvmesh engine as a serving unit (``EngineReplica``): the paged KV engine, its index publisher and its
 vLLM-compatible KV events, behind ``generate(call)``. Ray Serve runs it as the engine deployment's replica
-(``kvmesh/cluster/engine_deployment.py``); ``kvmesh engine`` runs one in its own process without Ray, which
+(``cluster/engines/engine_deployment.py``); ``kvmesh engine`` runs one in its own process without Ray, which
 this module never imports (a replica learns its Serve identity only where Ray already runs).
 
 Callers pass one ``GenerateCall`` per request carrying the token ids and the block hashes the ingress
@@ -25,14 +25,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from kvmesh.cluster.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
-from kvmesh.replica import AsyncLLM, EngineConfig
+from kvmesh.cluster.hosting.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.hashing import first_block_extra, hash_block
+from kvmesh.core.kv_event_wire import KVEventsConfig
+from kvmesh.core.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
+from kvmesh.replica import AsyncLLM
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
-from kvmesh.shared.hashing import first_block_extra, hash_block
-from kvmesh.shared.kv_event_wire import KVEventsConfig
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus, Usage
 
 log = logging.getLogger(__name__)
 
@@ -47,58 +48,62 @@ class IndexUnreachable(RuntimeError):
 class EngineReplica:
     def __init__(
         self,
-        engine: dict,
+        engine: EngineConfig,
         redis_url: str | None = None,
         deployment: str = "kvmesh",
         replicas_per_node: int = 1,
-        kv_events: dict | None = None,
+        kv_events: KVEventsConfig | None = None,
         rank_offset: int = 0,
         identity: tuple[str, object] | None = None,
     ) -> None:
-        """``rank_offset``: replicas of the deployment ranked before this one that are not kvmesh engines (worker
-        proxies, ``kvmesh/cluster/mixed_deployment.py``); its KV-event ports count from the first engine.
-        ``identity``: the Serve replica's id and rank, from the replica that runs this engine in an actor of
-        its own (default: this process's Serve identity, ``serve_replica_identity``)."""
+        """``engine`` unset ``torch_threads`` on a CPU: this replica's share of its node's cores, among
+        ``replicas_per_node``. ``rank_offset``: replicas of the deployment ranked before this one that are not
+        kvmesh engines (worker proxies, ``cluster/workers/mixed_deployment.py``); its KV-event ports count from
+        the first engine. ``identity``: the Serve replica's id and rank, from the replica that runs this engine
+        in an actor of its own (default: this process's Serve identity, ``serve_replica_identity``)."""
         self.node = node_address()
-        engine = dict(engine)
-        if engine.get("torch_threads") is None and engine.get("device") in (None, "cpu"):
-            engine["torch_threads"] = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
-        config = EngineConfig(**engine)
-        self.llm = AsyncLLM.from_config(config)
+        if engine.torch_threads is None and engine.device in (None, "cpu"):
+            threads = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
+            engine = dataclasses.replace(engine, torch_threads=threads)
+        self.llm = AsyncLLM.from_config(engine)
         self.engine = self.llm.engine
         self.engine.warm_up()  # measured decode costs for routers from the first request on
         name, rank = identity or serve_replica_identity()
         self.kv_events = self._kv_event_publisher(kv_events, replica_rank(rank) - rank_offset)
-        self.publisher = None
-        redis_url = index_redis_url(redis_url)  # None: this process's $KVMESH_REDIS_URL
-        if redis_url:
-            self.publisher = KVIndexPublisher(
-                redis_url,
-                deployment,
-                self.engine.model_id,
-                name,
-                self.engine.pool.cached_hashes,
-                unique_name=True,
-                status=self.status,
-                host_snapshot=self.engine.swap.cached_hashes if self.engine.swap is not None else None,
-                disk_snapshot=self.engine.swap.disk.hashes if self.engine.swap and self.engine.swap.disk else None,
-            ).start()
-            if not self.publisher.wait_synced(INDEX_CONNECT_TIMEOUT_S):
-                error = self.publisher.last_error or "no answer"
-                self.publisher.close(remove_entries=False)
-                self.publisher = None
-                raise IndexUnreachable(
-                    f"engine replica on node {self.node} cannot reach the index Redis at {redacted(redis_url)} "
-                    f"({error}); on a multi-node cluster the index must listen on an address every node reaches"
-                )
-            self.engine.kv_event_sinks.append(self.publisher.publish)
+        self.publisher = self._index_publisher(index_redis_url(redis_url), deployment, name)
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
 
-    def _kv_event_publisher(self, settings: dict | None, number: int) -> ZmqKVEventPublisher | None:
+    def _index_publisher(self, redis_url: str | None, deployment: str, name: str) -> KVIndexPublisher | None:
+        """This engine's cache mirrored into the index (None without a Redis URL, here or in
+        ``$KVMESH_REDIS_URL``); raises ``IndexUnreachable`` if the first sync does not land in time."""
+        if not redis_url:
+            return None
+        swap = self.engine.swap
+        publisher = KVIndexPublisher(
+            redis_url,
+            deployment,
+            self.engine.model_id,
+            name,
+            self.engine.pool.cached_hashes,
+            unique_name=True,
+            status=self.status,
+            host_snapshot=swap.cached_hashes if swap is not None else None,
+            disk_snapshot=swap.disk.hashes if swap and swap.disk else None,
+        ).start()
+        if not publisher.wait_synced(INDEX_CONNECT_TIMEOUT_S):
+            error = publisher.last_error or "no answer"
+            publisher.close(remove_entries=False)
+            raise IndexUnreachable(
+                f"engine replica on node {self.node} cannot reach the index Redis at {redacted(redis_url)} "
+                f"({error}); on a multi-node cluster the index must listen on an address every node reaches"
+            )
+        self.engine.kv_event_sinks.append(publisher.publish)
+        return publisher
+
+    def _kv_event_publisher(self, config: KVEventsConfig | None, number: int) -> ZmqKVEventPublisher | None:
         """vLLM-compatible KV events (``--kv-events-config``), ports offset by this engine's number."""
-        config = KVEventsConfig.parse(settings or {})
-        if not config.enabled:
+        if config is None or not config.enabled:
             return None
         publisher = ZmqKVEventPublisher(config.for_rank(number), self.engine.block_size)
         self.engine.kv_event_sinks.append(publisher.publish)
@@ -157,21 +162,22 @@ class EngineReplica:
 
     def status(self) -> ReplicaStatus:
         """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
-        return ReplicaStatus(**dataclasses.asdict(self.llm.snapshot().stats()), pid=os.getpid(), node=self.node)
+        return ReplicaStatus.of(self.llm.stats(), pid=os.getpid(), node=self.node)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """``KVPressure`` for the autoscaler (``kvmesh/cluster/autoscaling.py``), as the dict Ray takes;
+        """``KVPressure`` for the autoscaler (``cluster/engines/autoscaling.py``), as the dict Ray takes;
         preemptions since the last report."""
-        snapshot = self.llm.snapshot()
-        pressure = snapshot.kv_pressure(self._preemptions_seen)
-        self._preemptions_seen = snapshot.num_preemptions
+        stats = self.llm.stats()
+        pressure = stats.kv_pressure(self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
         return pressure.as_dict()
 
     def record_routing_stats(self) -> dict:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
-        report = self.llm.snapshot().load_report(self.index_id, time.time())
-        report.node = self.node
-        report.index_error = self.publisher.last_error if self.publisher is not None else None
+        error = self.publisher.last_error if self.publisher is not None else None
+        report = LoadReport.of(
+            self.llm.stats(), index_id=self.index_id, reported_at=time.time(), node=self.node, index_error=error
+        )
         return report.as_dict()
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 Errors found before the first token are answered with a status (400, 404, 429, 503) in OpenAI's error
 object, Starlette's own (unknown path, wrong method) and FastAPI's validation errors included; once a
-stream has started, a failure ends it with an error event. Admission (``kvmesh/cluster/admission.py``) refuses
+stream has started, a failure ends it with an error event. Admission (``cluster/ingress/admission.py``) refuses
 unauthenticated, oversized and over-capacity requests before any of this work. A client that hangs up
 cancels the engine request, which frees its blocks.
 
@@ -22,17 +22,30 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.cluster import metrics
-from kvmesh.cluster.admission import TENANT_STATE, Admission, AdmissionMiddleware
-from kvmesh.cluster.api_errors import APIError
-from kvmesh.cluster.generation import Generation, Prepared, gather
-from kvmesh.cluster.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvmesh.cluster.openai_responses import ResponseShape, usage_dict
-from kvmesh.cluster.tool_calls import ToolReplies, check_tools
+from kvmesh.cluster.ingress.admission import TENANT_STATE, Admission, AdmissionMiddleware
+from kvmesh.cluster.ingress.generation import Generation, Prepared, gather
+from kvmesh.cluster.monitoring import metrics
+from kvmesh.cluster.protocol.api_errors import APIError
+from kvmesh.cluster.protocol.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvmesh.cluster.protocol.openai_responses import ResponseShape, usage_dict
+from kvmesh.cluster.protocol.tool_calls import ToolReplies, check_tools
+from kvmesh.core.messages import (
+    ClusterStatus,
+    GenerateChunk,
+    IndexCutOff,
+    IndexSize,
+    ReplicaStatus,
+    RoutingCount,
+    TokenLogprob,
+)
 from kvmesh.router import metrics as router_metrics
 from kvmesh.router.metrics import decision_counts
 from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.shared.messages import GenerateChunk, ReplicaStatus, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +160,7 @@ async def _sse(
 
 
 class HttpApi:
-    """The ingress's HTTP routes (mixed into ``kvmesh.cluster.ingress.Ingress``, which Ray Serve serves
+    """The ingress's HTTP routes (mixed into ``kvmesh.cluster.ingress.deployment.Ingress``, which Ray Serve serves
     ``app`` with)."""
 
     generation: Generation
@@ -259,14 +272,29 @@ class HttpApi:
         }
         return {"object": "list", "data": [card]}
 
+    no_replica_reason = "no live engine replica"
+
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """``ok``; ``degraded`` (HTTP 503) while this ingress's routers see no live engine replica, so a load
+        """``ok``; ``degraded`` (HTTP 503) while this server's routers see no live engine replica, so a load
         balancer's readiness probe turns away from it. Before the first request it cannot know: ``ok``."""
-        live = router_metrics.live_replicas()
+        live = self._live_replicas()
         if live == 0:
-            return JSONResponse({"status": "degraded", "reason": "no live engine replica"}, status_code=503)
+            return JSONResponse({"status": "degraded", "reason": self.no_replica_reason}, status_code=503)
         return JSONResponse({"status": "ok", "engine_replicas": live})
+
+    def _live_replicas(self) -> int | None:
+        """Engine replicas this process's routers see alive (None: not known yet)."""
+        return router_metrics.live_replicas()
+
+    def _decisions(self) -> list[RoutingCount]:
+        """This process's routing decisions, by policy and reason."""
+        return [RoutingCount(policy=p, reason=r, count=n) for (p, r), n in sorted(decision_counts().items())]
+
+    def _cut_off(self) -> dict[str, IndexCutOff]:
+        """Replicas whose load reports say they cannot write to the index."""
+        reports = sorted(router_metrics.load_reports(), key=lambda r: r.index_id)
+        return {r.index_id: IndexCutOff(node=r.node, error=r.index_error) for r in reports if r.index_error}
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         if self.index is None:
@@ -281,22 +309,25 @@ class HttpApi:
     async def prometheus(self) -> Response:
         return Response(metrics.render(await self._replica_reports()), media_type=CONTENT_TYPE_LATEST)
 
+    async def cluster_status(self) -> ClusterStatus:
+        """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health; the same
+        for every server (the ingress, ``kvmesh engine``, ``kvmesh router``), which differ only in the hooks."""
+        reports = await self._replica_reports()
+        return ClusterStatus(
+            model=self.generation.limits.served_name,
+            policy=self.settings.policy,
+            replicas=reports,
+            decisions=self._decisions(),
+            index=IndexSize(entries=sum(report.index_entries for report in reports.values())),
+            live_replicas=self._live_replicas(),
+            redis=await self.index.health() if self.index is not None else None,
+            index_unreachable=self._cut_off(),
+        )
+
     @app.get("/status")
     async def status(self) -> dict:
-        """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health."""
-        reports = await self._replica_reports()
-        redis_health = await self.index.health() if self.index else {"ok": False, "error": "no Redis configured"}
-        cut_off = {r.index_id: {"node": r.node, "error": r.index_error} for r in router_metrics.load_reports()}
-        return {
-            "model": self.generation.limits.served_name,
-            "policy": self.settings.policy,
-            "replicas": {rid: report.as_dict() for rid, report in reports.items()},
-            "decisions": [{"policy": p, "reason": r, "count": n} for (p, r), n in sorted(decision_counts().items())],
-            "index": {"entries": sum(report.index_entries for report in reports.values())},
-            "redis": redis_health,
-            "index_unreachable": {rid: v for rid, v in sorted(cut_off.items()) if v["error"]},
-            "live_replicas": router_metrics.live_replicas(),
-        }
+        """``ClusterStatus`` as JSON."""
+        return (await self.cluster_status()).as_dict()
 
 
 def _api_routes(routes: list) -> Iterator[APIRoute]:

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import kvmesh.router.metrics  # noqa: F401  (registers the routers' metrics in this process's registry)
-from kvmesh.shared.messages import ReplicaStatus
+from kvmesh.core.messages import ReplicaStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -111,7 +111,8 @@ class _ReplicaCollector(Collector):
         for name, doc, value in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["replica"])
             for replica, status in known:
-                family.add_metric([replica], float(value(status)))
+                if (sample := value(status)) is not None:  # None: not measured (a worker's prefill_busy)
+                    family.add_metric([replica], float(sample))
             yield family
         entries = GaugeMetricFamily(
             "kvmesh_replica_index_entries", "Blocks the replica has published to the index.", labels=["replica"]

@@ -6,15 +6,18 @@ import json
 import urllib.error
 import urllib.request
 
-from kvmesh.shared.messages import ReplicaStatus
+from kvmesh.core.messages import ClusterStatus, ReplicaStatus
 
 
-def fetch_status(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict:
+def fetch_status(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> ClusterStatus:
+    """A server's ``/status``; ``ConnectionError`` saying why when there is none to read."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     request = urllib.request.Request(url.rstrip("/") + "/status", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+            return ClusterStatus.from_dict(json.loads(resp.read()))
+    except ValueError as exc:  # not JSON, or not a status (MalformedReport)
+        raise ConnectionError(f"{url}/status answered something that is not a kvmesh status: {exc}") from None
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
             raise ConnectionError(f"{url} wants an API key: pass --api-key or set $KVMESH_API_KEY") from None
@@ -53,33 +56,41 @@ def _row(replica: str, r: ReplicaStatus) -> list[str]:
         str(r.num_running),
         str(r.num_waiting),
         str(r.num_preemptions),
-        f"{100 * r.prefill_busy:.0f}%",
+        "?" if r.prefill_busy is None else f"{100 * r.prefill_busy:.0f}%",
     ]
     return [replica, r.node or "?", *(["?"] * len(engine) if r.error is not None else engine), str(r.index_entries)]
 
 
-def render_status(status: dict) -> str:
-    """``kvmesh status``'s text from the ``/status`` JSON."""
-    redis = status.get("redis") or {}
-    redis_text = f"ok, {redis.get('ping_ms')} ms, {redis.get('used_memory')}" if redis.get("ok") else "DOWN"
-    if redis.get("ok") and status.get("index_unreachable"):
-        redis_text += f" (not from {len(status['index_unreachable'])} replica(s))"
+def _redis_text(status: ClusterStatus) -> str:
+    redis = status.redis
+    if redis is None:
+        return "not used"
+    if not redis.ok:
+        return "DOWN"
+    text = f"ok, {redis.ping_ms} ms, {redis.used_memory}"
+    if status.index_unreachable:
+        text += f" (not from {len(status.index_unreachable)} replica(s))"
+    return text
+
+
+def render_status(status: ClusterStatus) -> str:
+    """``kvmesh status``'s text."""
     out = [
-        f"model {status['model']}   policy {status['policy']}   "
-        f"index {status['index']['entries']} entries   Redis {redis_text}",
+        f"model {status.model}   policy {status.policy}   "
+        f"index {status.index.entries} entries   Redis {_redis_text(status)}",
         "",
     ]
-    rows = [_row(rid, ReplicaStatus.from_dict(r)) for rid, r in sorted(status["replicas"].items())]
+    rows = [_row(rid, report) for rid, report in sorted(status.replicas.items())]
     headers = ["REPLICA", "NODE", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "DISK BLOCKS", "RUNNING"]
     out += format_table([*headers, "WAITING", "PREEMPTED", "PREFILL BUSY", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
-    for rid, cut in sorted((status.get("index_unreachable") or {}).items()):
-        out.append(f"replica {rid} on {cut['node'] or '?'} cannot reach the index: {cut['error']}")
-    if status.get("live_replicas") == 0:
+    for rid, cut in sorted(status.index_unreachable.items()):
+        out.append(f"replica {rid} on {cut.node or '?'} cannot reach the index: {cut.error}")
+    if status.live_replicas == 0:
         out.append("no live engine replica: requests get 503 until one returns")
     out.append("")
-    decisions = [[d["policy"], d["reason"], str(d["count"])] for d in status.get("decisions", [])]
+    decisions = [[d.policy, d.reason, str(d.count)] for d in status.decisions]
     out += format_table(["POLICY", "ROUTING REASON", "DECISIONS"], decisions)
     if not decisions:
         out.append("(no routing decisions yet)")

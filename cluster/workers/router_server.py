@@ -1,8 +1,8 @@
 """``kvmesh router``: kvmesh's KV-aware router in one process, without Ray or Redis, in front of external workers.
 
 The analogue of SGLang's ``smg`` and ``vllm-router``: the cluster ingress's front door (chat template,
-tokenize once, hash the prompt's blocks once) and the same routing policy (``kvmesh/router/policy.py``), but
-each worker's cache is followed here, from its KV events (``Worker``, ``kvmesh/cluster/worker_client.py``),
+tokenize once, hash the prompt's blocks once) and the same routing policy (``router/policy.py``), but
+each worker's cache is followed here, from its KV events (``Worker``, ``cluster/workers/worker_client.py``),
 and its load is what this router has in flight there: requests still before their first token, with the
 prompt tokens they must prefill, and those decoding. No Ray hop per request and no background stack, so
 the router's own CPU stays off the engines' cores. Several routers each follow every worker's events, as
@@ -18,20 +18,18 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse
-
-from kvmesh.cluster.admission import key_digests
-from kvmesh.cluster.front_door import IngressSettings, front_door
-from kvmesh.cluster.generation import LocalHandle
-from kvmesh.cluster.http_api import HttpApi, bound_app, set_admission
-from kvmesh.cluster.listen import listen, serve
-from kvmesh.cluster.worker_client import Worker
-from kvmesh.cluster.worker_spec import WorkerSpec, distinct
+from kvmesh.cluster.hosting.listen import listen, serve
+from kvmesh.cluster.ingress.admission import key_digests
+from kvmesh.cluster.ingress.front_door import IngressSettings, front_door
+from kvmesh.cluster.ingress.generation import LocalHandle
+from kvmesh.cluster.ingress.http_api import HttpApi, bound_app, set_admission
+from kvmesh.cluster.workers.worker_client import Worker
+from kvmesh.cluster.workers.worker_spec import WorkerSpec, distinct
+from kvmesh.core.messages import GenerateCall, GenerateChunk, IndexCutOff, ReplicaStatus, RoutingCount
 from kvmesh.router import metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
 from kvmesh.router.worker_blocks import HOST
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
@@ -106,27 +104,21 @@ class RouterServer(HttpApi):
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         return {url: w.status() for url, w in self.router.workers.items()}
 
-    async def status(self) -> dict:
-        reports = await self._replica_reports()
-        policy = self.router.policy_name
-        return {
-            "model": self.generation.limits.served_name,
-            "policy": self.settings.policy,
-            "replicas": {url: report.as_dict() for url, report in reports.items()},
-            "decisions": [{"policy": policy, "reason": r, "count": n} for r, n in self.router.decisions.items()],
-            "index": {"entries": sum(len(w.blocks.snapshot()) for w in self.router.workers.values())},
-            "live_replicas": len(self.router.curr_replicas),
-        }
+    no_replica_reason = "no worker answers"
 
-    async def health(self) -> JSONResponse:
-        live = len(self.router.curr_replicas)
-        if not live:
-            return JSONResponse({"status": "degraded", "reason": "no worker answers"}, status_code=503)
-        return JSONResponse({"status": "ok", "engine_replicas": live})
+    def _live_replicas(self) -> int:
+        return len(self.router.curr_replicas)
+
+    def _decisions(self) -> list[RoutingCount]:
+        policy = self.router.policy_name
+        return [RoutingCount(policy=policy, reason=r, count=n) for r, n in sorted(self.router.decisions.items())]
+
+    def _cut_off(self) -> dict[str, IndexCutOff]:
+        return {}  # no index to be cut off from: the workers' blocks live in this process
 
 
 def run_router_server(args: argparse.Namespace, policy_kwargs: dict | None = None) -> int:
-    from kvmesh.shared.model_files import resolve_model_dir
+    from kvmesh.core.model_files import resolve_model_dir
 
     specs = distinct([WorkerSpec.parse(w) for w in args.worker])
     sock = listen(args.host, args.port)

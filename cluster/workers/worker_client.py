@@ -2,14 +2,14 @@
 Ray: requests forwarded to its ``/v1/completions`` as token ids (the ingress tokenized with the served model's
 tokenizer, so the router's block hashes are the worker's prompt), streaming, with the tenant's ``cache_salt``;
 chunks, usage and its cached-token count back, errors as it said them. Its cache in kvmesh's hashes from its
-KV events (``kvmesh/router/kv_event_subscriber.py``, ``kvmesh/router/worker_blocks.py``); its load from what
+KV events (``router/kv_event_subscriber.py``, ``router/worker_blocks.py``); its load from what
 was sent to it and what it reports, read every second: a ``kvmesh engine``'s ``LoadReport`` (``GET /load``:
 gauges and measured rates), other workers' ``/metrics`` gauges; after two unanswered reads it is down (its cache
 forgotten) until it answers again (its cache then rebuilt from its event stream). The HTTP client is aiohttp's: its C
 parser relays a streamed token for less router CPU than a pure-Python one (``benchmarks/router_overhead.py``).
 
-Ray Serve's ``WorkerProxy`` (``kvmesh/cluster/worker_proxy.py``) and the Ray-free ``kvmesh router``
-(``kvmesh/cluster/router_server.py``) both drive workers through ``Worker``.
+Ray Serve's ``WorkerProxy`` (``cluster/workers/worker_proxy.py``) and the Ray-free ``kvmesh router``
+(``cluster/workers/router_server.py``) both drive workers through ``Worker``.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.cluster.worker_spec import WorkerSpec
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.errors import InvalidRequest, RequestFailed
+from kvmesh.core.hashing import model_seed
+from kvmesh.core.kv_event_wire import EventBatch
+from kvmesh.core.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.router.kv_event_subscriber import KVEventSubscriber
 from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
-from kvmesh.shared.errors import InvalidRequest, RequestFailed
-from kvmesh.shared.hashing import model_seed
-from kvmesh.shared.kv_event_wire import EventBatch
-from kvmesh.shared.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
-from kvmesh.shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -371,8 +371,8 @@ class Worker:
     def _report_in(self, text: str) -> LoadReport | None:
         """The ``LoadReport`` a ``/load`` answer holds; None (with a log line) if it holds none."""
         try:
-            report = LoadReport.from_dict(json.loads(text))
-        except (ValueError, TypeError):
+            report = LoadReport.from_dict(json.loads(text), sender=f"worker {self.spec.url}")
+        except ValueError:  # not JSON
             report = None
         if report is None:
             log.warning("worker %s: unreadable /load; reading its /metrics instead", self.spec.url)
@@ -403,6 +403,6 @@ class Worker:
             kv_usage=self.gauges.get("kv_usage", 0.0),
             prompt_tokens=self.prompt_tokens,
             cached_prompt_tokens=self.cached_tokens,
-            prefix_hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            index_entries=len(self.blocks.snapshot()),
             **events,
         )
