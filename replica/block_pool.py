@@ -17,11 +17,12 @@ both stay in the map, so evicting one copy leaves the other reachable.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmesh.shared.hashing import BlockHash
+from kvmesh.core.hashing import BlockHash
+from kvmesh.replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 
 class OutOfBlocksError(RuntimeError):
@@ -35,8 +36,27 @@ class Block:
     block_hash: BlockHash | None = None
 
 
+class HostTier(Protocol):
+    """The tier under the pool (``SwapSpace``, with a host prefix cache): it may keep what the pool evicts."""
+
+    def offload(self, device_id: int, block_hash: BlockHash) -> None:
+        """A cached block is being evicted and no other device copy of its hash is left."""
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """``block_hash`` got its first device copy: the tier frees its own."""
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        *,
+        events: KVEventLog | None = None,
+        host_tier: HostTier | None = None,
+    ) -> None:
+        """``events``: where the pool's KV events go (the engine's log, shared with the other tiers; its own
+        when None). ``host_tier``: told of evictions and of first device copies (``HostTier``)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -46,11 +66,9 @@ class BlockPool:
         self._empty: list[Block] = list(reversed(self.blocks))
         self._evictable: OrderedDict[int, Block] = OrderedDict()
         self._by_hash: dict[BlockHash, dict[int, Block]] = {}
-        self._events: list[KVEvent] = []
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
-        self.on_cache: Callable[[BlockHash], None] | None = None
-        """Told when a hash gets its first device copy (the host tier then drops its own)."""
-        """Told of each cached block evicted whose hash has no other copy left (the host tier keeps it)."""
+        self.events = events if events is not None else KVEventLog()
+        self._emit = self.events.emit
+        self._host_tier = host_tier
         self.peak_used = 0
         """High-water mark of ``num_used`` since creation or ``reset_peak()``: the most a workload pinned,
         including blocks held only within a step (sequences that finish in it free theirs at its end)."""
@@ -94,8 +112,8 @@ class BlockPool:
                 _, block = self._evictable.popitem(last=False)
                 block_hash = block.block_hash
                 self._drop_hash(block)
-                if self.on_evict is not None and block_hash not in self._by_hash:
-                    self.on_evict(block.block_id, block_hash)
+                if self._host_tier is not None and block_hash not in self._by_hash:
+                    self._host_tier.offload(block.block_id, block_hash)
             block.ref_count = 1
             out.append(block)
         self.peak_used = max(self.peak_used, self.num_used)
@@ -141,9 +159,9 @@ class BlockPool:
         block.block_hash = block_hash
         copies = self._by_hash.setdefault(block_hash, {})
         if not copies:
-            if self.on_cache is not None:
-                self.on_cache(block_hash)
-            self._events.append(BlockStored(block_hash, parent_hash, token_ids=token_ids, cache_salt=cache_salt))
+            if self._host_tier is not None:
+                self._host_tier.drop(block_hash)
+            self._emit(BlockStored(block_hash, parent_hash, token_ids=token_ids, cache_salt=cache_salt))
         copies[block.block_id] = block
 
     def _drop_hash(self, block: Block) -> None:
@@ -151,7 +169,7 @@ class BlockPool:
         del copies[block.block_id]
         if not copies:
             del self._by_hash[block.block_hash]
-            self._events.append(BlockRemoved(block.block_hash))
+            self._emit(BlockRemoved(block.block_hash))
         block.block_hash = None
 
     def cached_hashes(self) -> list[BlockHash]:
@@ -167,16 +185,12 @@ class BlockPool:
             self._empty.append(block)
         self._evictable.clear()
         self._by_hash.clear()
-        self._events.append(AllBlocksCleared())
+        self._emit(AllBlocksCleared())
         return True
 
-    def emit(self, event: KVEvent) -> None:
-        """Queue another tier's event (the host tier) in order with this pool's own."""
-        self._events.append(event)
-
     def take_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
+        """The events on the pool's log since the last call (the engine takes its shared log's itself)."""
+        return self.events.take()
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

@@ -1,6 +1,6 @@
 """The disk tier: prefix blocks the host tier evicts, kept in files that outlive the replica.
 
-Below the host prefix tier (``kvmesh/replica/swap.py``): a block the host tier evicts is written here, one
+Below the host prefix tier (``replica/swap.py``): a block the host tier evicts is written here, one
 file per block, named by its chained hash, under a directory of the cache's fingerprint (model, weights,
 dtypes, block size, hash seed: ``fingerprint``), so a replica only ever sees blocks it could have computed
 itself. Writes run on a thread of their own from a bounded queue (a full queue drops the block: the step
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from kvmesh.replica.kv_events import DISK, BlockRemoved, BlockStored, KVEvent
-from kvmesh.shared.hashing import BlockHash
+from kvmesh.core.hashing import BlockHash
+from kvmesh.replica.kv_events import DISK, BlockRemoved, BlockStored, KVEvent, KVEventLog
 
 if TYPE_CHECKING:
+    from kvmesh.core.engine_config import EngineConfig
     from kvmesh.replica.model_runner import ModelRunner
-    from kvmesh.shared.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,10 @@ def cache_fingerprint(runner: ModelRunner, model_id: str, hash_seed: BlockHash, 
     return h.digest()
 
 
+def _ignore(event: KVEvent) -> None:
+    """Where a tier used alone sends its events."""
+
+
 class DiskTierBusy(RuntimeError):
     """Another process holds the directory's lock."""
 
@@ -73,7 +77,18 @@ class DiskTierBusy(RuntimeError):
 class DiskTier:
     """Files of KV blocks in ``directory / fingerprint[:32]``, at most ``capacity_bytes``, LRU."""
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, fingerprint: bytes, block_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        fingerprint: bytes,
+        block_bytes: int,
+        *,
+        events: KVEventLog | None = None,
+    ) -> None:
+        """``events``: the engine's KV event log; this tier's events (medium ``disk``) are emitted on the engine's
+        thread, in order with the other tiers'. Blocks adopted at start-up are in ``hashes()`` (the publisher's
+        first snapshot). None: a tier used alone, whose events go nowhere."""
         if capacity_bytes < block_bytes + _HEADER.size:
             raise ValueError(f"disk_cache_bytes {capacity_bytes} holds no block of {block_bytes} bytes")
         if len(fingerprint) != 32:
@@ -90,9 +105,7 @@ class DiskTier:
         self._mutex = threading.Lock()
         self.dropped = 0
         """Blocks not kept: the write queue was full or their write failed (``disk_blocks_dropped`` in the stats)."""
-        self.emit: Callable[[KVEvent], None] | None = None
-        """Receives the tier's KV events (medium ``disk``), on the engine's thread, in order with the
-        other tiers'; blocks adopted at start-up are in ``hashes()`` (the publisher's first snapshot)."""
+        self._emit: Callable[[KVEvent], None] = events.emit if events is not None else _ignore
         self._failed: list[BlockHash] = []
         """Blocks the writer thread could not write, for the engine's thread to announce as removed."""
         self.adopted = self._scan()
@@ -120,7 +133,8 @@ class DiskTier:
         raise DiskTierBusy(f"all {slots} slots of disk cache directory {directory} are in use")
 
     def _scan(self) -> int:
-        """Adopt the files a previous replica of this fingerprint left, oldest first; skip broken ones."""
+        """Adopt the files a previous replica of this fingerprint left, oldest first, as many as fit; skip broken
+        ones. No event: the publisher's first snapshot (``hashes()``) announces them."""
         found = []
         for path in self.dir.glob("*" + SUFFIX):
             try:
@@ -132,9 +146,11 @@ class DiskTier:
                 self._reject(path, f"{stat.st_size} bytes, a block file has {self.file_bytes}")
                 continue
             found.append((stat.st_mtime, block_hash))
-        for _, block_hash in sorted(found):
+        found.sort()
+        for _, block_hash in found[: -self.num_blocks]:  # past the capacity: the oldest go, unannounced
+            self._path(block_hash).unlink(missing_ok=True)
+        for _, block_hash in found[-self.num_blocks :]:
             self._files[block_hash] = None
-        self._evict_over_capacity()
         return len(self._files)
 
     def _reject(self, path: Path, why: str) -> None:
@@ -188,12 +204,8 @@ class DiskTier:
         with self._mutex:
             self._pending[block_hash] = payload
         self._files[block_hash] = None
-        self._event(BlockStored(block_hash, None, DISK))
+        self._emit(BlockStored(block_hash, None, DISK))
         self._evict_over_capacity()
-
-    def _event(self, event: KVEvent) -> None:
-        if self.emit is not None:
-            self.emit(event)
 
     def _announce_failures(self) -> None:
         if self._failed:
@@ -201,7 +213,7 @@ class DiskTier:
                 failed, self._failed = self._failed, []
             for block_hash in failed:
                 if self._files.pop(block_hash, 0) is None:
-                    self._event(BlockRemoved(block_hash, DISK))
+                    self._emit(BlockRemoved(block_hash, DISK))
 
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes, or None if it is not here or its file fails a check (then it is gone)."""
@@ -218,13 +230,13 @@ class DiskTier:
             data = path.read_bytes()
         except OSError as exc:
             self._files.pop(block_hash, None)
-            self._event(BlockRemoved(block_hash, DISK))
+            self._emit(BlockRemoved(block_hash, DISK))
             log.warning("disk tier: cannot read %s (%s)", path, exc)
             return None
         why = self._check(data, block_hash)
         if why:
             self._files.pop(block_hash, None)
-            self._event(BlockRemoved(block_hash, DISK))
+            self._emit(BlockRemoved(block_hash, DISK))
             self._reject(path, why)
             return None
         return data[_HEADER.size :]
@@ -267,7 +279,7 @@ class DiskTier:
     def _evict_over_capacity(self) -> None:
         while len(self._files) > self.num_blocks:
             block_hash, _ = self._files.popitem(last=False)
-            self._event(BlockRemoved(block_hash, DISK))
+            self._emit(BlockRemoved(block_hash, DISK))
             with self._mutex:
                 queued = self._pending.pop(block_hash, None) is not None
             if not queued:  # a queued one is skipped by the writer (no longer pending)

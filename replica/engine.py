@@ -1,9 +1,15 @@
-"""The synchronous engine: add requests, ``step()`` until done. ``LLM`` and ``AsyncLLM`` wrap it.
+"""The synchronous engine: add requests, ``step()`` until done, ``close()``. ``LLM`` and ``AsyncLLM`` wrap it.
+
+The engine is assembled from its ``EngineConfig``: the model runner (the device pool), the host tier with the
+disk tier under it, the block pool, the KV manager and the scheduler, each built with what it needs. Every
+tier emits its KV events into one ``KVEventLog`` given to it when it is built; the engine hands the log's
+events to its ``kv_event_sinks`` after each step.
 
 A step is: schedule a batch, plan it (advance its sequences on the host as if it had run, fork what
 completes its prompt, and write a ``StepPlan`` of the device work), hand the plan to the device queue,
-and collect the step launched before it into outputs. The device work is ``device_step.py``; what happens
-when a step fails, ``recovery.py``; the pools' sizes, ``pool_sizing.py``.
+and collect the step launched before it into outputs. The device work is ``device_step.py``; the live
+requests, ``live_requests.py``; what happens when a step fails, ``recovery.py``; the pools' sizes,
+``pool_sizing.py``; warming up, ``warm_up.py``.
 """
 
 from __future__ import annotations
@@ -13,85 +19,67 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.errors import InvalidRequest
+from kvmesh.core.hashing import BlockHash, model_seed
+from kvmesh.core.limits import check_for_model, check_prompt_ids, check_request_fields
+from kvmesh.core.messages import EngineStats
+from kvmesh.core.model_files import apply_chat_template
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.kernels import check_block_size
 from kvmesh.replica.block_pool import BlockPool
 from kvmesh.replica.cpu_memory import keep_freed_memory
-from kvmesh.replica.cuda_graphs import default_sizes
 from kvmesh.replica.detokenizer import IncrementalDetokenizer
-from kvmesh.replica.device_queue import DeviceQueue, HostLogprobs
+from kvmesh.replica.device_queue import DeviceQueue
 from kvmesh.replica.device_step import DeviceStep
 from kvmesh.replica.disk_tier import DiskTier, cache_fingerprint
 from kvmesh.replica.kv_cache_manager import KVCacheManager
-from kvmesh.replica.kv_events import KVEvent
-from kvmesh.replica.logit_bias import LogitBias
+from kvmesh.replica.kv_events import KVEvent, KVEventLog
+from kvmesh.replica.live_requests import LiveRequests
 from kvmesh.replica.model_loader import load_model
 from kvmesh.replica.model_runner import ModelRunner, kv_bytes_per_block
-from kvmesh.replica.outputs import RequestOutput
+from kvmesh.replica.outputs import LogprobRow, RequestOutput, token_logprob
 from kvmesh.replica.penalties import PenaltyCounts
 from kvmesh.replica.pool_sizing import device_blocks, host_blocks
 from kvmesh.replica.recovery import StepRecovery
 from kvmesh.replica.request import Request
-from kvmesh.replica.sampler import GREEDY, SamplingColumns, SamplingTensors
 from kvmesh.replica.scheduler import ScheduledRequest, Scheduler
-from kvmesh.replica.step_plan import LaunchedStep, PrepareFailed, PromptRows, StepPlan, prompt_rows
-from kvmesh.replica.structured import GrammarCompiler, GrammarRows
-from kvmesh.replica.swap import SwapSpace
-from kvmesh.replica.telemetry import EngineSnapshot, StepRates
-from kvmesh.shared.engine_config import EngineConfig
-from kvmesh.shared.errors import InvalidRequest
-from kvmesh.shared.hashing import BlockHash, first_block_extra, model_seed
-from kvmesh.shared.limits import check_for_model, check_prompt_ids, check_request_fields
-from kvmesh.shared.messages import EngineStats, TokenLogprob
-from kvmesh.shared.model_files import apply_chat_template
-from kvmesh.shared.sampling_params import SamplingParams
+from kvmesh.replica.step_plan import (
+    Advanced,
+    LaunchedStep,
+    PrepareFailed,
+    StepPlan,
+    plan_logits,
+    prompt_rows,
+    sampling_tensors,
+)
+from kvmesh.replica.structured import GrammarCompiler
+from kvmesh.replica.swap import SwapSpace, block_bytes
+from kvmesh.replica.telemetry import StepRates
+from kvmesh.replica.warm_up import warm_up_engine
 
 log = logging.getLogger(__name__)
 
 
-LogprobRow = tuple[float, list[int], list[float]]
-"""A row's scored log-probability and its top alternatives' ids and log-probabilities, on the host."""
+def _prepare_device(config: EngineConfig) -> torch.device:
+    """The engine's device (CUDA when available unless ``device`` names one), checked for the block size, and
+    this process's torch threads and allocator set for it."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_block_size(config.block_size, device)
+    if device.type == "cpu":
+        keep_freed_memory()  # activations reuse freed heap instead of faulting in fresh pages each step
+    return device
 
 
-def _token_logprob(token: int, row: LogprobRow, k: int) -> TokenLogprob:
-    """A sampled token's log-probability and its row's ``k`` most likely alternatives (the step computed
-    as many as its most demanding row asked for)."""
-    chosen, ids, values = row
-    return TokenLogprob(token_id=token, logprob=chosen, top=list(zip(ids[:k], values[:k], strict=True)))
-
-
-@dataclass(slots=True)
-class _Advanced:
-    """A batch advanced on the host: the sequences its step samples (forks included), each one's logits row
-    and output position, the families it forked, and its token counts."""
-
-    seqs: list[Request]
-    rows: list[int]
-    positions: list[int]
-    forks: list[list[Request]]
-    prefill: int = 0
-    decodes: int = 0
-    logits_rows: int = 0
-
-
-def _pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class LLMEngine(StepRecovery):
+class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        device = _pick_device(config.device)
-        check_block_size(config.block_size, device)
-        if device.type == "cpu":
-            keep_freed_memory()  # activations reuse freed heap instead of faulting in fresh pages each step
+        device = _prepare_device(config)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         self.loaded = load_model(config.model, device, dtype, config.max_model_len)
         self.tokenizer = self.loaded.tokenizer
@@ -101,18 +89,20 @@ class LLMEngine(StepRecovery):
         self.bytes_per_block = kv_bytes_per_block(self.loaded, config.block_size, model_dtype, config.kv_cache_dtype)
         self.num_blocks = device_blocks(config, device, self.bytes_per_block)
         self.block_size = config.block_size
-        self.pool = BlockPool(self.num_blocks, enable_caching=config.enable_prefix_caching)
         self.hash_seed = model_seed(self.model_id)
+        self.events = KVEventLog()
+        """Every tier's KV events in order: the device pool, host tier and disk tier are built with it."""
+        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
+        """Called with each step's KV events (the index publisher); they must not block."""
+        self.rates = StepRates()
         self._build_kv(device)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
         self.penalties = PenaltyCounts(self.runner.device)
-        self.requests: dict[str, list[Request]] = {}
+        self.live = LiveRequests(self.scheduler, self.penalties, self.grammars)
+        self.requests = self.live.requests
         """Each live request's unfinished sequences (one, or up to ``n`` once forked)."""
-        self._prompt_logprob_ids: set[str] = set()
-        """Live requests that report their prompt's log-probabilities: only then are batches scanned for them."""
-        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
-        """Called with each step's KV events (the index publisher); they must not block."""
+        self.recovery = StepRecovery(live=self.live, kv=self.kv, launch=self._launch, collect=self._collect)
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
@@ -120,6 +110,8 @@ class LLMEngine(StepRecovery):
         self._launched_step: LaunchedStep | None = None
         self._last_collect = self._last_launched = 0.0
         """When the last step was collected, and when the last inline step finished its launch (step timing)."""
+        self.closed = False
+        """Set by ``close()``."""
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%s) on %s",
             config.model,
@@ -130,55 +122,51 @@ class LLMEngine(StepRecovery):
         )
 
     def _build_kv(self, device: torch.device) -> None:
-        """The model runner (the device pool), the host tier, the KV manager, the scheduler and, on CUDA, the
-        decode steps' CUDA graphs."""
+        """The model runner (the device pool), the host tier, the block pool, the KV manager, the scheduler and,
+        on CUDA, the decode steps' kernels and graphs."""
         config = self.config
         max_blocks_per_seq = -(-self.max_request_tokens // config.block_size) + 1
         self.runner = ModelRunner(
-            self.loaded,
-            self.num_blocks,
-            config.block_size,
-            config.kv_cache_dtype,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            max_blocks_per_seq,
+            self.loaded, config, num_blocks=self.num_blocks, max_blocks_per_seq=max_blocks_per_seq
         )
-        self.rates = StepRates()
-        swap_blocks, cache_blocks = host_blocks(config, device, self.num_blocks, self.bytes_per_block)
-        self.swap = None
-        if swap_blocks + cache_blocks >= 1:
-            blocks, rate = swap_blocks + cache_blocks, lambda: self.rates.prefill_tok_s  # read when a load is priced
-            self.swap = SwapSpace(self.runner.kv_caches, blocks, rate, cache_blocks)
-        if config.disk_cache_dir is not None:
-            if self.swap is None:
-                raise ValueError("disk_cache_dir needs a host tier (host_cache_bytes > 0): its blocks go through it")
-            fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
-            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint, self.swap.block_bytes)
-            self.swap.attach_disk(disk)
-            log.info("disk tier %s: %d blocks adopted, room for %d", disk.dir, disk.adopted, disk.num_blocks)
+        self.swap = self._host_tier(device)
+        host_cache = self.swap if self.swap is not None and self.swap.cache_blocks else None
+        self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching, events=self.events, host_tier=host_cache)
         windows = [layer.self_attn.window for layer in self.loaded.model.layers]
-        sliding = None if None in windows else max(windows)  # blocks behind every layer's window are freed
         self.kv = KVCacheManager(
             self.pool,
             config.block_size,
-            config.enable_prefix_caching,
-            sliding,
-            self.swap,
-            config.max_num_seqs,
-            max_blocks_per_seq,
+            sliding_window=None if None in windows else max(windows),  # blocks behind every layer's window free
+            swap=self.swap,
+            max_seqs=config.max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode)
-        if device.type == "cuda" and self.runner.kernels.backend == "triton":
-            started = time.perf_counter()
-            counts = self.runner.compile_decode_splits()
-            log.info("compiled decode attention for %d split counts in %.1f s", counts, time.perf_counter() - started)
-        # int4 keys are written whole blocks at a time from their tails, a step the graphs cannot capture
-        if device.type == "cuda" and not config.enforce_eager and self.runner.key_tails is None:
-            sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)
-            sizes = [s for s in sizes if s <= config.max_num_seqs]
-            started = time.perf_counter()
-            self.runner.capture_decode_graphs(sizes)
-            log.info("captured %d CUDA graphs of decode steps in %.1f s", len(sizes), time.perf_counter() - started)
+        self.scheduler = Scheduler(self.kv, config)
+        self.runner.prepare_decode(config)
+
+    def _host_tier(self, device: torch.device) -> SwapSpace | None:
+        """The host tier (swap space and host prefix cache) over the runner's cache, with the disk tier under it;
+        None when the config gives it no block."""
+        config = self.config
+        swap_blocks, cache_blocks = host_blocks(config, device, self.num_blocks, self.bytes_per_block)
+        disk = None
+        if config.disk_cache_dir is not None:
+            if not cache_blocks:
+                raise ValueError("disk_cache_dir needs a host tier (host_cache_bytes > 0): its blocks go through it")
+            fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
+            size = block_bytes(self.runner.kv_caches)
+            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint, size, events=self.events)
+            log.info("disk tier %s: %d blocks adopted, room for %d", disk.dir, disk.adopted, disk.num_blocks)
+        if swap_blocks + cache_blocks < 1:
+            return None
+        return SwapSpace(
+            self.runner.kv_caches,
+            swap_blocks + cache_blocks,
+            prefill_tok_s=lambda: self.rates.prefill_tok_s,  # read when a load is priced
+            events=self.events,
+            cache_blocks=cache_blocks,
+            disk=disk,
+        )
 
     def _eos_token_ids(self) -> set[int]:
         eos = self.loaded.config.eos_token_id
@@ -219,27 +207,19 @@ class LLMEngine(StepRecovery):
         detok = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
         )
-        req = Request(
-            request_id,
-            ids,
-            params,
-            self.max_request_tokens,
-            self.eos_token_ids,
-            detok,
-            self.block_size,
-            self.hash_seed,
-            first_block_extra(cache_salt),
-            block_hashes,
-            cache_salt,
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            max_total_tokens=self.max_request_tokens,
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=detok,
+            block_size=self.block_size,
+            hash_seed=self.hash_seed,
+            cache_salt=cache_salt,
+            block_hashes=block_hashes,
         )
-        if params.json_schema is not None:
-            req.matcher = self.grammars.matcher(params.json_schema)
-        if params.presence_penalty or params.frequency_penalty:
-            req.penalty_row = self.penalties.assign()
-        if params.prompt_logprobs is not None:
-            self._prompt_logprob_ids.add(request_id)
-        self.requests[request_id] = [req]
-        self.scheduler.add(req)
+        self.live.admit(request)
         return request_id
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
@@ -261,12 +241,7 @@ class LLMEngine(StepRecovery):
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (all its sequences) and free its blocks at once; False if unknown or finished."""
-        seqs = self.requests.pop(request_id, None)
-        if seqs is None:
-            return False
-        for req in seqs:
-            self._end(req, "abort")
-        return True
+        return self.live.abort(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -290,7 +265,7 @@ class LLMEngine(StepRecovery):
             launched = self._launch()
         except PrepareFailed as failed:  # nothing was launched: run the batch one request at a time
             log.warning("preparing a step of %d requests failed (%r)", len(failed.batch), failed.__cause__)
-            outputs = self.drain() + self._run_alone(failed.batch)
+            outputs = self.drain() + self.recovery.run_alone(failed.batch)
         else:
             if self.async_scheduling:
                 launched, self._launched_step = self._launched_step, launched
@@ -305,16 +280,16 @@ class LLMEngine(StepRecovery):
         if not batch:
             return None
         t0 = time.perf_counter()
-        prompt = prompt_rows(batch) if self._prompt_logprob_ids else None
+        prompt = prompt_rows(batch) if self.live.prompt_logprob_ids else None
         try:
             prepared = self.runner.prepare(batch, self.kv.tables.array, prompt.rows if prompt else None)
         except Exception as exc:  # a request's data does not fit the step's buffers; nothing has changed yet
             raise PrepareFailed(batch) from exc
         copies, swaps = self.kv.take_copies(), self.swap.take() if self.swap is not None else None
         advanced = self._advance(batch)
-        sampling, failures = self._sampling_tensors(advanced.seqs, advanced.positions)
+        sampling, failures = sampling_tensors(advanced.seqs, advanced.positions, self.runner.device)
         plan = StepPlan(prepared=prepared, copies=copies, swaps=swaps, sampling=sampling, prompt=prompt)
-        self._plan_logits(plan, advanced)
+        plan_logits(plan, advanced, self.penalties, self.runner.device)
         handle = self.device.submit(lambda: self.device_step(plan))
         launched = LaunchedStep(
             batch=batch,
@@ -336,10 +311,10 @@ class LLMEngine(StepRecovery):
             self._last_launched = done
         return launched
 
-    def _advance(self, batch: list[ScheduledRequest]) -> _Advanced:
+    def _advance(self, batch: list[ScheduledRequest]) -> Advanced:
         """Advance every scheduled sequence as if the step had run, publish the blocks it fills, and fork
         what completes its prompt; the sequences the step samples, in the order of its tokens."""
-        advanced = _Advanced([], [], [], [])
+        advanced = Advanced()
         bs = self.block_size
         for sr in batch:
             req, n = sr.request, sr.num_new_tokens
@@ -355,7 +330,7 @@ class LLMEngine(StepRecovery):
             if end == len(req.all_token_ids) + req.num_pending:  # its last known token: this step samples
                 family = [req]
                 if req.fork_pending:
-                    family = self._fork(req)
+                    family = self.live.fork(req)
                     advanced.forks.append(family)
                 for seq in family:
                     advanced.positions.append(seq.num_tokens - seq.num_prompt_tokens)
@@ -366,59 +341,19 @@ class LLMEngine(StepRecovery):
                 advanced.logits_rows += 1
         return advanced
 
-    def _plan_logits(self, plan: StepPlan, advanced: _Advanced) -> None:
-        """Fill in the plan's logit work for the sampled sequences: forks' shared rows, biases, grammar masks,
-        penalties and log-probabilities."""
-        seqs = advanced.seqs
-        if len(advanced.rows) > advanced.logits_rows:
-            plan.expand = torch.tensor(advanced.rows)
-        special = [i for i, seq in enumerate(seqs) if seq.logit_work]  # one scan; most steps find none
-        if special:
-            plan.bias = LogitBias.build(seqs, advanced.positions, special, self.runner.device)
-            plan.logprob_rows = [i for i in special if seqs[i].params.logprobs is not None]
-            plan.top_logprobs = max((seqs[i].params.logprobs for i in plan.logprob_rows), default=0)
-            constrained = [i for i in special if seqs[i].matcher is not None]
-            if constrained:
-                plan.grammar = GrammarRows(constrained, [seqs[i].matcher for i in constrained])
-        penalised = [i for i in special if seqs[i].penalty_row >= 0]
-        if penalised or self.penalties.has_work:
-            ps = [seqs[i].params for i in penalised]
-            slots = [seqs[i].penalty_row for i in penalised]
-            presence, frequency = [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]
-            plan.penalties = self.penalties.step(penalised, slots, presence, frequency)
-
-    def _sampling_tensors(self, seqs: list[Request], positions: list[int]) -> tuple[SamplingTensors, dict]:
-        """The step's sampling settings; a row whose settings cannot be turned into tensors is sampled
-        greedily and failed when the step is collected (the others are not affected)."""
-        params = [r.params for r in seqs]
-        if all(p.greedy for p in params):
-            return GREEDY, {}
-        device = self.runner.device
-        columns = SamplingColumns.of(params, [r.sample_seed for r in seqs], positions)
-        try:
-            return SamplingTensors.build(columns, device), {}
-        except Exception:
-            failures: dict[int, Exception] = {}
-            for i in range(len(seqs)):
-                try:
-                    SamplingTensors.build(columns.row(i), device)
-                except Exception as exc:
-                    failures[i] = exc
-                    columns.neutralise(i)
-            return SamplingTensors.build(columns, device), failures
-
     def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs: append them, publish the blocks
         it completed, apply stop conditions, retire finished sequences."""
         try:
             tokens, failures, logprobs = launched.handle.result()
-        except Exception as exc:
-            return self._isolate(launched, exc)
+        except Exception as exc:  # undone with the step launched on top of it; its requests rerun alone
+            later, self._launched_step = self._launched_step, None
+            return self.recovery.isolate(launched, later, exc)
         failures = {**launched.failures, **failures}
         if launched.prompt is not None:  # before the outputs: the first one carries the prompt's
-            self._score_prompts(launched.prompt, logprobs, len(launched.seqs))
+            launched.prompt.score(logprobs, len(launched.seqs))
         outputs = []
-        scores_prompts = bool(self._prompt_logprob_ids)  # before the loop: retiring a request drops its id
+        scores_prompts = bool(self.live.prompt_logprob_ids)  # before the loop: retiring a request drops its id
         for i, (req, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
             req.num_pending -= 1
             if req.finish_reason is not None or req.request_id not in self.requests:  # ended while in flight
@@ -428,7 +363,7 @@ class LLMEngine(StepRecovery):
                     raise failures[i]
                 outputs.append(self._output(req, token, logprobs.get(i), scores_prompts))
             except Exception as exc:
-                outputs.append(self._fail(req.request_id, exc))
+                outputs.append(self.live.fail(req.request_id, exc))
         # A step's time is from its launch, or from the previous collection if it ran behind it: the period
         # of the pipeline, what one more step costs. A step that ran inline was timed at its launch.
         now = time.perf_counter()
@@ -436,11 +371,6 @@ class LLMEngine(StepRecovery):
         self.rates.observe(launched.prefill, launched.decodes, seconds, now)
         self._last_collect = now
         return outputs
-
-    @staticmethod
-    def _score_prompts(prompt: PromptRows, logprobs: HostLogprobs, base: int) -> None:
-        for j, (req, target) in enumerate(zip(prompt.owners, prompt.targets, strict=True)):
-            req.prompt_logprobs.append(_token_logprob(target, logprobs[base + j], req.params.prompt_logprobs))
 
     def _output(self, req: Request, token: int, logprob_row: LogprobRow | None, scores_prompts: bool) -> RequestOutput:
         """Append a sampled token to its sequence, publish a block it completes, retire the sequence if it
@@ -450,10 +380,10 @@ class LLMEngine(StepRecovery):
             self.kv.cache_full_blocks(req)  # a block whose KV was computed before its last token was known
         if req.finish_reason:
             self.rates.observe_finished(len(req.all_token_ids) - req.num_prompt_tokens)
-            self._retire(req)
+            self.live.retire(req)
         out = RequestOutput.of(req, [token])
         if logprob_row is not None:
-            out.logprobs = [_token_logprob(token, logprob_row, req.params.logprobs)]
+            out.logprobs = [token_logprob(token, logprob_row, req.params.logprobs)]
         first = scores_prompts and len(req.all_token_ids) == req.num_prompt_tokens + 1
         if first and req.params.prompt_logprobs is not None:
             out.prompt_logprobs = req.prompt_logprobs  # with the first token
@@ -466,83 +396,28 @@ class LLMEngine(StepRecovery):
         self._flush_events()
         return outputs
 
-    def _fork(self, req: Request) -> list[Request]:
-        family = self.scheduler.fork(req)
-        for child in family[1:]:
-            if child.penalty_row >= 0:  # its own counts (still empty: forks come before any output)
-                child.penalty_row = self.penalties.assign()
-        self.requests[req.request_id] = list(family)
-        return family
-
-    def _end(self, req: Request, reason: str | None) -> None:
-        """Finish a sequence in the scheduler (its blocks) and free its penalty counts."""
-        self.scheduler.finish(req, reason)
-        self._prompt_logprob_ids.discard(req.request_id)
-        if req.penalty_row >= 0:
-            self.penalties.release(req.penalty_row)
-            req.penalty_row = -1
-
-    def _retire(self, req: Request) -> None:
-        """A sequence stopped: free its blocks; the request ends with its last sequence."""
-        self._end(req, req.finish_reason)
-        seqs = self.requests[req.request_id]
-        seqs.remove(req)
-        if not seqs:
-            del self.requests[req.request_id]
-
-    # ------------------------------------------------------------------ observability
     def _flush_events(self) -> None:
-        events = self.pool.take_events()
+        events = self.events.take()
         if events:
             for sink in self.kv_event_sinks:
                 sink(events)
 
+    # ------------------------------------------------------------------ life cycle and observability
     def warm_up(self, batch: int = 8, steps: int = 4) -> None:
-        """Prefill and decode a few dummy requests before serving.
-
-        Routers turn queues into seconds with the replica's measured prefill rate and weigh a decode batch by
-        its marginal cost per sequence, which a replica can only measure from steps of different sizes;
-        without this, a fresh replica would report nothing until traffic happened to vary its batch, and
-        routers would guess. The first prefill builds kernels and runs slower than serving will, so the rate
-        reported comes from a second one. It also warms the
-        kernels, so the first user does not pay for it. Leaves no trace: blocks, cache and counters are reset.
-        """
-        n = max(2, min(batch, self.scheduler.max_num_seqs))
-        params = SamplingParams(max_tokens=2 * steps + 2, temperature=0, ignore_eos=True)
-        vocab = self.loaded.config.vocab_size
-        per_seq = max(1, min(4, self.num_blocks // n - 1, self.config.max_num_batched_tokens // (n * self.block_size)))
-
-        def prompts(first: int) -> list[str]:
-            """``n`` prompts of ``per_seq`` blocks no earlier prompt shares, added; their ids."""
-            tokens = per_seq * self.block_size
-            return [
-                self.add_request([(first + 97 * i + k) % vocab for k in range(tokens)], params, f"warm-up-{first}-{i}")
-                for i in range(n)
-            ]
-
-        cold = prompts(1000)
-        self.step()  # prefill all, cold
-        for rid in cold:
-            self.abort_request(rid)
-        self.drain()
-        self.rates.forget_prefill()
-        rids = prompts(5000)
-        self.step()  # prefill all again: the rate routers are told
-        for running in (n, 1):
-            for rid in rids[running:]:
-                self.abort_request(rid)
-            for _ in range(steps):
-                self.step()
-        for rid in rids:
-            self.abort_request(rid)
-        self.drain()
-        self.reset_prefix_cache()
-        self.scheduler.reset_counters()
+        """Prefill and decode a few dummy requests before serving, so routers get measured rates from the first
+        request on and the kernels are built (``warm_up.py``); leaves no trace."""
+        warm_up_engine(self, batch, steps)
 
     def close(self) -> None:
-        """Release what outlives steps: with a disk tier, write every block still cached (device pool and host
-        tier) to it, for a replica restarted on the directory, then stop its writer and free the directory."""
-        if self.swap is not None and self.swap.disk is not None and not self.swap.disk.closed:
+        """Release what outlives steps, once: collect the step in flight, stop the device queue's worker and,
+        with a disk tier, write every block still cached (device pool and host tier) to it, for an engine
+        started on the directory later, then stop its writer and free the directory's slot."""
+        if self.closed:
+            return
+        self.closed = True
+        self.drain()
+        self.device.shutdown()
+        if self.swap is not None and self.swap.disk is not None:
             cached = ((h, self.pool.lookup(h)) for h in self.pool.cached_hashes())
             self.swap.spill([(h, block.block_id) for h, block in cached if block is not None])
             self.swap.disk.close()
@@ -575,27 +450,36 @@ class LLMEngine(StepRecovery):
             table = self.kv.tables.array[req.kv_row, : len(self.kv.req_blocks[req])].tolist()
             assert table == self.kv.block_ids(req), f"block-table row of {req.request_id} out of date"
 
-    def snapshot(self) -> EngineSnapshot:
-        """The engine's state in one read (the queues copied first: a step may be running in another
-        thread): what the routers' load report, the autoscaler's KV pressure and ``stats`` are made of."""
-        s, pool, size = self.scheduler, self.pool, self.block_size
+    def stats(self) -> EngineStats:
+        """The engine's state in one read (the queues copied first: a step may be running in another thread):
+        what the routers' load report, the autoscaler's KV pressure and ``kvmesh status`` are derived from."""
+        s, pool, size, swap, rates = self.scheduler, self.pool, self.block_size, self.swap, self.rates
         waiting, running = tuple(s.waiting), tuple(s.running)  # one C-level copy each
         pending = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         pending += sum(
             r.num_tokens - r.num_computed_tokens for r in running if r.num_computed_tokens < r.num_tokens - 1
         )
-        disk = self.swap.disk if self.swap is not None else None
-        return EngineSnapshot(
+        waiting_blocks = sum(-(-r.num_tokens // size) for r in waiting)
+        disk = swap.disk if swap is not None else None
+        return EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
             pending_prefill_tokens=pending,
-            waiting_blocks=sum(-(-r.num_tokens // size) for r in waiting),
-            num_blocks=self.num_blocks,
-            num_free_blocks=pool.num_free,
-            num_evictable_blocks=pool.num_cached_free,
             kv_usage=pool.usage,
+            kv_free_blocks=pool.num_free - waiting_blocks,
+            kv_total_blocks=self.num_blocks,
             cache_fill=pool.fill,
+            prefill_tok_s=rates.prefill_tok_s if rates.prefill_measured else None,
+            decode_s_per_seq=rates.decode_s_per_seq,
+            host_load_tok_s=swap.load_tok_s(size) if swap is not None and swap.cache_blocks else None,
+            disk_load_tok_s=swap.disk_load_tok_s(size) if disk is not None else None,
+            prefill_busy=rates.prefill_busy(time.perf_counter()),
+            step_s=rates.step_s,
+            mean_output_tokens=rates.mean_output_tokens,
             max_num_seqs=s.max_num_seqs,
+            waiting_blocks=waiting_blocks,
+            num_free_blocks=pool.num_free,
+            num_cached_blocks=pool.num_cached_free,
             num_preemptions=s.num_preemptions,
             num_swapped_out=s.num_swapped_out,
             num_recomputed_tokens=s.num_recomputed_tokens,
@@ -603,20 +487,10 @@ class LLMEngine(StepRecovery):
             prompt_tokens=s.prompt_tokens_queried,
             cached_prompt_tokens=s.prompt_tokens_hit,
             cached_prompt_tokens_host=s.prompt_tokens_hit_host,
-            host_tier_blocks=self.swap.cache_blocks if self.swap is not None else 0,
-            host_tier_used_blocks=self.swap.num_cached if self.swap is not None else 0,
+            host_tier_blocks=swap.cache_blocks if swap is not None else 0,
+            host_tier_used_blocks=swap.num_cached if swap is not None else 0,
             disk_tier_blocks=disk.num_blocks if disk is not None else 0,
             disk_tier_used_blocks=len(disk) if disk is not None else 0,
-            disk_blocks_read=self.swap.disk_blocks_read if disk is not None else 0,
+            disk_blocks_read=swap.disk_blocks_read if disk is not None else 0,
             disk_blocks_dropped=disk.dropped if disk is not None else 0,
-            host_load_tok_s=self.swap.load_tok_s(size) if self.swap is not None and self.swap.cache_blocks else None,
-            disk_load_tok_s=self.swap.disk_load_tok_s(size) if disk is not None else None,
-            prefill_tok_s=self.rates.prefill_tok_s if self.rates.prefill_measured else None,
-            decode_s_per_seq=self.rates.decode_s_per_seq,
-            step_s=self.rates.step_s,
-            mean_output_tokens=self.rates.mean_output_tokens,
-            prefill_busy=self.rates.prefill_busy(time.perf_counter()),
         )
-
-    def stats(self) -> EngineStats:
-        return self.snapshot().stats()

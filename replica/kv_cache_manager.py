@@ -15,7 +15,7 @@ sequence's next token are released as it goes, so a long generation holds about 
 blocks. Their table entries become ``None`` (positions stay aligned; the kernels never read them); the
 released blocks stay cached, so a later request with the same prefix can still hit them.
 
-With a swap space (``kvmesh/replica/swap.py``), a preempted sequence whose blocks are cheaper to move than to
+With a swap space (``replica/swap.py``), a preempted sequence whose blocks are cheaper to move than to
 recompute is swapped out: its computed blocks are copied to host memory, its device blocks freed, and on
 readmission ``swap_in`` copies them back into fresh device blocks, so it resumes where it stopped.
 """
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvmesh.core.hashing import BlockHash
 from kvmesh.replica.block_pool import Block, BlockPool
 from kvmesh.replica.request import Request
 from kvmesh.replica.swap import SwapSpace
-from kvmesh.shared.hashing import BlockHash
 
 
 class BlockTables:
@@ -64,24 +64,24 @@ class KVCacheManager:
         self,
         pool: BlockPool,
         block_size: int,
-        enable_prefix_caching: bool = True,
+        *,
         sliding_window: int | None = None,
         swap: SwapSpace | None = None,
         max_seqs: int = 16,
         max_blocks_per_seq: int = 16,
     ) -> None:
+        """Tables over ``pool`` (prefix caching as the pool has it). ``sliding_window``: the window every layer
+        attends within (None if any layer attends to the whole context). ``swap``: the host tier, if any.
+        ``max_seqs`` x ``max_blocks_per_seq``: the block tables' first size (they grow on demand)."""
         self.pool = pool
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = pool.enable_caching
         self.sliding_window = sliding_window
-        """The window every layer attends within; None if any layer attends to the whole context."""
         # Keyed by the sequence itself: the n sequences of a forked request share its request id.
         self.req_blocks: dict[Request, list[Block | None]] = {}
         self._num_cached_blocks: dict[Request, int] = {}
         self._copies: list[tuple[int, int]] = []
         self.swap = swap
-        if swap is not None and swap.cache_blocks:
-            pool.on_evict, pool.on_cache, swap.emit = swap.offload, swap.drop, pool.emit
         self._swapped: dict[Request, tuple[list[int], list[int]]] = {}
         """Swapped-out sequences: the table positions their saved blocks came from, and the host blocks."""
         self.tables = BlockTables(max_seqs, max_blocks_per_seq)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.messages import EngineStats
+from kvmesh.core.model_files import DEFAULT_MODEL
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
-from kvmesh.shared.engine_config import EngineConfig
-from kvmesh.shared.messages import EngineStats
-from kvmesh.shared.model_files import DEFAULT_MODEL
-from kvmesh.shared.sampling_params import SamplingParams
 
 
 class LLM:
@@ -15,10 +15,26 @@ class LLM:
 
     Keyword arguments are ``EngineConfig`` fields (``block_size``, ``num_kv_blocks``, ``max_num_seqs``,
     ``device``, ``dtype``, ``torch_threads``, ...), with ``EngineConfig``'s defaults.
+
+    It closes like a file (``close()``, or ``with LLM(...) as llm:``): closing releases the engine, and with a
+    ``disk_cache_dir`` writes what it caches there and frees the directory, so the next ``LLM`` on it, in this
+    process or another, takes the same slot and starts warm.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the engine (``LLMEngine.close``); a second call does nothing."""
+        self.closed = True
+        self.engine.close()
 
     @property
     def tokenizer(self):
@@ -32,7 +48,9 @@ class LLM:
         """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
         params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``. With ``logprobs``,
         each output carries one per generated token; with ``prompt_logprobs``, one per prompt token after the
-        first."""
+        first. Raises ``ValueError`` once closed."""
+        if self.closed:
+            raise ValueError("generate on a closed LLM")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

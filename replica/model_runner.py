@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from itertools import chain
 
 import numpy as np
 import torch
 
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.kv_dtype import kv_bytes_per_token
 from kvmesh.kernels import AttentionMetadata, model_kernels
 from kvmesh.kernels.int4_store import KeyTails
 from kvmesh.kernels.metadata import MAX_SPLITS, slot_mapping, token_positions
@@ -20,11 +24,12 @@ from kvmesh.kernels.quant import (
     values_per_element,
 )
 from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
-from kvmesh.replica.cuda_graphs import DecodeGraphs
+from kvmesh.replica.cuda_graphs import DecodeGraphs, default_sizes
 from kvmesh.replica.model_loader import LoadedModel
 from kvmesh.replica.scheduler import ScheduledRequest
 from kvmesh.replica.step_inputs import PreparedStep, StepInputs
-from kvmesh.shared.kv_dtype import kv_bytes_per_token
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 256
 """Length of the fixed pseudo-random sequence whose K/V set a fp8 cache's per-head scales."""
@@ -40,27 +45,21 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        num_blocks: int,
-        block_size: int,
-        kv_cache_dtype: str = "auto",
-        max_num_batched_tokens: int = 1024,
-        max_num_seqs: int = 64,
-        max_blocks_per_seq: int = 64,
-    ) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, max_blocks_per_seq: int) -> None:
+        """The KV cache of ``num_blocks`` blocks in the config's ``block_size`` and ``kv_cache_dtype``, and step
+        buffers for its ``max_num_batched_tokens`` and ``max_num_seqs`` of up to ``max_blocks_per_seq`` blocks."""
         self.model = loaded.model
-        self.block_size = block_size
+        self.block_size = block_size = config.block_size
+        max_num_seqs = config.max_num_seqs
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kernels = model_kernels(self.device)
-        storage = storage_dtype(kv_cache_dtype, self.dtype)
+        storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
         # Zero-filled: padded block-table entries point at real (masked) memory that must not hold NaN.
         self.key_tails: KeyTails | None = None
-        """int4: which block each key tail slot serves (``kvmesh/kernels/int4_store.py``)."""
+        """int4: which block each key tail slot serves (``kernels/int4_store.py``)."""
         tails = 0
         if storage == INT4_DTYPE:  # at most one partial block per sequence a step, and those not scheduled
             tails = 2 * max_num_seqs + 8
@@ -69,12 +68,29 @@ class ModelRunner:
         if storage in FP8_DTYPES:
             self._calibrate_fp8_scales(storage)
         self._inputs = [
-            StepInputs(max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
+            StepInputs(config.max_num_batched_tokens, max_num_seqs, max_blocks_per_seq, self.device) for _ in range(2)
         ]
         self._turn = 0
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps (CUDA); ``forward`` replays them for the decode batches they fit."""
+
+    def prepare_decode(self, config: EngineConfig) -> None:
+        """On CUDA, before serving: compile the Triton decode attention for every split count, and capture the
+        decode steps' CUDA graphs for ``cuda_graph_sizes`` (not with ``enforce_eager``, nor for int4, whose
+        keys are written whole blocks at a time from their tails, a step a graph cannot replay)."""
+        if self.device.type != "cuda":
+            return
+        if self.kernels.backend == "triton":
+            started = time.perf_counter()
+            counts = self.compile_decode_splits()
+            log.info("compiled decode attention for %d split counts in %.1f s", counts, time.perf_counter() - started)
+        if not config.enforce_eager and self.key_tails is None:
+            sizes = config.cuda_graph_sizes or default_sizes(config.max_num_seqs)
+            sizes = [s for s in sizes if s <= config.max_num_seqs]
+            started = time.perf_counter()
+            self.capture_decode_graphs(sizes)
+            log.info("captured %d CUDA graphs of decode steps in %.1f s", len(sizes), time.perf_counter() - started)
 
     def compile_decode_splits(self) -> int:
         """Run the decode attention once for each split count a step may choose (``decode_splits``: powers of
@@ -96,7 +112,7 @@ class ModelRunner:
     def capture_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
         """Capture a CUDA graph of a decode step per batch size in ``sizes`` (``capture=False``: the same
         padded static path run eagerly, for tests on the CPU). Not for int4: its key writes (whole blocks from
-        their tails, ``kvmesh/kernels/int4_store.py``) are planned per step, which a graph cannot replay."""
+        their tails, ``kernels/int4_store.py``) are planned per step, which a graph cannot replay."""
         if self.key_tails is not None:
             raise ValueError("an int4 KV cache runs decode steps eagerly: no CUDA graphs")
         self.graphs = DecodeGraphs(
@@ -115,7 +131,7 @@ class ModelRunner:
         shape = (*shape[:-1], head_dim // values_per_element(storage))
         k = torch.zeros(shape, dtype=storage, device=self.device)
         v = torch.zeros(shape, dtype=storage, device=self.device)
-        if storage == INT4_DTYPE:  # kvmesh/kernels/quant.py: key ranges per block, value scales per slot
+        if storage == INT4_DTYPE:  # kernels/quant.py: key ranges per block, value scales per slot
             return LayerCache(
                 k,
                 v,

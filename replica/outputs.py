@@ -1,9 +1,19 @@
-"""What the engine returns per step and sequence: ``RequestOutput``."""
+"""What the engine returns per step and sequence: ``RequestOutput``, with its tokens' log-probabilities."""
 
 from __future__ import annotations
 
+from kvmesh.core.messages import TokenLogprob
 from kvmesh.replica.request import Request
-from kvmesh.shared.messages import TokenLogprob
+
+LogprobRow = tuple[float, list[int], list[float]]
+"""A row's scored log-probability and its top alternatives' ids and log-probabilities, on the host."""
+
+
+def token_logprob(token: int, row: LogprobRow, k: int) -> TokenLogprob:
+    """A scored token's log-probability and its row's ``k`` most likely alternatives (the step computed as
+    many as its most demanding row asked for)."""
+    chosen, ids, values = row
+    return TokenLogprob(token_id=token, logprob=chosen, top=list(zip(ids[:k], values[:k], strict=True)))
 
 
 class RequestOutput:

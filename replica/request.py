@@ -6,10 +6,10 @@ import copy
 import enum
 import random
 
+from kvmesh.core.hashing import BlockHash, first_block_extra, hash_blocks
+from kvmesh.core.messages import TokenLogprob
+from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.detokenizer import IncrementalDetokenizer
-from kvmesh.shared.hashing import BlockHash, hash_blocks
-from kvmesh.shared.messages import TokenLogprob
-from kvmesh.shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +32,7 @@ class Request:
 
     def __init__(
         self,
+        *,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -40,13 +41,14 @@ class Request:
         detokenizer: IncrementalDetokenizer,
         block_size: int,
         hash_seed: BlockHash,
-        hash_extra: bytes,
-        block_hashes: list[BlockHash] | None = None,
         cache_salt: str | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
+        """``max_total_tokens``: prompt + output at most; ``block_size``, ``hash_seed`` and ``cache_salt`` (mixed
+        into block 0's hash) chain ``block_hashes``, unless the ingress passed the prompt's already."""
         self.request_id = request_id
         self.cache_salt = cache_salt
-        """The tenant salt in ``hash_extra``, as text: block 0's KV event names it (``extra_keys`` on the wire)."""
+        """The tenant salt mixed into block 0's hash: block 0's KV event names it (``extra_keys`` on the wire)."""
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
@@ -68,11 +70,11 @@ class Request:
         self.logit_work = params.adjusts_logits
         """Set once: steps look at this request's biases, penalties, grammar and logprobs only when it is true."""
         self.matcher = None
-        """The response_format grammar's matcher (``kvmesh/replica/structured.py``), advanced by the device step."""
+        """The response_format grammar's matcher (``replica/structured.py``), advanced by the device step."""
         self.prompt_logprobs: list[TokenLogprob] = []
         """Log-probabilities of prompt tokens 1.. so far, when ``params.prompt_logprobs`` asks for them."""
         self.penalty_row = -1
-        """This sequence's row of the engine's penalty counts (``kvmesh/replica/penalties.py``); -1: no penalty."""
+        """This sequence's row of the engine's penalty counts (``replica/penalties.py``); -1: no penalty."""
         self.num_pending = 0
         """Tokens sampled by a step still in flight (0 or 1): counted in ``num_tokens``, appended when the
         step's results are collected."""
@@ -80,7 +82,7 @@ class Request:
         """Where the pending token sits in its step's sampled tokens: the next step reads it there."""
         self._block_size = block_size
         self._hash_seed = hash_seed
-        self._hash_extra = hash_extra
+        self._hash_extra = first_block_extra(cache_salt)
         # The ingress may pass precomputed prompt hashes so a prompt is hashed once per cluster.
         self.block_hashes = block_hashes if block_hashes is not None else []
         self._extend_hashes()
@@ -103,7 +105,7 @@ class Request:
 
     # ------------------------------------------------------------------ parallel sampling
     def _sample_seed(self) -> int:
-        """The seed of this sequence's draws (``kvmesh/replica/sampler.py``): the request's seed + its index, modulo
+        """The seed of this sequence's draws (``replica/sampler.py``): the request's seed + its index, modulo
         2**64, as a signed 64-bit value; unseeded requests start from a random one."""
         seed = (self._seed_base + self.index) % 2**64
         return seed - 2**64 if seed >= 2**63 else seed

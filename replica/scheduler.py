@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.replica.kv_cache_manager import KVCacheManager
 from kvmesh.replica.request import Request, RequestStatus
 
@@ -33,15 +34,13 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, preemption_mode: str = "auto"
-    ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+    def __init__(self, kv: KVCacheManager, config: EngineConfig) -> None:
+        """Batches over ``kv``'s blocks within the config's ``max_num_seqs`` and ``max_num_batched_tokens``,
+        preempting by its ``preemption_mode`` (``EngineConfig`` checked them)."""
         self.kv = kv
-        self.preemption_mode = preemption_mode
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = config.preemption_mode
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

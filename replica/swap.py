@@ -11,14 +11,14 @@ evicts is copied here instead of dropped, and a later request whose prefix conti
 hits into this tier loads those blocks back before its prefill, when loading is cheaper than recomputing.
 Host-cached blocks are LRU and exclusive with the device (a loaded or recomputed block leaves the tier);
 swapped sequences take precedence and evict them. Without ``host_cache_bytes`` nothing is cached here.
-With a disk tier under it (``kvmesh/replica/disk_tier.py``) the blocks this tier evicts are written to
+With a disk tier under it (``replica/disk_tier.py``) the blocks this tier evicts are written to
 files, and a chain that continues past the host hits onto disk is read back into host blocks first (when
 reading and copying in beats recomputing), then loaded like any host hit.
 
 Copies are queued during scheduling and run by the engine before the step's forward pass: copies out
 first (their device blocks may already be handed to other sequences this step, but nothing writes them
 before the forward pass), then copy-on-write copies, then copies in, into freshly allocated blocks. They
-run where the step runs (``kvmesh/replica/device_queue.py``), after every step launched before it.
+run where the step runs (``replica/device_queue.py``), after every step launched before it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.core.hashing import BlockHash
 from kvmesh.kernels.quant import as_bytes
 from kvmesh.replica.context import LayerCache
 from kvmesh.replica.disk_tier import DiskTier
-from kvmesh.replica.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
+from kvmesh.replica.kv_events import HOST, BlockRemoved, BlockStored, KVEventLog
 from kvmesh.router.prefix_lru import leading
-from kvmesh.shared.hashing import BlockHash
+
+
+def block_bytes(device_caches: list[LayerCache]) -> int:
+    """Bytes of one block of every tensor a block copy moves: what a host or disk block holds."""
+    return sum(t[0].numel() * t.element_size() for layer in device_caches for t in layer.per_block())
 
 
 @dataclass
@@ -52,9 +57,15 @@ class SwapSpace:
         self,
         device_caches: list[LayerCache],
         num_blocks: int,
+        *,
         prefill_tok_s: Callable[[], float],
+        events: KVEventLog,
         cache_blocks: int = 0,
+        disk: DiskTier | None = None,
     ) -> None:
+        """``prefill_tok_s``: the engine's measured prefill rate, read when a copy is priced against a recompute.
+        ``events``: the engine's KV event log (this tier's events carry medium ``host``). ``disk``: the tier
+        below (blocks of ``block_bytes``), which gets what this one evicts; it needs ``cache_blocks``."""
         if num_blocks < 1:
             raise ValueError(f"a swap space needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -68,21 +79,19 @@ class SwapSpace:
             [torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer]
             for layer in self._device
         ]
-        self.block_bytes = sum(t[0].numel() * t.element_size() for layer in self._device for t in layer)
+        self.block_bytes = block_bytes(device_caches)
+        self.disk = disk
         self._free = list(range(num_blocks - 1, -1, -1))
         self._outs: list[tuple[list[int], list[int]]] = []
         self._offloads: dict[int, int] = {}
         """Offload copies not yet in ``_outs``, host id -> device id: one batched copy per step, not one per
         block; a host block reused within the batch keeps only its last copy."""
         self._ins: list[tuple[list[int], list[int]]] = []
-        self.emit: Callable[[KVEvent], None] | None = None
-        """Receives the tier's KV events (medium ``host``), in order with the device pool's."""
+        self._emit = events.emit
         self._in_flight: Counter[int] = Counter()
         """Queued copies not yet run, per host block they write or read (the step runs them later, maybe on
         another thread): the disk tier neither saves such a block's bytes nor reads into it."""
         self._in_flight_lock = threading.Lock()
-        self.disk: DiskTier | None = None
-        """The tier below, if any: what this one evicts goes there (``attach_disk``)."""
         self.disk_blocks_read = 0
         self._prefill_tok_s = prefill_tok_s
         self.copy_bytes_s = self._measure_bandwidth()
@@ -126,22 +135,8 @@ class SwapSpace:
     def _evict_oldest(self) -> int:
         block_hash, host_id = self._cached.popitem(last=False)
         self._to_disk(block_hash, host_id)
-        if self.emit is not None:
-            self.emit(BlockRemoved(block_hash, HOST))
+        self._emit(BlockRemoved(block_hash, HOST))
         return host_id
-
-    def attach_disk(self, disk: DiskTier) -> None:
-        if not self.cache_blocks:
-            raise ValueError("a disk tier needs a host prefix tier (host_cache_bytes > 0): its blocks go through it")
-        if disk.block_bytes != self.block_bytes:
-            raise ValueError(f"disk blocks of {disk.block_bytes} bytes, host blocks of {self.block_bytes}")
-        self.disk = disk
-        disk.emit = self._emit_disk
-
-    def _emit_disk(self, event: KVEvent) -> None:
-        """The disk tier's events, to whoever receives this tier's (read when emitted: set after attaching)."""
-        if self.emit is not None:
-            self.emit(event)
 
     def _queued(self, host_ids: list[int], n: int) -> None:
         with self._in_flight_lock:
@@ -198,8 +193,7 @@ class SwapSpace:
         else:
             return
         self._cached[block_hash] = host_id
-        if self.emit is not None:
-            self.emit(BlockStored(block_hash, None, HOST))
+        self._emit(BlockStored(block_hash, None, HOST))
         self._offloads.pop(host_id, None)
         self._offloads[host_id] = device_id
 
@@ -246,8 +240,7 @@ class SwapSpace:
             self.disk_blocks_read += 1
             self._cached[h] = host_id
             keep.add(h)
-            if self.emit is not None:
-                self.emit(BlockStored(h, None, HOST))
+            self._emit(BlockStored(h, None, HOST))
             read += 1
         return read
 
@@ -263,16 +256,14 @@ class SwapSpace:
             return None
         host_id = self._cached.pop(victim)
         self._to_disk(victim, host_id)
-        if self.emit is not None:
-            self.emit(BlockRemoved(victim, HOST))
+        self._emit(BlockRemoved(victim, HOST))
         return host_id
 
     def claim(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take cached ``block_hashes`` out of the tier to load them (``swap_in`` queues the copy): the device
         holds them from now on; their host blocks free once the copy has run."""
-        if self.emit is not None:
-            for h in block_hashes:
-                self.emit(BlockRemoved(h, HOST))
+        for h in block_hashes:
+            self._emit(BlockRemoved(h, HOST))
         return [self._cached.pop(h) for h in block_hashes]
 
     def drop(self, block_hash: BlockHash) -> None:
@@ -281,8 +272,7 @@ class SwapSpace:
         host_id = self._cached.pop(block_hash, None)
         if host_id is not None:
             self._free.append(host_id)
-            if self.emit is not None:
-                self.emit(BlockRemoved(block_hash, HOST))
+            self._emit(BlockRemoved(block_hash, HOST))
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
