@@ -1,6 +1,6 @@
 """Routing policies as plain objects: no Ray, no Redis, no torch.
 
-The same objects drive the Ray Serve request router (``kvmesh/router/serve_router.py``) and the trace simulator,
+The same objects drive the Ray Serve request router (``router/serve_router.py``) and the trace simulator,
 so what is benchmarked is what is deployed. A policy sees the request (its block hashes, token count,
 optional session id), the candidate replicas' load, and, for prefix-aware policies, the index's answer
 (leading blocks held per replica, or ``None`` when the index is down). It returns candidates ranked best
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvmesh.core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
+from kvmesh.core.hashing import BlockHash
+from kvmesh.core.messages import LoadReport
 from kvmesh.router.sessions import SESSION_DECAY_S, SessionCounts
-from kvmesh.shared.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
-from kvmesh.shared.hashing import BlockHash
-from kvmesh.shared.messages import LoadReport
 
 """Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
 DEFAULT_DECODE_S_PER_SEQ = 0.0005
@@ -67,8 +67,14 @@ class ReplicaLoad(LoadReport):
     def queue_s(self) -> float:
         """Seconds before a new request's first token could start: queued prefill, slowed by every running
         sequence, plus the wait for a free batch slot once the replica already holds ``max_num_seqs``."""
-        prefill_rate = self.prefill_tok_s or DEFAULT_PREFILL_TOK_S
-        prefill = (self.pending_prefill_tokens + self.routed_prefill_tokens) / max(prefill_rate, 1e-6)
+        return self.queue_s_at(None)
+
+    def queue_s_at(self, routed_tok_s: float | None) -> float:
+        """``queue_s`` with the prefill routed here since the report priced at ``routed_tok_s`` (None: the
+        replica's own rate, like the reported backlog)."""
+        prefill_rate = max(self.prefill_tok_s or DEFAULT_PREFILL_TOK_S, 1e-6)
+        routed_rate = max(routed_tok_s, 1e-6) if routed_tok_s else prefill_rate
+        prefill = self.pending_prefill_tokens / prefill_rate + self.routed_prefill_tokens / routed_rate
         running = min(self.num_requests, self.max_num_seqs)
         excess = max(0, self.num_requests + 1 - self.max_num_seqs)
         slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
@@ -120,6 +126,9 @@ class Decision:
     where it goes."""
     known_blocks: int = 0
     """Leading blocks of the prompt this router had routed before (its own memory, not the index's)."""
+    device_hits: dict[str, int] | None = None
+    """Leading blocks each replica holds as priced: the index's answer extended by this router's recent
+    decisions, or those alone without the index (None: the policy used the index's answer as given)."""
 
     @property
     def tied_group(self) -> list[str]:
@@ -180,7 +189,7 @@ class KVAwarePolicy:
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
-    recent starts, ``kvmesh/router/sessions.py``); on fleets of ``history_min_replicas`` or more, a
+    recent starts, ``router/sessions.py``); on fleets of ``history_min_replicas`` or more, a
     conversation's turn prices the recompute of the history a replica lacks at least ``history_weight x
     pressure`` (churn priced by fill calls it free while caches have room, and a wide fleet always has an
     idle replica to move to), and the sole holder of a short prefix may take one start beyond the bound;
@@ -306,7 +315,7 @@ class KVAwarePolicy:
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
             ranked, tied, reason, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, "session", ""
         order = sorted(ranked[:tied], key=jitter.__getitem__) if tied > 1 else None
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known)
+        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known, device_hits)
 
     def _merged_hits(
         self, req: RouteRequest, ids: list[str], device_hits: dict[str, int] | None
@@ -349,10 +358,14 @@ class KVAwarePolicy:
         churn pressure."""
         costs, own_prefill_s, own_s, churns = {}, {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
+        # What this router sent since a replica's report is priced at the fleet's median rate, not the
+        # replica's own: identical replicas' measured rates differ several-fold (one warm-up step each, on
+        # shared cores), and priced per replica a burst of new prompts multiplies that difference by its
+        # size until the replica measured fastest takes most of it (4 or 5 of 6 new conversations on 3).
+        queues = {r.index_id: r.queue_s_at(median_rate) for r in replicas}
         # A miss's extra prefill also delays whoever queues behind it: on a fleet whose typical (median)
         # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
         # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
-        queues = {r.index_id: r.queue_s for r in replicas}
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
         most = max(req.num_tokens - 1, 0)  # the last token is always computed

@@ -2,10 +2,10 @@
 
 Every process holding a handle to the engine deployment (each ingress replica, each proxy) runs one of
 these. It reads the request's precomputed block hashes from the call (a ``GenerateCall``,
-``kvmesh/shared/messages.py``), asks the shared Redis index once, combines the answer with each replica's
+``core/messages.py``), asks the shared Redis index once, combines the answer with each replica's
 ``LoadReport`` and the requests it routed itself since that report, and returns replicas ranked best first,
 one per group, so Ray falls back to the next when one is full; replicas the policy finds tied share the
-first group, for Ray to pick the one with the shortest live queue.
+first group, for Ray to pick the one with the shortest live queue (unless other requests wait to be routed).
 
 It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
 in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
@@ -25,13 +25,13 @@ from collections import Counter, OrderedDict
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 import kvmesh.router.metrics as router_metrics
+from kvmesh.core.defaults import DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
+from kvmesh.core.messages import GenerateCall, LoadReport
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.policy import Decision, ReplicaLoad, RouteRequest
 from kvmesh.router.prefix_index import IndexAnswer, PrefixIndex
 from kvmesh.router.sessions import SESSION_DECAY_S
-from kvmesh.shared.defaults import DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
-from kvmesh.shared.messages import GenerateCall, LoadReport
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,14 @@ def route_request(pending: PendingRequest | None) -> RouteRequest | None:
         return None
     session = call.session_id or getattr(pending.metadata, "session_id", None) or None
     return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session)
+
+
+def _priced_hits(decision: Decision, device_hits: dict[str, int] | None) -> dict[str, int]:
+    """The leading blocks per replica the policy priced the request with, to count what is left to prefill
+    where it goes: without the index (or before it has caught up) the policy's own memory of where it sent
+    the prefix, or a conversation's next turn would count as a full prefill on its home and move the
+    following turns off it."""
+    return decision.device_hits if decision.device_hits is not None else device_hits or {}
 
 
 class _Planned:
@@ -197,18 +205,22 @@ class KVAwareRequestRouter(RequestRouter):
         # Loads are read after the lookup: decisions made while this one awaited Redis must count.
         candidates = [self._load_from(r, rep) for r, rep in zip(candidate_replicas, reports, strict=True)]
         decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits, answer.disk_hits)
-        ranked, tied = decision.ranked, decision.tied
         self.decisions[decision.reason] += 1
+        # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
+        # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours. Not
+        # while other requests wait here to be routed (a burst): none of them has reached a replica, so the
+        # probes read equal, Ray's pick among equals is arbitrary (not the first offered), and the burst's
+        # other decisions, counting this request where it was offered first, pile onto wherever Ray sent it.
+        group = decision.tied_group if self.num_pending_requests <= 1 else decision.tied_group[:1]
         if pending_request is not None:
             rid = pending_request.metadata.internal_request_id
             index_ids = {r.replica_id: index_id for r, index_id in zip(candidate_replicas, ids, strict=True)}
             self._plan(rid, _Planned(time.monotonic(), req, device_hits or {}, index_ids, decision))
             # Count it against the first choice now: concurrent decisions must see each other.
-            first = decision.tied_group[0]
-            self._track(rid, by_id[first].replica_id, req, device_hits or {}, first)
-        # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
-        # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours.
-        return [[by_id[rid] for rid in decision.tied_group], *([by_id[rid]] for rid in ranked[tied:])]
+            first = group[0]
+            self._track(rid, by_id[first].replica_id, req, _priced_hits(decision, device_hits), first)
+        rest = [rid for rid in decision.ranked if rid not in group]  # one per group: Ray's fallbacks, in order
+        return [[by_id[rid] for rid in group], *([by_id[rid]] for rid in rest)]
 
     def _background(self, coro) -> bool:
         """Fire-and-forget on the router's loop (the hook itself must not block); False if there is none."""
@@ -249,7 +261,7 @@ class KVAwareRequestRouter(RequestRouter):
         req, device_hits = planned.request, planned.device_hits
         index_id = planned.index_ids[replica_id]
         if self._routed.get(rid) != replica_id:  # Ray fell back to a later choice
-            self._track(rid, replica_id, req, device_hits, index_id)
+            self._track(rid, replica_id, req, _priced_hits(planned.decision, device_hits), index_id)
         self.policy.on_routed(req, index_id, planned.decision)
         if self.index is not None and req.block_hashes and device_hits.get(index_id, 0) < len(req.block_hashes):
             self._background(self.index.predict(req.block_hashes, index_id, self.predict_ttl_ms))

@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
+from kvmesh.core.hashing import hash_blocks, model_seed
 from kvmesh.router.baselines import ApproxTreePolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionHashPolicy, make_policy
 from kvmesh.router.policy import KVAwarePolicy, ReplicaLoad, RouteRequest
 from kvmesh.router.sessions import MIN_LIVE_S, SESSION_DECAY_S, DecayingCounts, LiveConversations
-from kvmesh.shared.hashing import hash_blocks, model_seed
 
 SEED = model_seed("t")
 
@@ -222,8 +222,8 @@ def test_decode_cost_never_exceeds_a_recent_step():
 
 
 def test_prefill_utilisation_is_the_share_of_recent_time_spent_prefilling():
+    from kvmesh.core.messages import BUSY_WINDOW_S
     from kvmesh.replica.telemetry import StepRates
-    from kvmesh.shared.messages import BUSY_WINDOW_S
 
     rates, now = StepRates(), 0.0
     for _ in range(int(3 * BUSY_WINDOW_S / 0.05)):  # prefilling without a pause for three windows
@@ -343,6 +343,25 @@ def test_near_ties_are_offered_least_recently_used_first():
     assert chosen[1:] == ["r1", "r0"] * 2 + ["r1"] or chosen[1:] == ["r0", "r1"] * 2 + ["r0"], chosen
     untied = KVAwarePolicy(tie_margin=0).rank(request(list(range(320))), reps, {})
     assert untied.tied == 1 and untied.tied_group == ["r0"]
+
+
+def test_a_burst_of_new_prompts_spreads_over_identical_replicas_measured_at_different_rates():
+    """Six new conversations sent at once to three idle replicas of one deployment, one measured 5x faster than
+    its identical peers (a warm-up step on shared cores). The serve router counts each decision against its first
+    choice before Ray sends any: that work priced at each replica's own rate, the fast-measured replica took 4 of
+    the 6; priced at the fleet's median rate, the burst spreads. A lone prompt still goes to the fastest."""
+    reps = [ReplicaLoad(index_id=f"r{i}", prefill_tok_s=rate, cache_fill=0.0) for i, rate in enumerate((1e5, 2e4, 2e4))]
+    policy, nowhere = KVAwarePolicy(), {r.index_id: 0 for r in reps}
+    prompts = [request([1000 + c] * 5 + list(range(10_000 * (c + 1), 10_000 * (c + 1) + 3600))) for c in range(6)]
+    assert policy.rank(prompts[0], reps, nowhere).ranked[0] == "r0"
+    starts = Counter()
+    for req in prompts:
+        d = policy.rank(req, reps, nowhere)
+        first = next(r for r in reps if r.index_id == d.tied_group[0])
+        first.routed_requests += 1  # as the serve router tracks it, before any report or probe can see it
+        first.routed_prefill_tokens += req.num_tokens
+        starts[first.index_id] += 1
+    assert starts == {"r0": 2, "r1": 2, "r2": 2}, starts
 
 
 def test_routers_sharing_counts_of_conversation_starts_balance_together():

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from kvmesh.cluster.embedded_redis import free_port
+from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import GenerateCall
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.serve_router import KVAwareRequestRouter
-from kvmesh.shared.hashing import hash_blocks, model_seed
-from kvmesh.shared.messages import GenerateCall
 
 DEP = DeploymentID(name="engine", app_name="unit")
 
@@ -104,6 +104,52 @@ def test_index_down_still_routes_from_recent_decisions():
         assert sibling[0][0] is home
         assert router.decisions["index_unavailable_hit"] == 1
         await router.index.close()
+
+    asyncio.run(main())
+
+
+def test_in_a_burst_a_tie_is_offered_as_the_replica_it_is_counted_against(monkeypatch):
+    """Alone, a tie goes to Ray as one group (its live queue probes choose). While other requests wait here to
+    be routed (sent together), none has reached a replica: the probes read equal and Ray's pick among equals is
+    arbitrary, so each request goes as the router's first choice alone, where it counted it, and the burst
+    spreads as counted."""
+    reps = replicas(3, prefill_tok_s=1000.0)
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        alone = await router.choose_replicas(reps, pending([9] * 300, 1))
+        assert [len(group) for group in alone] == [3]
+        router.on_request_completed(alone[0][0].replica_id, "q1")
+        monkeypatch.setattr(KVAwareRequestRouter, "num_pending_requests", property(lambda self: 6))
+        homes = []
+        for i in range(10, 16):
+            ranked = await router.choose_replicas(reps, pending([i] * 300, i))
+            assert [len(group) for group in ranked] == [1, 1, 1]
+            assert router._routed[f"q{i}"] == ranked[0][0].replica_id  # offered alone where it is counted
+            homes.append(ranked[0][0].replica_id.unique_id)
+        assert sorted(homes) == ["u0", "u0", "u1", "u1", "u2", "u2"]
+
+    asyncio.run(main())
+
+
+def test_without_the_index_a_turn_on_its_home_counts_only_what_it_lacks():
+    """With the index down the router prices a conversation's next turn by where it sent the history; what it
+    counts as queued there must be the same few new tokens, not the whole prompt, or the home looks busy with
+    work it will never do and the conversation's other turns move off it."""
+    reps = replicas(3, prefill_tok_s=1000.0)
+    history = list(range(480))
+
+    async def main():
+        router = make_router(None, policy="kv_aware")
+        router.index = None
+        first = pending(history, 1)
+        home = (await router.choose_replicas(reps, first))[0][0]
+        router.on_request_routed(first, home.replica_id, None)
+        router.on_request_completed(home.replica_id, "q1")
+        ranked = await router.choose_replicas(reps, pending([*history, *range(900, 932)], 2))  # 32 new tokens
+        assert ranked[0][0] is home and router.decisions["index_unavailable_hit"] == 1
+        assert router._load(home).routed_prefill_tokens <= 32  # not its 512-token prompt
 
     asyncio.run(main())
 
