@@ -1,0 +1,1 @@
+"""What makes kvmesh a service, one concern per sub-package (docs/architecture.md says which imports which)."""

@@ -1,0 +1,1 @@
+"""What benchmarks and tests share: load client, workloads, the fleet simulator, the server under test, reports."""

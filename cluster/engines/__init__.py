@@ -1,0 +1,1 @@
+"""kvmesh's engines as a service: EngineReplica, its deployment and router settings, kvmesh engine, autoscaling."""

@@ -1,0 +1,1 @@
+"""The kvmesh command: CLI, configuration, kvmesh serve's launcher and Serve application, embedded Redis, plan."""

@@ -1,0 +1,1 @@
+"""What a cluster shows of itself: Prometheus metrics and the status behind kvmesh status."""

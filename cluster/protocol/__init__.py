@@ -1,0 +1,1 @@
+"""OpenAI's protocol: request bodies, responses and SSE, parameter translation, errors, chat messages, tool calls."""
