@@ -44,6 +44,7 @@ from kvmesh.bench.harness.peer_fleet import (
     Child,
     add_workload_args,
     cpu_seconds,
+    event_sockets,
     start_engines,
     start_router,
     ttft_summary,
@@ -68,11 +69,7 @@ def start_vllm_engines(n: int, tmp: Path, args: argparse.Namespace) -> list[tupl
     engines, cores = [], sorted(os.sched_getaffinity(0))
     for i in range(n):
         port = free_port()
-        events = {"kv_events": f"ipc://{tmp}/v{i}.pub", "replay": f"ipc://{tmp}/v{i}.replay"}
-        config = (
-            f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "{events["kv_events"]}", '
-            f'"replay_endpoint": "{events["replay"]}"}}'
-        )
+        events, config = event_sockets(tmp, f"v{i}")
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(resolve_model_dir(MODEL, weights=True)), "--served-model-name", MODEL]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import signal
 import statistics
@@ -77,6 +78,14 @@ class Child:
                 self.proc.wait()
 
 
+def event_sockets(tmp: Path, name: str) -> tuple[dict, str]:
+    """Local sockets for one engine's vLLM-style KV events (``kv_events`` and ``replay``, as a ``--worker``
+    names them) and the ``--kv-events-config`` that makes it publish there (kvmesh's and vLLM's alike)."""
+    events = {"kv_events": f"ipc://{tmp}/{name}.pub", "replay": f"ipc://{tmp}/{name}.replay"}
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events["kv_events"]}
+    return events, json.dumps({**config, "replay_endpoint": events["replay"]})
+
+
 def start_engines(
     n: int,
     tmp: Path,
@@ -90,11 +99,7 @@ def start_engines(
     engines = []
     for i in range(n):
         port = free_port()
-        events = {"kv_events": f"ipc://{tmp}/e{i}.pub", "replay": f"ipc://{tmp}/e{i}.replay"}
-        config = (
-            f'{{"enable_kv_cache_events": true, "endpoint": "{events["kv_events"]}", '
-            f'"replay_endpoint": "{events["replay"]}"}}'
-        )
+        events, config = event_sockets(tmp, f"e{i}")
         cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "engine", "--model", model, "--port", str(port)]
         cmd += ["--threads", "1", "--max-num-seqs", str(max_num_seqs), "--kv-events-config", config, *engine_args]
         env = {k: v for k, v in os.environ.items() if k != "KVMESH_REDIS_URL"}
