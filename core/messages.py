@@ -44,10 +44,26 @@ class GenerateCall:
     """Validated when built; the replica checks them again (a call may come from any handle user)."""
     session_id: str | None = None
     cache_salt: str | None = None
+    fetches: dict[str, KVFetch] | None = None
+    """Per candidate replica (index id), the prefix blocks it should pull from a peer before prefilling, as
+    the router priced them; written by the router on the handle, read by the replica that runs the call."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True, kw_only=True)
+class KVFetch:
+    """Pull the first ``num_blocks`` blocks of a request's prefix from the peer at ``address`` before
+    prefilling: the router found that cheaper than recomputing them. Advice only: a fetch that fails, is
+    slow or brings bytes that fail a check is recomputed instead."""
+
+    holder: str
+    """The holder's index id."""
+    address: str
+    """Its KV transfer address (``LoadReport.kv_address``)."""
+    num_blocks: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -121,6 +137,9 @@ class EngineLoad:
     disk_load_tok_s: float | None = None
     """Prompt tokens per second the replica reads back from its disk tier and loads (its measured disk read
     and host copy bandwidths over the KV bytes per token); None without a disk tier."""
+    fetch_tok_s: float | None = None
+    """Prompt tokens per second of KV the replica pulls from a peer and adopts (its measured transfer rate over
+    the KV bytes per token); None until it has fetched, or when it cannot (routers then assume no fetch)."""
     prefill_busy: float | None = None
     """Share of the last ``BUSY_WINDOW_S`` the replica spent prefilling (a moving average): what routers price
     cache churn by; None until measured."""
@@ -199,11 +218,14 @@ class LoadReport(EngineLoad):
     index_error: str | None = None
     """Why the replica's last write to the index Redis failed (naming its address); None while it works.
     This report travels through Ray, so it reaches the ingress when Redis does not."""
+    kv_address: str | None = None
+    """Where peers pull this replica's KV blocks (``tcp://host:port``, ``replica/kv_transfer.py``); None
+    when it serves none."""
 
     @classmethod
     def of(cls, load: EngineLoad, **where: Any) -> LoadReport:
         """The report of an engine whose state is ``load`` (an ``EngineStats`` too); ``where``: the fields of
-        its own (``index_id``, ``reported_at``, ``node``, ``index_error``)."""
+        its own (``index_id``, ``reported_at``, ``node``, ``index_error``, ``kv_address``)."""
         return cls(**{f.name: getattr(load, f.name) for f in dataclasses.fields(EngineLoad)}, **where)
 
     def as_dict(self) -> dict[str, Any]:
@@ -295,6 +317,17 @@ class EngineStats(EngineLoad):
     disk_blocks_dropped: int = 0
     """Blocks the disk tier did not keep since start: its write queue was full (a disk slower than evictions)
     or their write failed (a full disk)."""
+    kv_fetches: int = 0
+    """Prefix fetches from peers since start (``replica/kv_peer.py``), and what they brought and took."""
+    kv_fetched_blocks: int = 0
+    kv_fetched_bytes: int = 0
+    kv_fetch_seconds: float = 0.0
+    kv_served_blocks: int = 0
+    """Blocks (and bytes) this replica sent to peers since start."""
+    kv_served_bytes: int = 0
+    kv_fetch_fallbacks: dict[str, int] = field(default_factory=dict)
+    """Fetches that fell back to recompute, by reason (timeout, unreachable, holder_lost, refused, foreign,
+    corrupt, wrong_chain, malformed, no_room)."""
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -11,9 +11,10 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import RequestFailed
@@ -24,6 +25,7 @@ from kvmesh.replica.engine import LLMEngine
 from kvmesh.replica.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -45,9 +47,10 @@ class _Abort:
 
 
 @dataclass(slots=True, kw_only=True)
-class _Reset:
-    """Forget every cached prefix block (refused while requests hold blocks)."""
+class _Call:
+    """Run ``fn`` on the engine between two steps; its result or exception goes to ``done``."""
 
+    fn: Callable[[], Any]
     done: asyncio.Future
 
 
@@ -56,7 +59,7 @@ class AsyncLLM:
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-engine")
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[_Add | _Abort | _Reset] = []
+        self._pending: list[_Add | _Abort | _Call] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -125,8 +128,13 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache between two steps; False (nothing changed) while requests hold blocks."""
+        return await self.between_steps(self.engine.reset_prefix_cache)
+
+    async def between_steps(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine between two steps, when no step touches it (in order with adds and
+        aborts); what it returns or raises."""
         done = asyncio.get_running_loop().create_future()
-        self._pending.append(_Reset(done=done))
+        self._pending.append(_Call(fn=fn, done=done))
         self._ensure_loop()
         return await done
 
@@ -140,8 +148,8 @@ class AsyncLLM:
         for op in pending:
             if isinstance(op, _Abort):
                 self.engine.abort_request(op.request_id)
-            elif isinstance(op, _Reset):
-                op.done.set_result(self.engine.reset_prefix_cache())
+            elif isinstance(op, _Call):
+                self._call(op)
             elif op.request_id in self._queues:  # else the client left before the request was queued
                 try:
                     self.engine.add_request(
@@ -149,6 +157,15 @@ class AsyncLLM:
                     )
                 except ValueError as exc:
                     self._queues[op.request_id].put_nowait(exc)
+
+    @staticmethod
+    def _call(op: _Call) -> None:
+        if op.done.cancelled():  # its caller left
+            return
+        try:
+            op.done.set_result(op.fn())
+        except Exception as exc:
+            op.done.set_exception(exc)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

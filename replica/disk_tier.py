@@ -40,6 +40,7 @@ from kvmesh.replica.kv_events import DISK, BlockRemoved, BlockStored, KVEvent, K
 
 if TYPE_CHECKING:
     from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.replica.context import LayerCache
     from kvmesh.replica.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,25 @@ WRITE_QUEUE = 256
 def cache_fingerprint(runner: ModelRunner, model_id: str, hash_seed: BlockHash, config: EngineConfig) -> bytes:
     """sha256 of everything that makes a stored block's bytes right for this replica: the model (its name,
     the hash chain's seed, and a sample of its weights, so a changed checkpoint under the same name does
-    not match), the compute and cache dtypes, the block size and the cache's tensor layout."""
+    not match), the compute and cache dtypes, the block size, the cache's tensor layout and the tensors every
+    block is read with (fp8 scales, int4's rotation). Disk files and peers' blocks must carry this one."""
     h = hashlib.sha256(MAGIC)
     layout = [[(str(t.dtype), tuple(t.shape[1:])) for t in layer.per_block()] for layer in runner.kv_caches]
     meta = {"model": model_id, "dtype": str(runner.dtype), "kv": config.kv_cache_dtype, "block": config.block_size}
     h.update(json.dumps({**meta, "layout": layout}, sort_keys=True).encode() + hash_seed)
     params = list(runner.model.parameters())
-    for param in (params[0], params[len(params) // 2], params[-1]):
-        sample = param.detach().reshape(-1)[: 1 << 16].float().cpu().contiguous()
+    # fp8's per-head scales and int4's rotation are the same for every block: a block means nothing without them.
+    shared = [t for layer in runner.kv_caches for t in _block_independent(layer)]
+    for tensor in (params[0], params[len(params) // 2], params[-1], *shared):
+        sample = tensor.detach().reshape(-1)[: 1 << 16].float().cpu().contiguous()
         h.update(sample.view(torch.uint8).numpy().tobytes())
     return h.digest()
+
+
+def _block_independent(layer: LayerCache) -> list[torch.Tensor]:
+    """A layer cache's tensors that are not indexed by block (per-head scales, a rotation)."""
+    per_block = {id(t) for t in layer.per_block()}
+    return [t for t in (layer.k_scale, layer.v_scale, layer.rotation) if t is not None and id(t) not in per_block]
 
 
 def _ignore(event: KVEvent) -> None:

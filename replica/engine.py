@@ -38,6 +38,8 @@ from kvmesh.replica.device_step import DeviceStep
 from kvmesh.replica.disk_tier import DiskTier, cache_fingerprint
 from kvmesh.replica.kv_cache_manager import KVCacheManager
 from kvmesh.replica.kv_events import KVEvent, KVEventLog
+from kvmesh.replica.kv_exchange import KVExchange
+from kvmesh.replica.kv_transfer import BlockBytes
 from kvmesh.replica.live_requests import LiveRequests
 from kvmesh.replica.model_loader import load_model
 from kvmesh.replica.model_runner import ModelRunner, kv_bytes_per_block
@@ -107,6 +109,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
         self.device_step = DeviceStep(self.runner, self.swap, self.penalties)
+        self.exchange = KVExchange(self.pool, self.swap, BlockBytes(self.runner.kv_caches), self.device)
+        """Export and adoption of prefix blocks for peers (``replica/kv_peer.py``)."""
         self._launched_step: LaunchedStep | None = None
         self._last_collect = self._last_launched = 0.0
         """When the last step was collected, and when the last inline step finished its launch (step timing)."""
@@ -129,6 +133,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, config, num_blocks=self.num_blocks, max_blocks_per_seq=max_blocks_per_seq
         )
+        self.kv_fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
+        """What a block's bytes depend on besides its tokens: blocks from disk or a peer must carry this one."""
         self.swap = self._host_tier(device)
         host_cache = self.swap if self.swap is not None and self.swap.cache_blocks else None
         self.pool = BlockPool(self.num_blocks, config.enable_prefix_caching, events=self.events, host_tier=host_cache)
@@ -153,9 +159,10 @@ class LLMEngine:
         if config.disk_cache_dir is not None:
             if not cache_blocks:
                 raise ValueError("disk_cache_dir needs a host tier (host_cache_bytes > 0): its blocks go through it")
-            fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
             size = block_bytes(self.runner.kv_caches)
-            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes, fingerprint, size, events=self.events)
+            disk = DiskTier(
+                config.disk_cache_dir, config.disk_cache_bytes, self.kv_fingerprint, size, events=self.events
+            )
             log.info("disk tier %s: %d blocks adopted, room for %d", disk.dir, disk.adopted, disk.num_blocks)
         if swap_blocks + cache_blocks < 1:
             return None

@@ -277,6 +277,14 @@ class SwapSpace:
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
 
+    def read_cached(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """A host-cached block's bytes, one uint8 row in the disk tier's layout (a peer exports it); None if
+        the tier does not hold it or the copy that fills it has not run yet."""
+        host_id = self._cached.get(block_hash)
+        if host_id is None or self._busy(host_id):
+            return None
+        return torch.frombuffer(bytearray(self._block_bytes(self._host, host_id)), dtype=torch.uint8)
+
     def clear_cache(self) -> None:
         """Forget every cached prefix block, on disk too (a prefix-cache reset, whose ``AllBlocksCleared``
         covers them)."""

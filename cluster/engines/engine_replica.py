@@ -17,6 +17,8 @@ Ray, so ``/status`` names it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,16 +29,20 @@ from collections.abc import AsyncIterator
 
 from kvmesh.cluster.hosting.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
 from kvmesh.core.engine_config import EngineConfig
-from kvmesh.core.hashing import first_block_extra, hash_block
+from kvmesh.core.hashing import first_block_extra, hash_block, hash_blocks
 from kvmesh.core.kv_event_wire import KVEventsConfig
-from kvmesh.core.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
+from kvmesh.core.messages import EngineStats, GenerateCall, GenerateChunk, KVFetch, LoadReport, ReplicaStatus, Usage
 from kvmesh.replica import AsyncLLM
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
+from kvmesh.replica.kv_peer import KVPeer
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
 
 log = logging.getLogger(__name__)
 
+FETCH_GRACE_S = 0.5
+"""A prefix fetch may take this long beyond twice what recomputing the blocks would (then the rest is
+recomputed): room for the holder's step to end before it exports."""
 INDEX_CONNECT_TIMEOUT_S = 15.0
 """How long a starting replica tries to publish its (empty) cache to the index before it gives up."""
 
@@ -55,12 +61,15 @@ class EngineReplica:
         kv_events: KVEventsConfig | None = None,
         rank_offset: int = 0,
         identity: tuple[str, object] | None = None,
+        kv_host: str | None = None,
+        kv_port: int = 0,
     ) -> None:
         """``engine`` unset ``torch_threads`` on a CPU: this replica's share of its node's cores, among
         ``replicas_per_node``. ``rank_offset``: replicas of the deployment ranked before this one that are not
         kvmesh engines (worker proxies, ``cluster/workers/mixed_deployment.py``); its KV-event ports count from
         the first engine. ``identity``: the Serve replica's id and rank, from the replica that runs this engine
-        in an actor of its own (default: this process's Serve identity, ``serve_replica_identity``)."""
+        in an actor of its own (default: this process's Serve identity, ``serve_replica_identity``). ``kv_host``,
+        ``kv_port``: where peers fetch this engine's KV blocks (default: this node's address, any free port)."""
         self.node = node_address()
         if engine.torch_threads is None and engine.device in (None, "cpu"):
             threads = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
@@ -73,6 +82,19 @@ class EngineReplica:
         self.publisher = self._index_publisher(index_redis_url(redis_url), deployment, name)
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._preemptions_seen = 0
+        host = kv_host or self.node
+        self.peer = KVPeer(self.llm, host, kv_port, advertise=self.node if host in ("0.0.0.0", "::") else host)
+        self._peer_start: asyncio.Task | None = None
+        with contextlib.suppress(RuntimeError):  # under Serve the constructor runs on the replica's event loop
+            self._peer_start = asyncio.get_running_loop().create_task(self.start_peer())
+
+    async def start_peer(self) -> str:
+        """Serve this engine's blocks to peers (``replica/kv_peer.py``); the address they fetch from."""
+        if self.peer.port:
+            return self.peer.address
+        address = await self.peer.start()
+        log.info("replica %s serves its KV blocks at %s", self.index_id, address)
+        return address
 
     def _index_publisher(self, redis_url: str | None, deployment: str, name: str) -> KVIndexPublisher | None:
         """This engine's cache mirrored into the index (None without a Redis URL, here or in
@@ -114,12 +136,16 @@ class EngineReplica:
         sequences); the last one carries the request's ``Usage``."""
         params = dataclasses.replace(call.params)  # checked again (``__post_init__``): any handle user may call
         unfinished, completion_tokens = params.n, 0
+        hashes = self._checked_hashes(call)
+        plan = (call.fetches or {}).get(self.index_id)
+        if plan is not None:
+            await self._fetch(plan, call, hashes)
         async for out in self.llm.generate(
             call.prompt_token_ids,
             params,
             request_id=call.request_id,
             cache_salt=call.cache_salt,
-            block_hashes=self._checked_hashes(call),
+            block_hashes=hashes,
         ):
             completion_tokens += len(out.delta_token_ids)
             unfinished -= out.finished
@@ -142,6 +168,17 @@ class EngineReplica:
                 prompt_logprobs=out.prompt_logprobs,
             )
 
+    async def _fetch(self, plan: KVFetch, call: GenerateCall, hashes: list[bytes] | None) -> None:
+        """Pull the prefix blocks the router planned from their holder, within about what recomputing them
+        would take (a slower fetch is cut short: the rest is recomputed)."""
+        ids, size = call.prompt_token_ids, self.engine.block_size
+        if hashes is None:
+            hashes = hash_blocks(ids, size, self.engine.hash_seed, first_block_extra(call.cache_salt))
+        recompute_s = plan.num_blocks * size / max(self.engine.rates.prefill_tok_s, 1.0)
+        await self.peer.fetch(
+            plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=FETCH_GRACE_S + 2 * recompute_s
+        )
+
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
         """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
 
@@ -160,9 +197,13 @@ class EngineReplica:
             return None
         return hashes
 
+    def stats(self) -> EngineStats:
+        """The engine's state with its KV transfers."""
+        return self.peer.with_transfers(self.llm.stats())
+
     def status(self) -> ReplicaStatus:
         """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
-        return ReplicaStatus.of(self.llm.stats(), pid=os.getpid(), node=self.node)
+        return ReplicaStatus.of(self.stats(), pid=os.getpid(), node=self.node)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``KVPressure`` for the autoscaler (``cluster/engines/autoscaling.py``), as the dict Ray takes;
@@ -176,7 +217,12 @@ class EngineReplica:
         """The replica's ``LoadReport`` for routers (Ray passes it on as a dict)."""
         error = self.publisher.last_error if self.publisher is not None else None
         report = LoadReport.of(
-            self.llm.stats(), index_id=self.index_id, reported_at=time.time(), node=self.node, index_error=error
+            self.stats(),
+            index_id=self.index_id,
+            reported_at=time.time(),
+            node=self.node,
+            index_error=error,
+            kv_address=self.peer.address if self.peer.port else None,
         )
         return report.as_dict()
 
@@ -185,6 +231,9 @@ class EngineReplica:
         of the index and close its KV-event sockets; once."""
         engine, publisher, kv_events = (getattr(self, name, None) for name in ("engine", "publisher", "kv_events"))
         self.engine = self.publisher = self.kv_events = None
+        peer = getattr(self, "peer", None)
+        if peer is not None:
+            peer.stop()
         if engine is not None:
             engine.close()
         if publisher is not None:

@@ -61,16 +61,20 @@ class EngineServer(HttpApi):
 
 
 def build_app(server: EngineServer) -> FastAPI:
-    """The front door's routes bound to ``server``, vLLM's ``POST /reset_prefix_cache`` and ``GET /load``."""
+    """The front door's routes bound to ``server``, vLLM's ``POST /reset_prefix_cache`` and ``GET /load``; the
+    engine's KV blocks served to peers from start-up (``GET /load`` names the address)."""
     engine_app = bound_app(server, "kvmesh engine")
     engine_app.add_api_route("/reset_prefix_cache", server.reset_prefix_cache, methods=["POST"])
     engine_app.add_api_route("/load", server.load, methods=["GET"])
+    engine_app.router.on_startup.append(server.replica.start_peer)
     return engine_app
 
 
 def run_engine_server(args: argparse.Namespace, engine: EngineConfig, kv_events: KVEventsConfig | None) -> int:
     sock = listen(args.host, args.port)
-    replica = EngineReplica(engine, redis_url=None, kv_events=kv_events)
+    replica = EngineReplica(
+        engine, redis_url=None, kv_events=kv_events, kv_host=args.host, kv_port=args.kv_transfer_port
+    )
     config = replica.engine.config
     digests = key_digests(args.api_key or [])
     settings = IngressSettings(

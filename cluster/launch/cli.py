@@ -360,6 +360,12 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     eng.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     eng.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024, 0: no bound)")
+    eng.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=0,
+        help="where peers fetch this engine's KV blocks, on --host (default 0: any free port; GET /load names it)",
+    )
     _add_engine_args(eng)
     eng.set_defaults(func=_engine)
 

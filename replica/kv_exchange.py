@@ -1,0 +1,132 @@
+"""An engine's side of moving KV between replicas: pinning a prefix to export it, adopting one imported.
+
+Both run between engine steps (``AsyncLLM.between_steps``), on the engine's own thread, and are cheap there:
+exporting pins the prefix's device blocks (a reference each, so no step evicts or reuses them) and copies
+the few it finds only in the host or disk tier; the bulk copy of device blocks (``gather``) then runs on
+another thread while the engine steps, once every step launched before the pin has run (``ready``: under
+asynchronous scheduling a block is published before the step that fills it). Adopting allocates device
+blocks, queues the copy of their validated bytes on the device queue (after every step in flight, like a
+swap-in) and publishes them as cached prefix blocks, in the KV events and so in the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.core.hashing import BlockHash
+from kvmesh.replica.block_pool import Block, BlockPool
+from kvmesh.replica.device_queue import DeviceQueue, StepHandle
+from kvmesh.replica.kv_transfer import BlockBytes
+from kvmesh.replica.swap import SwapSpace
+
+
+@dataclass
+class Export:
+    """A prefix pinned for export: its leading ``hashes`` this engine holds, each served from a pinned device
+    block or from host bytes copied when it was pinned (host and disk tiers)."""
+
+    hashes: list[BlockHash]
+    device: dict[int, Block] = field(default_factory=dict)
+    """Position in ``hashes`` -> pinned device block."""
+    host: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Position in ``hashes`` -> the block's bytes (one row)."""
+    ready: StepHandle | None = None
+    """Done once every step launched before the pin has run: the device blocks' bytes are final."""
+
+
+def _marker() -> tuple[torch.Tensor, dict, None]:
+    return torch.empty(0, dtype=torch.long), {}, None
+
+
+class KVExchange:
+    """Export and adoption of prefix blocks for one engine's pool, host tier and device queue."""
+
+    def __init__(self, pool: BlockPool, swap: SwapSpace | None, blocks: BlockBytes, device: DeviceQueue) -> None:
+        self.pool, self.swap, self.blocks, self.device = pool, swap, blocks, device
+
+    def local_depth(self, hashes: list[BlockHash]) -> int:
+        """How many leading ``hashes`` the device pool holds (an estimate when read off the engine's thread)."""
+        for i, h in enumerate(hashes):
+            if self.pool.lookup(h) is None:
+                return i
+        return len(hashes)
+
+    def pin(self, hashes: list[BlockHash]) -> Export:
+        """Pin the leading ``hashes`` this engine holds in any tier (between steps); ``unpin`` when done."""
+        export = Export([])
+        for i, h in enumerate(hashes):
+            block = self.pool.lookup(h)
+            if block is not None:
+                export.device[i] = block
+            else:
+                row = self._from_tiers(h)
+                if row is None:
+                    break
+                export.host[i] = row
+            export.hashes.append(h)
+        self.pool.touch(export.device.values())
+        export.ready = self.device.submit(_marker)
+        return export
+
+    def _from_tiers(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """A block's bytes from the host tier, else the disk tier; None if neither holds it."""
+        if self.swap is None:
+            return None
+        row = self.swap.read_cached(block_hash)
+        if row is None and self.swap.disk is not None:
+            payload = self.swap.disk.read(block_hash)
+            row = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None else None
+        return row
+
+    def gather(self, export: Export, start: int, end: int) -> torch.Tensor:
+        """Bytes of ``export``'s blocks ``start:end`` (off the engine's thread, once ``ready``)."""
+        out = torch.empty((end - start, self.blocks.block_bytes), dtype=torch.uint8)
+        on_device = [i for i in range(start, end) if i in export.device]
+        if on_device:
+            out[[i - start for i in on_device]] = self.blocks.gather([export.device[i].block_id for i in on_device])
+        for i in range(start, end):
+            if i in export.host:
+                out[i - start] = export.host[i]
+        return out
+
+    def unpin(self, export: Export) -> None:
+        """Release the pinned device blocks (between steps)."""
+        self.pool.free(reversed(list(export.device.values())))
+        export.device.clear()
+
+    def adopt(
+        self,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        payload: torch.Tensor,
+        token_ids: list[list[int]] | None = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Adopt validated blocks continuing the chain after ``parent`` as cached prefix blocks (between
+        steps); how many of the leading ``hashes`` this engine now holds. They stay free (evictable, freshest
+        last), so adopting never takes room a request could have. ``token_ids`` (each block's tokens) and
+        ``cache_salt`` (block 0's) only travel in the KV events."""
+        room = self.pool.num_free
+        held, new = 0, []
+        for i, h in enumerate(hashes):
+            if self.pool.lookup(h) is not None:
+                held += 1
+            elif len(new) < room:
+                new.append(i)
+            else:
+                break
+        count = held + len(new)
+        if not new:
+            return count
+        blocks = self.pool.allocate(len(new))
+        rows = payload[new]  # a copy: the caller's buffer may be reused before the queued copy runs
+        ids = [b.block_id for b in blocks]
+        self.device.submit(lambda: (self.blocks.scatter(ids, rows), _marker())[1])
+        for i, block in zip(new, blocks, strict=True):
+            prev = hashes[i - 1] if i else parent
+            tokens = token_ids[i] if token_ids is not None else ()
+            self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if prev is None else None)
+        self.pool.free(reversed(blocks))
+        return count

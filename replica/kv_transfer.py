@@ -1,0 +1,114 @@
+"""KV blocks between replicas: their bytes, their wire format and the checks an importer makes.
+
+A block travels as its bytes in the layout the disk tier stores (``replica/disk_tier.py``: every per-block
+tensor of every layer, layer by layer), under a header naming the cache's fingerprint (the disk tier's:
+model, weight sample, dtypes, block size, layout), then one entry per block: its chained hash, its parent's
+hash and an xxh3 checksum of its bytes. An importer adopts a block only if the fingerprint is its own, the
+hash is the one it asked for at that position of its own chain, the parent is the block before it, and the
+bytes match the checksum: nothing is ever served from bytes that failed one of these.
+
+``BlockBytes`` moves a batch of blocks between the device cache and one ``[n, block_bytes]`` uint8 tensor
+with one gather or scatter per cache tensor, not one copy per block.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import xxhash
+
+from kvmesh.core.hashing import BlockHash
+from kvmesh.kernels.quant import as_bytes
+from kvmesh.replica.context import LayerCache
+
+MAGIC = b"KVMESHX1"
+CHUNK = struct.Struct("<8sB32sIQ")
+"""A chunk's header: magic, status, the sender's cache fingerprint, block count, bytes per block."""
+ENTRY = struct.Struct("<16s16sQ")
+"""Per block, after the header: its hash, its parent's hash (zeros for block 0), xxh3_64 of its bytes."""
+NO_PARENT = bytes(16)
+
+OK, END, REFUSED = 0, 1, 2
+"""Chunk statuses: blocks follow; the transfer is complete; the holder refuses (its reason follows)."""
+
+
+class TransferRejected(ValueError):
+    """A transfer failed a check; ``reason`` is the fallback it is counted under, ``passed`` how many blocks of
+    the chunk before the failure passed every check (its receiver may adopt those)."""
+
+    def __init__(self, reason: str, detail: str, passed: int = 0) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.passed = reason, passed
+
+
+def encode_chunk(fingerprint: bytes, hashes: list[BlockHash], parents: list[BlockHash | None], payload) -> list:
+    """The frames of one chunk: its header and entries, then the blocks' bytes (``payload``: ``[n, block_bytes]``
+    uint8, contiguous, on the host)."""
+    rows = payload.numpy()
+    digest = xxhash.xxh3_64_intdigest
+    entries = b"".join(ENTRY.pack(h, p or NO_PARENT, digest(r)) for h, p, r in zip(hashes, parents, rows, strict=True))
+    header = CHUNK.pack(MAGIC, OK, fingerprint, len(hashes), rows.shape[1] if len(hashes) else 0)
+    return [header + entries, memoryview(rows).cast("B")]
+
+
+def end_frame(fingerprint: bytes) -> bytes:
+    return CHUNK.pack(MAGIC, END, fingerprint, 0, 0)
+
+
+def refusal(fingerprint: bytes, why: str) -> bytes:
+    return CHUNK.pack(MAGIC, REFUSED, fingerprint, 0, 0) + why.encode()
+
+
+def parse_header(head: bytes, fingerprint: bytes, block_bytes: int) -> tuple[int, int, bytes]:
+    """A chunk header's status and block count, and what follows it (entries, or a refusal's reason); raises
+    ``TransferRejected`` for a foreign cache or a malformed header."""
+    if len(head) < CHUNK.size:
+        raise TransferRejected("malformed", f"a {len(head)}-byte header")
+    magic, status, theirs, count, size = CHUNK.unpack_from(head)
+    if magic != MAGIC:
+        raise TransferRejected("malformed", "not a kvmesh KV transfer")
+    if theirs != fingerprint:
+        raise TransferRejected("foreign", "the holder's cache fingerprint differs (model, weights, dtypes or layout)")
+    if status == OK and size != block_bytes:
+        raise TransferRejected("malformed", f"{size}-byte blocks, this cache's are {block_bytes}")
+    return status, count, head[CHUNK.size :]
+
+
+def check_chunk(entries: bytes, payload: torch.Tensor, expected: list[BlockHash], parent: BlockHash | None) -> None:
+    """Check every block of a chunk: each must be the hash ``expected`` names at its position, follow its parent
+    (``parent`` for the first) and match its checksum. Raises ``TransferRejected`` at the first that does not,
+    with the count of those before it that passed."""
+    count = len(entries) // ENTRY.size
+    if count * ENTRY.size != len(entries) or payload.shape[0] != count or count > len(expected):
+        raise TransferRejected("malformed", f"{count} entries for {payload.shape[0]} blocks of {len(expected)} asked")
+    rows = payload.numpy()
+    for i in range(count):
+        h, p, checksum = ENTRY.unpack_from(entries, i * ENTRY.size)
+        if h != expected[i] or (p if p != NO_PARENT else None) != parent:
+            raise TransferRejected("wrong_chain", f"block {i} is not the one asked for at its position", i)
+        if xxhash.xxh3_64_intdigest(rows[i]) != checksum:
+            raise TransferRejected("corrupt", f"block {i} fails its checksum", i)
+        parent = h
+
+
+class BlockBytes:
+    """Batches of blocks between a runner's device cache and host bytes (``[n, block_bytes]`` uint8)."""
+
+    def __init__(self, kv_caches: list[LayerCache]) -> None:
+        self.tensors = [as_bytes(t).view(torch.uint8).flatten(1) for layer in kv_caches for t in layer.per_block()]
+        self.widths = [t.shape[1] for t in self.tensors]
+        self.block_bytes = sum(self.widths)
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' bytes on the host, one row per block, in the disk tier's layout."""
+        index = torch.tensor(block_ids, device=self.tensors[0].device)
+        rows = torch.cat([t.index_select(0, index) for t in self.tensors], dim=1)
+        return rows.cpu()
+
+    def scatter(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Write ``payload``'s rows into the blocks ``block_ids``."""
+        index = torch.tensor(block_ids, device=self.tensors[0].device)
+        device = self.tensors[0].device
+        for t, part in zip(self.tensors, payload.to(device).split(self.widths, dim=1), strict=True):
+            t.index_copy_(0, index, part)
