@@ -353,13 +353,18 @@ def test_status_table_lists_replicas_and_decisions():
                 "num_preemptions": 3,
                 "prefill_busy": 0.625,
                 "index_entries": 40,
+                "kv_fetches": 2,
+                "kv_fetched_blocks": 18,
+                "kv_served_blocks": 5,
+                "kv_fetch_fallbacks": {"timeout": 1},
             },
         },
         "decisions": [{"policy": "kv_aware", "reason": "hit", "count": 9}],
     }
     rows = [line.split() for line in render_status(ClusterStatus.from_dict(status)).splitlines()]
-    assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "off", "2", "1", "0", "0%", "12"] in rows
-    assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "7/900", "1", "0", "3", "62%", "40"] in rows
+    assert ["r1", "198.18.0.2", "50.0%", "25.0%", "off", "off", "off", "2", "1", "0", "0%", "-", "12"] in rows
+    moved = ["18/5", "(1", "fell", "back)"]  # KV blocks fetched from / sent to peers
+    assert ["r2", "?", "75.0%", "50.0%", "12.5%", "30/200", "7/900", "1", "0", "3", "62%", *moved, "40"] in rows
     assert ["kv_aware", "hit", "9"] in rows and rows[0][7:9] == ["Redis", "ok,"]
     down = {**status, "replicas": {}, "decisions": [], "redis": {"ok": False}, "live_replicas": 0}
     down = render_status(ClusterStatus.from_dict(down))

@@ -126,8 +126,8 @@ def test_status_reports_cross_redis_typed_to_metrics_and_kvmesh_status(redis_ser
         "replicas": {rid: r.as_dict() for rid, r in reports.items()},
     }
     rows = [line.split() for line in render_status(ClusterStatus.from_dict(status)).splitlines()]
-    assert [ok.replica_id, "?", "50.0%", "0.0%", "off", "off", "off", "3", "0", "0", "0%", "7"] in rows
-    assert [bad.replica_id, *["?"] * 10, "0"] in rows
+    assert [ok.replica_id, "?", "50.0%", "0.0%", "off", "off", "off", "3", "0", "0", "0%", "-", "7"] in rows
+    assert [bad.replica_id, *["?"] * 11, "0"] in rows
     ok.close()
     bad.close()
 

@@ -130,6 +130,16 @@ class _ReplicaCollector(Collector):
             cached.add_metric([replica, "device"], status.cached_prompt_tokens - status.cached_prompt_tokens_host)
             cached.add_metric([replica, "host"], status.cached_prompt_tokens_host)
         yield cached
+        yield from _counters(_TRANSFER_COUNTERS, known)
+        fallbacks = CounterMetricFamily(
+            "kvmesh_replica_kv_fetch_fallbacks",
+            "Prefix fetches from a peer that fell back to recompute, by reason.",
+            labels=["replica", "reason"],
+        )
+        for replica, status in known:
+            for reason, count in sorted(status.kv_fetch_fallbacks.items()):
+                fallbacks.add_metric([replica, reason], count)
+        yield fallbacks
         yield from _counters(_INDEX_COUNTERS, self.reports)
         followed = [(replica, status) for replica, status in self.reports if status.kv_event_batches is not None]
         yield from _counters(_EVENT_COUNTERS, followed)
@@ -144,6 +154,15 @@ class _ReplicaCollector(Collector):
         yield lag
 
 
+_TRANSFER_COUNTERS = (
+    ("kvmesh_replica_kv_fetches", "Prefix fetches from peers.", "kv_fetches"),
+    ("kvmesh_replica_kv_fetched_blocks", "KV blocks fetched from peers and adopted.", "kv_fetched_blocks"),
+    ("kvmesh_replica_kv_fetched_bytes", "Bytes of KV blocks fetched from peers and adopted.", "kv_fetched_bytes"),
+    ("kvmesh_replica_kv_fetch_seconds", "Seconds spent fetching prefixes from peers.", "kv_fetch_seconds"),
+    ("kvmesh_replica_kv_served_blocks", "KV blocks sent to peers.", "kv_served_blocks"),
+    ("kvmesh_replica_kv_served_bytes", "Bytes of KV blocks sent to peers.", "kv_served_bytes"),
+)
+"""KV moved between replicas (``replica/kv_peer.py``)."""
 _INDEX_COUNTERS = (
     ("kvmesh_replica_index_resyncs", "Full rebuilds of the replica's index entries.", "index_resyncs"),
     (

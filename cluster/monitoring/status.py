@@ -46,6 +46,14 @@ def _disk_tier(report: ReplicaStatus) -> str:
     return f"{report.disk_tier_used_blocks}/{report.disk_tier_blocks}" if report.disk_tier_blocks else "off"
 
 
+def _kv_moved(report: ReplicaStatus) -> str:
+    """KV blocks fetched from peers / sent to peers, and fetches that fell back (``-`` before any transfer)."""
+    if not (report.kv_fetches or report.kv_served_blocks):
+        return "-"
+    fell_back = sum(report.kv_fetch_fallbacks.values())
+    return f"{report.kv_fetched_blocks}/{report.kv_served_blocks}" + (f" ({fell_back} fell back)" if fell_back else "")
+
+
 def _row(replica: str, r: ReplicaStatus) -> list[str]:
     """One replica's line; ``?`` for the engine's counters when the replica could not read them."""
     engine = [
@@ -57,6 +65,7 @@ def _row(replica: str, r: ReplicaStatus) -> list[str]:
         str(r.num_waiting),
         str(r.num_preemptions),
         "?" if r.prefill_busy is None else f"{100 * r.prefill_busy:.0f}%",
+        _kv_moved(r),
     ]
     return [replica, r.node or "?", *(["?"] * len(engine) if r.error is not None else engine), str(r.index_entries)]
 
@@ -82,7 +91,7 @@ def render_status(status: ClusterStatus) -> str:
     ]
     rows = [_row(rid, report) for rid, report in sorted(status.replicas.items())]
     headers = ["REPLICA", "NODE", "KV USED", "HIT RATE", "HOST HIT", "HOST BLOCKS", "DISK BLOCKS", "RUNNING"]
-    out += format_table([*headers, "WAITING", "PREEMPTED", "PREFILL BUSY", "INDEXED"], rows)
+    out += format_table([*headers, "WAITING", "PREEMPTED", "PREFILL BUSY", "KV IN/OUT", "INDEXED"], rows)
     if not rows:
         out.append("(no replica reports: replicas starting, or Redis unreachable)")
     for rid, cut in sorted(status.index_unreachable.items()):
