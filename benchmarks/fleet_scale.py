@@ -10,6 +10,10 @@ in brackets, those of requests placed as new conversations).
     kvmesh bench fleet_scale                                   # the Mooncake trace, 16-256 replicas
     kvmesh bench fleet_scale --variant '{"history_weight": 12}'
     kvmesh bench fleet_scale --mooncake-size 86 --replicas 1024 --shortlist 16   # ~1M requests
+    kvmesh bench fleet_scale --peer-fetch 100000 --variant '{"peer_fetch": false}'   # fetching from peers, or not
+
+``--peer-fetch TOK_S``: every replica can pull a prefix's KV from a peer at TOK_S prompt tokens per second (and
+serves its own); the hit rate then counts local and fetched blocks, and the "fetched" column the latter.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def run_size(rows, replicas: int, args) -> dict:
         runs.insert(1, (VARIANT, "kv_aware", args.variant))
     t0 = time.perf_counter()
     bounds, results = compare_routers(
-        rows, replicas, args.capacity_blocks, args.target_load, args.router_processes, runs, Costs(),
+        rows, replicas, args.capacity_blocks, args.target_load, args.router_processes, runs,
+        Costs(fetch_tok_s=args.peer_fetch),
         imbalance=args.bound_imbalance, shortlist=args.shortlist,
         on_result=lambda label, res: print(f"  {label}: {res['sim_seconds']:.0f} s", flush=True),
         progress=lambda label, n: print(f"  {label}: {n:,} of {len(rows):,} requests routed", flush=True),
@@ -54,8 +59,8 @@ def run_size(rows, replicas: int, args) -> dict:
 
 
 def report(args: argparse.Namespace, rows: list, sizes: list[dict]) -> None:
-    """Per fleet size and router: the bounds, its hit rate and shares of them, what it passed over, its
-    imbalance and TTFT against session_hash."""
+    """Per fleet size and router: the bounds, its hit rate (local and fetched blocks), the fetched share, its
+    shares of the bounds, what it passed over, its imbalance and TTFT against session_hash."""
     table = [
         [
             s["replicas"],
@@ -63,6 +68,7 @@ def report(args: argparse.Namespace, rows: list, sizes: list[dict]) -> None:
             f"{s['bounds']['replicated_placed']:.2%}-{s['bounds']['replicated']:.2%}",
             label,
             f"{res['hit_rate']:.2%}",
+            f"{res['fetched_rate']:.2%}",
             f"{res['of_pooled']:.1%}",
             f"{res['of_replicated']:.1%}",
             f"{res['passed_over']:.2%} ({res['passed_over_opening']:.2%})",
@@ -75,7 +81,7 @@ def report(args: argparse.Namespace, rows: list, sizes: list[dict]) -> None:
         for label, res in s["routers"].items()
     ]
     print(f"\n{len(rows)} requests, {args.capacity_blocks} blocks per replica, load {args.target_load}")
-    headers = ["replicas", "pooled", "replicated", "router", "hits", "of pooled", "of replicated"]
+    headers = ["replicas", "pooled", "replicated", "router", "hits", "fetched", "of pooled", "of replicated"]
     headers += ["passed over (opening)", "imbalance", "TTFT mean ms", "TTFT / session_hash", "sim s"]
     print_table(headers, table)
 
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mooncake-size", type=float, default=0.0, help="the Mooncake-like generator at this size")
     ap.add_argument("--seed", type=int, default=0, help="the generator's seed")
     ap.add_argument("--shortlist", type=int, default=0, help="price k deepest holders + k random (0: all)")
+    ap.add_argument(
+        "--peer-fetch", type=float, default=0.0, metavar="TOK_S", help="replicas pull prefixes from peers (0: off)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -112,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     payload = {
         "trace": source,
         "shortlist": args.shortlist,
+        "peer_fetch_tok_s": args.peer_fetch,
         "variant": args.variant,
         "requests": len(rows),
         "capacity_blocks": args.capacity_blocks,

@@ -8,7 +8,10 @@ of all the replicas' blocks, is ``--target-load`` of the fleet's prefill capacit
 blocks land and for ``--predict-ttl`` trace seconds. Runs are judged against bounds from the trace alone
 (``benchmarks/harness/cache_bounds.py``): the pooled LRU and the replication-aware bound at
 ``--bound-imbalance``. ``--shortlist k`` prices only the k replicas holding the prompt deepest plus k random
-ones per decision, for fleets of a thousand replicas.
+ones per decision, for fleets of a thousand replicas. ``--peer-fetch TOK_S``: every replica can pull a
+prefix's KV from a peer at TOK_S prompt tokens per second (and serves its own), which the router prices
+(``docs/routing.md``, "Fetching a prefix from a peer"); hits are then counted by source: local (device and host
+tier) and fetched, both in the hit rate.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -20,11 +23,13 @@ same factor, so the measured balance between prefill and decode is kept).
     kvmesh bench simulate --trace benchmarks/workloads/mooncake/conversation_trace.jsonl \\
         --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
     kvmesh bench simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
+    kvmesh bench simulate ... --routers kv_aware --peer-fetch 100000       # replicas fetch prefixes from peers
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from kvmesh.bench.harness.fleet_sim import BOUND_IMBALANCE, PREDICT_TTL_S, Costs, compare_routers, load_trace
@@ -55,6 +60,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, help="first N trace rows only")
     ap.add_argument("--calibration", type=Path, default=None, help="measured costs (kvmesh bench calibrate)")
     ap.add_argument("--speedup", type=float, default=None, help="with --calibration: replica speed-up factor")
+    ap.add_argument(
+        "--peer-fetch",
+        type=float,
+        default=0.0,
+        metavar="TOK_S",
+        help="replicas pull prefixes from peers at TOK_S prompt tokens/s (0: off)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -71,12 +83,14 @@ def runs_of(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
 
 
 def report(args: argparse.Namespace, rows: list, bounds: dict, results: dict) -> None:
-    """The table of every run's hit rate (and its share of each bound), TTFT and imbalance."""
+    """The table of every run's hit rate (local and fetched blocks; and its share of each bound), the fetched
+    share, TTFT and imbalance."""
     pooled, replicated = bounds["pooled_lru"], bounds["replicated"]
     table = [
         [
             label,
             f"{res['hit_rate']:.1%}",
+            f"{res['fetched_rate']:.1%}",
             f"{res['hit_rate'] / pooled:.1%}",
             f"{res['hit_rate'] / replicated:.1%}",
             res["ttft_mean_s"],
@@ -90,7 +104,7 @@ def report(args: argparse.Namespace, rows: list, bounds: dict, results: dict) ->
         f"bounds: infinite cache {bounds['infinite']:.1%}, pooled LRU {pooled:.1%}, replicated at imbalance "
         f"{args.bound_imbalance:g} {bounds['replicated_placed']:.1%}-{replicated:.1%} (placed-ceiling)"
     )
-    headers = ["router", "hit rate", "of pooled", "of replicated", "TTFT mean s", "TTFT p99 s", "imbalance"]
+    headers = ["router", "hit rate", "fetched", "of pooled", "of replicated", "TTFT mean s", "TTFT p99 s", "imbalance"]
     print_table(headers, table)
 
 
@@ -104,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--target-load must be in (0, 2)")
     if args.bound_imbalance < 1:
         ap.error("--bound-imbalance must be >= 1 (the busiest replica serves at least the mean)")
+    if args.peer_fetch < 0:
+        ap.error("--peer-fetch must be >= 0 (0: off)")
+    costs = dataclasses.replace(costs, fetch_tok_s=args.peer_fetch)
     rows = load_trace(args.trace, args.limit)
     bounds, results = compare_routers(
         rows,

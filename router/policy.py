@@ -10,6 +10,7 @@ first plus the reason for the choice, which is counted in metrics.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import random
 import time
@@ -20,7 +21,7 @@ from typing import Protocol
 
 from kvmesh.core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOK_S, PREDICT_TTL_S
 from kvmesh.core.hashing import BlockHash
-from kvmesh.core.messages import LoadReport
+from kvmesh.core.messages import KVFetch, LoadReport
 from kvmesh.router.sessions import SESSION_DECAY_S, SessionCounts
 
 """Prefill rate assumed for a replica that has not reported one yet (tokens/s)."""
@@ -30,6 +31,8 @@ FULL_PRESSURE_BUSY = 0.8
 """Prefill utilisation from which churn is priced at the full ``miss_weight`` (the load it was tuned at);
 below it, less (``KVAwarePolicy._pressure``). Above it no higher: a saturated fleet is no reason never to
 move (its queues are priced already)."""
+_NO_FETCH: tuple[None, int, float] = (None, 0, 0.0)
+"""``KVAwarePolicy._fetch``'s answer where a replica would recompute: no plan, no tokens, no seconds."""
 
 
 @dataclass
@@ -110,7 +113,8 @@ class Decision:
     ranked: list[str]
     """Replica ids, best first: the caller tries them in order (a full replica falls to the next)."""
     reason: str
-    """Why the first was chosen: hit, load_override, miss, index_unavailable, ... (counted in metrics)."""
+    """Why the first was chosen: hit, host_hit, fetch, load_override, miss, session, index_unavailable_*
+    (counted in metrics)."""
     matched_blocks: int = 0
     costs: dict[str, float] = field(default_factory=dict)
     tied: int = 1
@@ -129,6 +133,10 @@ class Decision:
     device_hits: dict[str, int] | None = None
     """Leading blocks each replica holds as priced: the index's answer extended by this router's recent
     decisions, or those alone without the index (None: the policy used the index's answer as given)."""
+    fetches: dict[str, KVFetch] = field(default_factory=dict)
+    """Per replica of ``ranked`` whose price counted on pulling prefix blocks from a peer, the plan: the holder
+    and the leading block to pull up to (the replica pulls those it lacks), for the caller to hand on with the call
+    (``GenerateCall.fetches``)."""
 
     @property
     def tied_group(self) -> list[str]:
@@ -177,6 +185,9 @@ class KVAwarePolicy:
     scaled by the reload / recompute cost ratio. ``host_tier=False`` routes blind to the tier (host hits
     priced as misses, evictions as losses), for comparison. A chain continuing onto a replica's disk tier
     (``disk_hits``) is charged at the disk load rate it reports, where that beats recomputing.
+    With ``peer_fetch``, the part of the prefix another replica serving KV blocks (``kv_address``) holds
+    beyond a replica's own is charged what pulling it costs there (``fetch_tok_s``, plus one step of the
+    holder's), where that beats recomputing it: a fetch is no fleet compute, so no churn or busy charge.
 
     The fifth term prices what a miss costs others, at the fleet's median rate: the cache churn it causes
     (it evicts other prefixes, which later requests miss), in proportion to how full the pool is and to how
@@ -222,6 +233,7 @@ class KVAwarePolicy:
         clock: Callable[[], float] = time.monotonic,
         history_weight: float = 16.0,
         history_min_replicas: int = 32,
+        peer_fetch: bool = True,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
             raise ValueError(
@@ -233,6 +245,7 @@ class KVAwarePolicy:
         self.history_min_replicas = history_min_replicas
         self.busy_weight = busy_weight
         self.host_tier = host_tier
+        self.peer_fetch = peer_fetch
         self.wait_cap = wait_cap
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
@@ -277,7 +290,7 @@ class KVAwarePolicy:
         depth, on_disk = self._depths(req, replicas, device_hits, host_hits, disk_hits)
         median_rate = sorted(max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas)[len(replicas) // 2]
         pressure = self._pressure(replicas)
-        costs, own_prefill_s, own_s, churn = self._price(
+        costs, own_prefill_s, own_s, churn, fetches = self._price(
             req, replicas, device_hits, depth, on_disk, median_rate, pressure
         )
         # Equal costs (and near-ties, in tie_order): the replica this router used least recently, then chance.
@@ -310,12 +323,17 @@ class KVAwarePolicy:
         reason = "miss" if best_hit == 0 else "hit" if chosen_hit == best_hit else "load_override"
         if reason == "hit" and device_hits.get(ranked[0], 0) < chosen_hit:
             reason = "host_hit"  # served in part from its host tier
+        if ranked[0] in fetches:
+            reason = "fetch"  # served in part from a peer's blocks
         tied = self._ties(ranked, capped, depth, costs, own_prefill_s, replicas)
         home = self.sessions.home(req.session_id)
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
-            ranked, tied, reason, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, "session", ""
+            ranked, tied, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, ""
+            reason = "fetch" if home in fetches else "session"
         order = sorted(ranked[:tied], key=jitter.__getitem__) if tied > 1 else None
-        return Decision(ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known, device_hits)
+        return Decision(
+            ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known, device_hits, fetches
+        )
 
     def _merged_hits(
         self, req: RouteRequest, ids: list[str], device_hits: dict[str, int] | None
@@ -351,12 +369,12 @@ class KVAwarePolicy:
         on_disk: dict[str, int],
         median_rate: float,
         pressure: float,
-    ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float], dict[str, KVFetch]]:
         """Each replica's cost (seconds to the first token plus what the miss costs others), its own prefill
-        (load from the host tier included), its own wait (queue, KV room, prefill) and the churn weight its
-        uncached tokens were charged; ``median_rate`` and ``pressure`` are the fleet's median prefill rate and
-        churn pressure."""
-        costs, own_prefill_s, own_s, churns = {}, {}, {}, {}
+        (load from the host tier and fetch from a peer included), its own wait (queue, KV room, prefill), the
+        churn weight its uncached tokens were charged and, where its price counts on one, the fetch plan;
+        ``median_rate`` and ``pressure`` are the fleet's median prefill rate and churn pressure."""
+        costs, own_prefill_s, own_s, churns, fetches = {}, {}, {}, {}, {}
         rates = {r.index_id: max(r.prefill_tok_s or 1.0, 1e-6) for r in replicas}
         # What this router sent since a replica's report is priced at the fleet's median rate, not the
         # replica's own: identical replicas' measured rates differ several-fold (one warm-up step each, on
@@ -368,28 +386,75 @@ class KVAwarePolicy:
         # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
         typical_s = max(req.num_tokens / median_rate, 1e-6)
         busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
+        sources = self._sources(replicas, depth, queues) if self.peer_fetch else []
+        own_weight = min(self.miss_weight, 1.0)
         most = max(req.num_tokens - 1, 0)  # the last token is always computed
         for r in replicas:
             rid = r.index_id
             cached = min(device_hits.get(rid, 0) * req.block_size, most)
             hosted = min(depth[rid] * req.block_size, most) - cached
             uncached = req.num_tokens - cached - hosted
-            fill = min(max(r.cache_fill, 0.0), 1.0)
             disked = min(on_disk.get(rid, 0) * req.block_size, hosted)  # the chain's last loaded blocks
             load_s = (hosted - disked) / r.host_load_tok_s if hosted > disked else 0.0
             load_s += disked / r.disk_load_tok_s if disked else 0.0
-            own_prefill_s[rid] = uncached / rates[rid] + load_s
-            prefill_s = min(self.miss_weight, 1.0) * own_prefill_s[rid]
-            evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
-            if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
-                evictions *= rates[rid] / r.host_load_tok_s
-            churn = churns[rid] = max(evictions, busy)  # the cost to others: evictions, or delay to those queued
-            prefill_s += churn * uncached / median_rate
+            churn = churns[rid] = self._churn(r, rates[rid], pressure, busy)
+            per_token = own_weight / rates[rid] + churn / median_rate  # a recompute's, to itself and others
+            plan, fetched, fetch_s = self._fetch(req, r, sources, cached + hosted, per_token) if sources else _NO_FETCH
+            if plan is not None:
+                fetches[rid] = plan
+            recomputed = uncached - fetched
+            own_prefill_s[rid] = recomputed / rates[rid] + load_s + fetch_s
+            prefill_s = own_weight * own_prefill_s[rid] + churn * recomputed / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.num_requests * (r.decode_s_per_seq or 0.0)
-            kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)
+            kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)  # fetched blocks need room too
             costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
-        return costs, own_prefill_s, own_s, churns
+        return costs, own_prefill_s, own_s, churns, fetches
+
+    def _churn(self, r: ReplicaLoad, rate: float, pressure: float, busy: float) -> float:
+        """The weight each token ``r`` recomputes is charged for others (at the median rate): the prefixes it
+        evicts, in proportion to how full its pool is and to ``pressure``, or, when more, the delay its extra
+        prefill adds to those queued (``busy``)."""
+        fill = min(max(r.cache_fill, 0.0), 1.0)
+        evictions = max(self.miss_weight - 1.0, 0.0) * fill * pressure
+        if self._tiered(r):  # what it evicts goes to the host tier: later requests reload it, not recompute
+            evictions *= rate / r.host_load_tok_s
+        return max(evictions, busy)
+
+    @staticmethod
+    def _sources(
+        replicas: list[ReplicaLoad], depth: dict[str, int], queues: dict[str, float]
+    ) -> list[tuple[ReplicaLoad, KVFetch]]:
+        """Where a replica would pull the request's prefix from, with the plan to pull from each (up to its
+        depth): of those serving KV blocks (``kv_address``), the two holding it deepest, the least queued
+        first among equal depths (two: none pulls from itself)."""
+        serving = [r for r in replicas if r.kv_address and depth[r.index_id]]
+        deepest = heapq.nsmallest(2, serving, key=lambda r: (-depth[r.index_id], queues[r.index_id]))
+        return [(h, KVFetch(holder=h.index_id, address=h.kv_address, num_blocks=depth[h.index_id])) for h in deepest]
+
+    def _fetch(
+        self,
+        req: RouteRequest,
+        r: ReplicaLoad,
+        sources: list[tuple[ReplicaLoad, KVFetch]],
+        held: int,
+        per_token: float,
+    ) -> tuple[KVFetch | None, int, float]:
+        """The fetch ``r`` would make instead of recomputing, the tokens it brings (those the holder has past
+        the ``held`` ones ``r`` serves itself) and their seconds: at ``r``'s fetch rate, plus one step of the
+        holder's (it exports between its steps). Made where that costs less than recomputing them at
+        ``per_token`` (a fetch is no compute: it charges others nothing); else ``(None, 0, 0.0)``."""
+        if not r.fetch_tok_s or r.fetch_tok_s <= (r.prefill_tok_s or 0.0):
+            return _NO_FETCH
+        source = sources[0] if sources[0][0] is not r else sources[1] if len(sources) > 1 else None  # not itself
+        if source is None:
+            return _NO_FETCH
+        holder, plan = source
+        tokens = min(plan.num_blocks * req.block_size, max(req.num_tokens - 1, 0)) - held
+        seconds = tokens / r.fetch_tok_s + holder.step_s
+        if tokens <= 0 or min(self.miss_weight, 1.0) * seconds >= tokens * per_token:
+            return _NO_FETCH
+        return plan, tokens, seconds
 
     def _looks_shared(self, fork: BlockHash, depth: dict[str, int], holder: str) -> bool:
         """With ``history_weight`` on a wide fleet: whether a prefix held short of half the prompt is a

@@ -16,7 +16,10 @@ seeded per router process, so a run is reproducible. Each result also counts the
 beyond the chosen one's (``passed_over``: moves for load). Runs are judged against bounds from the trace
 alone (``benchmarks/harness/cache_bounds.py``): the pooled LRU and the replication-aware bound at
 ``imbalance``. ``shortlist`` k prices only the k replicas holding the prompt deepest plus k random ones per
-decision, for fleets of a thousand replicas.
+decision, for fleets of a thousand replicas. ``Costs.fetch_tok_s`` > 0: every replica can pull a prefix's blocks
+from a peer at that rate (and serves its own); where the router's decision plans a fetch, the chosen replica's
+prefill first waits for those blocks, as far as the holder still holds them, then recomputes the rest. Hits are
+reported by source: local (device and host tier), fetched, recomputed.
 
 ``Costs()``, a GPU-class replica documented here (not measured on a GPU): prefill 20,000 tokens/s, a decode
 step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per block.
@@ -40,6 +43,7 @@ from pathlib import Path
 
 from kvmesh.bench.harness.cache_bounds import BLOCK_TOKENS, lru_hit_rate, replicated_bound
 from kvmesh.core.defaults import PREDICT_TTL_S
+from kvmesh.core.messages import KVFetch
 from kvmesh.replica.telemetry import BusyShare
 from kvmesh.router.baselines import POLICIES, make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
@@ -68,6 +72,8 @@ class Costs:
     host_load_tok_s: float = 200_000.0
     """Tokens per second a host-tier prefix loads back at (PCIe-class: ~25 GB/s over ~128 KiB of KV per
     token of an 8B Llama): 10x the prefill rate. Used only by replicas with a host tier."""
+    fetch_tok_s: float = 0.0
+    """Tokens per second of KV a replica pulls from a peer (0: replicas neither pull nor serve blocks)."""
 
     @classmethod
     def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
@@ -84,8 +90,11 @@ class Req:
     chain: list[bytes]
     output: int
     reused_blocks: int = 0
-    """Leading blocks it did not compute: device hits plus those loaded from the host tier."""
+    """Leading blocks it did not compute: device hits, those loaded from the host tier and those fetched."""
     host_hits: int = 0
+    fetch: KVFetch | None = None
+    """The router's plan to pull part of its prefix from a peer (None: none)."""
+    fetched_blocks: int = 0
     queued: int = 0
     """Prefill tokens the replica's queue counted for it on arrival (the router's estimate of its misses)."""
     ttft: float = 0.0
@@ -190,6 +199,8 @@ class Replica:
             kv_total_blocks=self.capacity,
             prefill_busy=self.busy.at(now),
             host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
+            fetch_tok_s=self.costs.fetch_tok_s or None,
+            kv_address=self.rid if self.costs.fetch_tok_s else None,
         )
 
 
@@ -344,6 +355,7 @@ class FleetSim:
         if device_hits:
             r.passed_over = max(device_hits.values()) - device_hits[rid]
         r.opened = decision.opens_session
+        r.fetch = decision.fetches.get(rid)
         if self.uses_index:
             for h in r.chain:
                 self.predicted[h] = (rid, now, i)
@@ -351,9 +363,10 @@ class FleetSim:
                 self.starts.add(rid)
         r.replica = int(rid[1:])
         rep = self.replicas[r.replica]
-        # What the router believes the replica must prefill, never below the last token: a prediction can
-        # deepen the device hits past where the host tier's blocks were counted from.
-        believed = ((device_hits or {}).get(rid, 0) + host.get(rid, 0)) * BLOCK_TOKENS
+        # What the router believes the replica must prefill (not what it fetches), never below the last token:
+        # a prediction can deepen the device hits past where the host tier's blocks were counted from.
+        believed = max((device_hits or {}).get(rid, 0) + host.get(rid, 0), r.fetch.num_blocks if r.fetch else 0)
+        believed *= BLOCK_TOKENS
         r.queued = r.tokens - min(believed, r.tokens - 1)
         rep.queued_tokens += r.queued
         if rep.running < self.costs.slots:
@@ -364,20 +377,34 @@ class FleetSim:
             rep.slot_waiters.append(i)
 
     def start_prefill(self, rep: Replica, now: float) -> None:
-        """Start the replica's next queued prefill if its prefill stage is free: it takes the tokens not
-        cached when it starts, plus loading the host tier's blocks back."""
+        """Start the replica's next queued prefill if its prefill stage is free: it takes fetching the blocks
+        its router planned to pull from a peer, then the tokens not cached when it starts, plus loading the
+        host tier's blocks back."""
         if rep.prefill_busy or not rep.prefill_queue:
             return
         i = rep.prefill_queue.popleft()
         r = self.reqs[i]
         device = rep.leading_hits(r.chain)
         r.host_hits = rep.host_hits(r.chain, device) if rep.host_capacity else 0
-        r.reused_blocks = device + r.host_hits
+        r.fetched_blocks = self._fetchable(r, device + r.host_hits)
+        r.reused_blocks = device + r.host_hits + r.fetched_blocks
         uncached = r.tokens - r.reused_blocks * BLOCK_TOKENS
         rep.prefill_busy = True
         done = now + uncached / self.costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / self.costs.host_load_tok_s
+        if r.fetched_blocks:
+            done += r.fetched_blocks * BLOCK_TOKENS / self.costs.fetch_tok_s
         rep.busy.add(now, done - now)
         self._push(done, "prefilled", i)
+
+    def _fetchable(self, r: Req, local: int) -> int:
+        """Blocks of ``r``'s plan past the ``local`` ones its replica holds that the holder still holds (device
+        or host tier): the rest of a fetch of blocks evicted since is recomputed, as the engine falls back."""
+        if r.fetch is None:
+            return 0
+        holder = self.replicas[int(r.fetch.holder[1:])]
+        held = holder.leading_hits(r.chain)
+        held += holder.host_hits(r.chain, held) if holder.host_capacity else 0
+        return max(min(r.fetch.num_blocks, held) - local, 0)
 
     def prefilled(self, i: int, now: float) -> None:
         """Request ``i``'s first token: its blocks land in the cache; it decodes at the batch's step time."""
@@ -406,8 +433,12 @@ class FleetSim:
         ttfts = sorted(r.ttft for r in reqs)
         served = [rep.served for rep in self.replicas]
         blocks = sum(len(r.chain) for r in reqs)
+        reused, fetched = sum(r.reused_blocks for r in reqs), sum(r.fetched_blocks for r in reqs)
         return {
-            "hit_rate": sum(r.reused_blocks for r in reqs) / blocks,
+            "hit_rate": reused / blocks,
+            "local_hit_rate": (reused - fetched) / blocks,
+            "fetched_rate": fetched / blocks,
+            "recomputed_rate": 1 - reused / blocks,
             "host_hit_rate": sum(r.host_hits for r in reqs) / blocks,
             "ttft_mean_s": statistics.fmean(ttfts),
             "ttft_p50_s": ttfts[len(ttfts) // 2],
