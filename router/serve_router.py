@@ -7,9 +7,10 @@ these. It reads the request's precomputed block hashes from the call (a ``Genera
 one per group, so Ray falls back to the next when one is full; replicas the policy finds tied share the
 first group, for Ray to pick the one with the shortest live queue (unless other requests wait to be routed).
 
-It never blocks the event loop: the index lookup is async with a short timeout, and everything else is
-in-memory arithmetic. Routing never fails a request: no hashes, no index or no stats just mean less
-information, down to plain least-loaded.
+Where the policy priced pulling part of the prefix from a peer (``Decision.fetches``), the plans ride on the
+call (``GenerateCall.fetches``) to whichever candidate Ray sends it to. It never blocks the event loop: the
+index lookup is async with a short timeout, and everything else is in-memory arithmetic. Routing never fails
+a request: no hashes, no index or no stats just mean less information, down to plain least-loaded.
 
 Ray Serve ships this module to routers *by value* (cloudpickle), globals included: module-level state
 must therefore be reached through other modules (``router_metrics.X``), never imported into this one.
@@ -206,6 +207,8 @@ class KVAwareRequestRouter(RequestRouter):
         candidates = [self._load_from(r, rep) for r, rep in zip(candidate_replicas, reports, strict=True)]
         decision = self.policy.rank(req, candidates, device_hits, answer.starts, answer.host_hits, answer.disk_hits)
         self.decisions[decision.reason] += 1
+        if pending_request is not None:  # the call travels when Ray sends it: the replica it reaches reads its plan
+            pending_request.args[0].fetches = decision.fetches or None
         # Tied replicas go as one group: Ray probes their live queue lengths (every router's requests, not
         # one report period old) and takes the shortest; on_request_routed re-tracks if it is not ours. Not
         # while other requests wait here to be routed (a burst): none of them has reached a replica, so the

@@ -13,7 +13,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.hashing import hash_blocks, model_seed
-from kvmesh.core.messages import GenerateCall
+from kvmesh.core.messages import GenerateCall, KVFetch
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.serve_router import KVAwareRequestRouter
 
@@ -89,6 +89,33 @@ def test_routes_to_the_holder_counts_reasons_and_tracks_what_it_routed(redis_ser
 
     asyncio.run(main())
     pub.close()
+
+
+def test_a_busy_holders_prefix_is_fetched_by_the_replica_the_call_goes_to(redis_server):
+    """The holder's queue is long and its peers pull blocks far faster than they prefill: the call goes to a
+    peer and carries the plan naming the holder's KV address, for the replica that runs it."""
+    tokens = list(range(640))
+    pub = KVIndexPublisher(
+        redis_server.url, "unit", "m", "u2", lambda: hash_blocks(tokens, 16, model_seed("m")), unique_name=True
+    ).start()
+    assert pub.wait_synced(5)
+    reps = replicas(3, prefill_tok_s=1000.0, fetch_tok_s=200_000.0)
+    for i, rep in enumerate(reps):
+        rep.routing_stats["kv_address"] = f"tcp://10.0.0.{i}:7000"
+    reps[2].routing_stats["pending_prefill_tokens"] = 5000  # 5 s of queued prefill on the holder
+
+    async def main():
+        router = make_router(redis_server.url)
+        req = pending([*tokens, 1, 2, 3], 1)
+        ranked = await router.choose_replicas(reps, req)
+        chosen = ranked[0][0].replica_id.unique_id
+        await router.index.close()
+        return chosen, req.args[0].fetches, router.decisions
+
+    chosen, fetches, decisions = asyncio.run(main())
+    pub.close()
+    assert chosen != "u2" and decisions["fetch"] == 1
+    assert fetches[chosen] == KVFetch(holder=pub.replica_id, address="tcp://10.0.0.2:7000", num_blocks=40)
 
 
 def test_index_down_still_routes_from_recent_decisions():
