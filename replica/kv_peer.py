@@ -24,12 +24,14 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 import torch
+import xxhash
 
 from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import EngineStats, KVFetch
 from kvmesh.replica.async_llm import AsyncLLM
 from kvmesh.replica.kv_transfer import (
     END,
+    NO_PARENT,
     REFUSED,
     TransferRejected,
     check_chunk,
@@ -100,10 +102,34 @@ class KVPeer:
         return f"tcp://{self.advertise}:{self.port}"
 
     async def start(self) -> str:
-        """Listen for peers; the address they fetch from."""
+        """Listen for peers and measure a first transfer rate (``probe``); the address peers fetch from."""
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        await self.probe()
         return self.address
+
+    async def probe(self) -> float:
+        """Bytes per second of a chunk of zero blocks from this peer's own server, received and checksummed as
+        a fetch's are: the rate routers price a fetch at before this replica has made one (real fetches then
+        replace it in the moving average). Loopback: an upper bound for a peer on another node."""
+        url = urlsplit(self.address)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        try:
+            began = time.perf_counter()
+            _send(writer, json.dumps({"fingerprint": self.fingerprint.hex(), "probe": self.chunk_blocks}).encode())
+            (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+            _, count, _ = parse_header(await reader.readexactly(size), self.fingerprint, self.block_bytes)
+            data = await reader.readexactly(count * self.block_bytes)
+            await asyncio.to_thread(
+                lambda: [
+                    xxhash.xxh3_64_intdigest(data[i : i + self.block_bytes])
+                    for i in range(0, len(data), self.block_bytes)
+                ]
+            )
+            self.stats.bytes_s = len(data) / max(time.perf_counter() - began, 1e-6)
+        finally:
+            writer.close()
+        return self.stats.bytes_s
 
     def stop(self) -> None:
         """Stop taking new transfers (those under way end when their connections do)."""
@@ -135,6 +161,11 @@ class KVPeer:
             ask = json.loads(await reader.readexactly(size))
             if bytes.fromhex(ask["fingerprint"]) != self.fingerprint:
                 _send(writer, refusal(self.fingerprint, "another model or cache layout"))
+            elif "probe" in ask:
+                zeros = torch.zeros((min(int(ask["probe"]), self.chunk_blocks), self.block_bytes), dtype=torch.uint8)
+                head, payload = encode_chunk(self.fingerprint, [NO_PARENT] * len(zeros), [None] * len(zeros), zeros)
+                _send(writer, head)
+                writer.write(payload)
             else:
                 parent = bytes.fromhex(ask["parent"]) if ask.get("parent") else None
                 await self._stream(writer, [bytes.fromhex(h) for h in ask["hashes"]], parent)
