@@ -93,6 +93,7 @@ OPTIONAL_IMPORTS = {
     "vllm": "kvmesh bench engine_overhead runs harness/vllm_side.py in vLLM's own virtualenv, never ours",
     "llguidance": "kvmesh bench grammar_backends times the grammar libraries a user could pick, where installed",
     "outlines_core": "kvmesh bench grammar_backends, as llguidance",
+    "nixl": "kvmesh bench kv_transport runs harness/kv_transport_nixl.py in NIXL's own virtualenv, never ours",
 }
 
 
