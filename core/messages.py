@@ -64,6 +64,11 @@ class KVFetch:
     address: str
     """Its KV transfer address (``LoadReport.kv_address``)."""
     num_blocks: int
+    prefill: bool = False
+    """The holder computes the prompt first (conditional disaggregation: prefilled there, decoded here)."""
+    expected_s: float = 0.0
+    """The router's estimate of the whole fetch, its prefill included: what the receiver waits for at most
+    (twice this, or twice its own recompute, whichever is longer)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -218,6 +223,9 @@ class LoadReport(EngineLoad):
     index_error: str | None = None
     """Why the replica's last write to the index Redis failed (naming its address); None while it works.
     This report travels through Ray, so it reaches the ingress when Redis does not."""
+    role: str = "mixed"
+    """``mixed`` (prefills and decodes) or ``prefill`` (a dedicated prefill replica: routers send it no
+    request, only prefills that another replica then fetches and decodes)."""
     kv_address: str | None = None
     """Where peers pull this replica's KV blocks (``tcp://host:port``, ``replica/kv_transfer.py``); None
     when it serves none."""
@@ -225,7 +233,7 @@ class LoadReport(EngineLoad):
     @classmethod
     def of(cls, load: EngineLoad, **where: Any) -> LoadReport:
         """The report of an engine whose state is ``load`` (an ``EngineStats`` too); ``where``: the fields of
-        its own (``index_id``, ``reported_at``, ``node``, ``index_error``, ``kv_address``)."""
+        its own (``index_id``, ``reported_at``, ``node``, ``index_error``, ``role``, ``kv_address``)."""
         return cls(**{f.name: getattr(load, f.name) for f in dataclasses.fields(EngineLoad)}, **where)
 
     def as_dict(self) -> dict[str, Any]:
@@ -319,6 +327,8 @@ class EngineStats(EngineLoad):
     or their write failed (a full disk)."""
     kv_fetches: int = 0
     """Prefix fetches from peers since start (``replica/kv_peer.py``), and what they brought and took."""
+    kv_prefills: int = 0
+    """Prompts this replica prefilled for a peer that decoded them (conditional disaggregation)."""
     kv_fetched_blocks: int = 0
     kv_fetched_bytes: int = 0
     kv_fetch_seconds: float = 0.0
@@ -364,6 +374,9 @@ class ReplicaStatus(EngineStats):
     pid: int | None = None
     node: str = ""
     """The address of the Ray node the replica runs on."""
+    kv_address: str | None = None
+    """Where peers fetch its KV blocks (``LoadReport.kv_address``): how a starting or draining replica finds
+    the others."""
     index_entries: int = 0
     """Blocks the replica has published to the index (set by its publisher)."""
     reported_at: float = 0.0

@@ -176,6 +176,13 @@ class BlockPool:
         """Every hash this pool can serve a hit for: what a publisher resynchronises after a reconnect."""
         return list(self._by_hash)
 
+    def hottest(self, limit: int) -> list[BlockHash]:
+        """Up to ``limit`` cached hashes, hottest first: those running requests hold, then the evictable ones
+        most recently freed first (what a replica hands a peer when it drains, or a new one warms up from)."""
+        held = [b.block_hash for b in self.blocks if b.ref_count and b.block_hash is not None]
+        recent = [b.block_hash for b in reversed(self._evictable.values())]
+        return list(dict.fromkeys(held + recent))[:limit]
+
     def reset(self) -> bool:
         """Forget every cached hash. Refused (returns False) while any block is in use."""
         if self.num_used:

@@ -109,7 +109,9 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
         self.device_step = DeviceStep(self.runner, self.swap, self.penalties)
-        self.exchange = KVExchange(self.pool, self.swap, BlockBytes(self.runner.kv_caches), self.device)
+        self.exchange = KVExchange(
+            self.pool, self.swap, BlockBytes(self.runner.kv_caches), self.device, self._flush_events
+        )
         """Export and adoption of prefix blocks for peers (``replica/kv_peer.py``)."""
         self._launched_step: LaunchedStep | None = None
         self._last_collect = self._last_launched = 0.0

@@ -11,6 +11,7 @@ swap-in) and publishes them as cached prefix blocks, in the KV events and so in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +44,18 @@ def _marker() -> tuple[torch.Tensor, dict, None]:
 class KVExchange:
     """Export and adoption of prefix blocks for one engine's pool, host tier and device queue."""
 
-    def __init__(self, pool: BlockPool, swap: SwapSpace | None, blocks: BlockBytes, device: DeviceQueue) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        swap: SwapSpace | None,
+        blocks: BlockBytes,
+        device: DeviceQueue,
+        flush_events: Callable[[], None],
+    ) -> None:
+        """``flush_events``: hands the engine's KV events to its sinks (adopted blocks are announced at once,
+        not at the next step, which an idle replica may not take for a while)."""
         self.pool, self.swap, self.blocks, self.device = pool, swap, blocks, device
+        self.flush_events = flush_events
 
     def local_depth(self, hashes: list[BlockHash]) -> int:
         """How many leading ``hashes`` the device pool holds (an estimate when read off the engine's thread)."""
@@ -82,10 +93,13 @@ class KVExchange:
 
     def gather(self, export: Export, start: int, end: int) -> torch.Tensor:
         """Bytes of ``export``'s blocks ``start:end`` (off the engine's thread, once ``ready``)."""
-        out = torch.empty((end - start, self.blocks.block_bytes), dtype=torch.uint8)
         on_device = [i for i in range(start, end) if i in export.device]
-        if on_device:
-            out[[i - start for i in on_device]] = self.blocks.gather([export.device[i].block_id for i in on_device])
+        ids = [export.device[i].block_id for i in on_device]
+        if len(on_device) == end - start:  # the usual case: one gather, no reassembly
+            return self.blocks.gather(ids)
+        out = torch.empty((end - start, self.blocks.block_bytes), dtype=torch.uint8)
+        for row, i in zip(self.blocks.gather(ids) if ids else [], on_device, strict=False):
+            out[i - start] = row
         for i in range(start, end):
             if i in export.host:
                 out[i - start] = export.host[i]
@@ -103,11 +117,13 @@ class KVExchange:
         payload: torch.Tensor,
         token_ids: list[list[int]] | None = None,
         cache_salt: str | None = None,
+        chained: bool = True,
     ) -> int:
         """Adopt validated blocks continuing the chain after ``parent`` as cached prefix blocks (between
         steps); how many of the leading ``hashes`` this engine now holds. They stay free (evictable, freshest
         last), so adopting never takes room a request could have. ``token_ids`` (each block's tokens) and
-        ``cache_salt`` (block 0's) only travel in the KV events."""
+        ``cache_salt`` (block 0's) only travel in the KV events. ``chained`` False: ``hashes`` are separate hot
+        blocks, not one chain (a hand-off or warm-up); their events name no parent."""
         room = self.pool.num_free
         held, new = 0, []
         for i, h in enumerate(hashes):
@@ -121,12 +137,13 @@ class KVExchange:
         if not new:
             return count
         blocks = self.pool.allocate(len(new))
-        rows = payload[new]  # a copy: the caller's buffer may be reused before the queued copy runs
+        rows = payload if len(new) == len(payload) else payload[new]  # the caller leaves ``payload`` to the copy
         ids = [b.block_id for b in blocks]
         self.device.submit(lambda: (self.blocks.scatter(ids, rows), _marker())[1])
         for i, block in zip(new, blocks, strict=True):
-            prev = hashes[i - 1] if i else parent
+            prev = (hashes[i - 1] if i else parent) if chained else None
             tokens = token_ids[i] if token_ids is not None else ()
-            self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if prev is None else None)
+            self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if chained and prev is None else None)
         self.pool.free(reversed(blocks))
+        self.flush_events()
         return count

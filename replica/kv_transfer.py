@@ -93,22 +93,36 @@ def check_chunk(entries: bytes, payload: torch.Tensor, expected: list[BlockHash]
 
 
 class BlockBytes:
-    """Batches of blocks between a runner's device cache and host bytes (``[n, block_bytes]`` uint8)."""
+    """Batches of blocks between a runner's device cache and host bytes (``[n, block_bytes]`` uint8).
+
+    Each cache tensor is moved as the widest integer type that tiles its row (int64 for most): torch's
+    gathers and scatters go element by element, several times faster on 8-byte elements than on bytes."""
 
     def __init__(self, kv_caches: list[LayerCache]) -> None:
-        self.tensors = [as_bytes(t).view(torch.uint8).flatten(1) for layer in kv_caches for t in layer.per_block()]
-        self.widths = [t.shape[1] for t in self.tensors]
-        self.block_bytes = sum(self.widths)
+        rows = [as_bytes(t).view(torch.uint8).flatten(1) for layer in kv_caches for t in layer.per_block()]
+        self.block_bytes = sum(r.shape[1] for r in rows)
+        self.spans: list[tuple[int, int, torch.dtype]] = []
+        """Per tensor: its bytes' offset and width in a block's row, and the type it moves as."""
+        self.tensors: list[torch.Tensor] = []
+        offset = 0
+        for row in rows:
+            width = row.shape[1]
+            unit = next(u for u in (8, 4, 2, 1) if width % u == offset % u == self.block_bytes % u == 0)
+            dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
+            self.tensors.append(row.view(dtype))
+            self.spans.append((offset, width, dtype))
+            offset += width
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' bytes on the host, one row per block, in the disk tier's layout."""
         index = torch.tensor(block_ids, device=self.tensors[0].device)
-        rows = torch.cat([t.index_select(0, index) for t in self.tensors], dim=1)
+        rows = torch.cat([t.index_select(0, index).view(torch.uint8) for t in self.tensors], dim=1)
         return rows.cpu()
 
     def scatter(self, block_ids: list[int], payload: torch.Tensor) -> None:
         """Write ``payload``'s rows into the blocks ``block_ids``."""
-        index = torch.tensor(block_ids, device=self.tensors[0].device)
         device = self.tensors[0].device
-        for t, part in zip(self.tensors, payload.to(device).split(self.widths, dim=1), strict=True):
-            t.index_copy_(0, index, part)
+        index = torch.tensor(block_ids, device=device)
+        payload = payload.to(device)
+        for t, (offset, width, dtype) in zip(self.tensors, self.spans, strict=True):
+            t.index_copy_(0, index, payload[:, offset : offset + width].view(dtype))

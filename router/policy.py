@@ -234,6 +234,8 @@ class KVAwarePolicy:
         history_weight: float = 16.0,
         history_min_replicas: int = 32,
         peer_fetch: bool = True,
+        disaggregate_tokens: int = 1024,
+        decode_protect: float = 1.0,
     ) -> None:
         if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
             raise ValueError(
@@ -246,6 +248,8 @@ class KVAwarePolicy:
         self.busy_weight = busy_weight
         self.host_tier = host_tier
         self.peer_fetch = peer_fetch
+        self.disaggregate_tokens = disaggregate_tokens
+        self.decode_protect = decode_protect
         self.wait_cap = wait_cap
         if session_balance and session_balance < 1:
             raise ValueError("session_balance must be 0 (off) or >= 1")
@@ -293,6 +297,9 @@ class KVAwarePolicy:
         costs, own_prefill_s, own_s, churn, fetches = self._price(
             req, replicas, device_hits, depth, on_disk, median_rate, pressure
         )
+        if self.peer_fetch and self.disaggregate_tokens:
+            self._disaggregate(req, replicas, costs, own_prefill_s, own_s, fetches)
+        _drop_prefill_only(replicas, costs)
         # Equal costs (and near-ties, in tie_order): the replica this router used least recently, then chance.
         jitter = {rid: (self._chosen.get(rid, -1), self._rng.random()) for rid in costs}
         ranked = sorted(costs, key=lambda rid: (costs[rid], jitter[rid]))
@@ -324,12 +331,12 @@ class KVAwarePolicy:
         if reason == "hit" and device_hits.get(ranked[0], 0) < chosen_hit:
             reason = "host_hit"  # served in part from its host tier
         if ranked[0] in fetches:
-            reason = "fetch"  # served in part from a peer's blocks
+            reason = "disaggregated" if fetches[ranked[0]].prefill else "fetch"  # a peer prefills / holds it
         tied = self._ties(ranked, capped, depth, costs, own_prefill_s, replicas)
         home = self.sessions.home(req.session_id)
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
             ranked, tied, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, ""
-            reason = "fetch" if home in fetches else "session"
+            reason = ("disaggregated" if fetches[home].prefill else "fetch") if home in fetches else "session"
         order = sorted(ranked[:tied], key=jitter.__getitem__) if tied > 1 else None
         return Decision(
             ranked, reason_prefix + reason, chosen_hit, costs, tied, order, opens, known, device_hits, fetches
@@ -410,6 +417,52 @@ class KVAwarePolicy:
             costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
         return costs, own_prefill_s, own_s, churns, fetches
+
+    def _disaggregate(
+        self,
+        req: RouteRequest,
+        replicas: list[ReplicaLoad],
+        costs: dict[str, float],
+        own_prefill_s: dict[str, float],
+        own_s: dict[str, float],
+        fetches: dict[str, KVFetch],
+    ) -> None:
+        """Where it pays, plan a replica's request as prefilled on another and fetched (``KVFetch.prefill``).
+
+        Colocated, a replica's prefill of what it lacks takes ``own_s`` to the first token and stalls each of
+        its running streams for the prefill's length. Disaggregated, the replica that prefills this prompt
+        soonest (its own wait, a dedicated prefill replica first among equals) computes it, and the decoding
+        replica pulls the blocks: the first token comes after that prefill and the fetch (or the decoder's own
+        queue, if longer), and only the prefill replica's streams stall. Each stall counts ``decode_protect``
+        seconds per stream; a replica takes the plan, and its cost drops by the saving, where the plan's total
+        is lower. Only for prompts with ``disaggregate_tokens`` or more left to compute there."""
+        by_id = {r.index_id: r for r in replicas}
+        sources = [r for r in replicas if r.kv_address]
+        if not sources:
+            return
+        most = max(req.num_tokens - 1, 0) // req.block_size
+        for rid in costs:
+            r = by_id[rid]
+            prefill = own_prefill_s[rid] * (r.prefill_tok_s or DEFAULT_PREFILL_TOK_S)  # tokens it would compute
+            fast = r.fetch_tok_s and r.fetch_tok_s > (r.prefill_tok_s or 0.0)
+            if r.role == "prefill" or prefill < self.disaggregate_tokens or not fast or rid in fetches:
+                continue
+            p = min(
+                (s for s in sources if s.index_id != rid),
+                key=lambda s: (own_s[s.index_id], s.role != "prefill"),
+                default=None,
+            )
+            if p is None:
+                continue
+            fetch_s = req.num_tokens / r.fetch_tok_s + p.step_s
+            colocated = own_s[rid] + self.decode_protect * r.num_running * own_prefill_s[rid]
+            split_s = max(own_s[p.index_id] + fetch_s, own_s[rid] - own_prefill_s[rid])
+            split = split_s + self.decode_protect * p.num_running * own_prefill_s[p.index_id]
+            if split < colocated:
+                costs[rid] -= colocated - split
+                fetches[rid] = KVFetch(
+                    holder=p.index_id, address=p.kv_address, num_blocks=most, prefill=True, expected_s=split_s
+                )
 
     def _churn(self, r: ReplicaLoad, rate: float, pressure: float, busy: float) -> float:
         """The weight each token ``r`` recomputes is charged for others (at the median rate): the prefixes it
@@ -648,6 +701,14 @@ class _RecentOwners:
             if entry[1] >= oldest and entry[0] in out:
                 out[entry[0]] = known
         return out, known
+
+
+def _drop_prefill_only(replicas: list[ReplicaLoad], costs: dict[str, float]) -> None:
+    """Dedicated prefill replicas take no request (only prefills for others), unless no other replica is there."""
+    prefill_only = [r.index_id for r in replicas if r.role == "prefill"]
+    if len(prefill_only) < len(costs):
+        for rid in prefill_only:
+            costs.pop(rid, None)
 
 
 def fill_unmeasured_rates(replicas: list[ReplicaLoad]) -> None:

@@ -2,8 +2,9 @@
 
 A long prefix is computed on one replica; a burst of long generations continuing it arrives, more than the
 holder's batch holds. The router spreads the burst, and the requests it sends to the replica that lacks the
-prefix pull it from the holder instead of recomputing it: they are served from cache there, with the tokens a local computation gives, and the
-replica's status counts the blocks fetched and the holder's the blocks served.
+prefix pull it from the holder instead of recomputing it: they are served from cache there, with the tokens
+a local computation gives, and the replica's status counts the blocks fetched and the holder's the blocks
+served.
 """
 
 from __future__ import annotations

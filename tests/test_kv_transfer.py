@@ -259,6 +259,7 @@ def test_a_foreign_model_is_refused(engines, tiny_llama_dir):
     other = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, dtype="float32"))
 
     async def run():
+        await receiver.reset_prefix_cache()
         op, rp = KVPeer(other), KVPeer(receiver)
         await op.start()
         await _generate(other)
@@ -277,6 +278,7 @@ def test_an_unreachable_holder_falls_back_at_once(engines):
     _, receiver = engines("auto")
 
     async def run():
+        await receiver.reset_prefix_cache()
         rp = KVPeer(receiver)
         held = await rp.fetch(*_plan(receiver, f"tcp://127.0.0.1:{free_port()}"), token_ids=PROMPT, timeout_s=5)
         tokens, _ = await _generate(receiver)

@@ -55,7 +55,43 @@ def test_no_fetch_is_priced_where_it_is_slower_than_prefill_unreported_unserved_
     for reps, kwargs in (
         (fleet(None), {}),  # no replica reports a fetch rate: the decision is the one without the option
         (fleet(1500), {}),  # fetching slower than prefilling
-        (fleet(address=None), {}),  # the holder serves no blocks
+        # the holder serves no blocks (and no prefill split: r2 could be prefilled on r0 while its queue drains)
+        (fleet(address=None), {"disaggregate_tokens": 0}),
         (fleet(), {"peer_fetch": False}),
     ):
         assert decision_fields(KVAwarePolicy(seed=0, **kwargs).rank(REQ, reps, HELD)) == before
+
+
+LONG = RouteRequest(hash_blocks(list(range(5000, 9096)), 16, SEED), 4096, 16)  # 256 blocks, held nowhere
+
+
+def decoding_fleet(prefill_role: str = "prefill") -> list[ReplicaLoad]:
+    """Two replicas decoding 20 streams each, and a third that is idle (a dedicated prefill replica, or a
+    mixed one), all fetching at 100k tokens/s."""
+    reps = [
+        ReplicaLoad(
+            index_id=f"r{i}", prefill_tok_s=4000, fetch_tok_s=100_000, kv_address=f"tcp://r{i}:1", num_running=20
+        )
+        for i in range(3)
+    ]
+    reps[2].num_running, reps[2].role = 0, prefill_role
+    return reps
+
+
+def test_a_long_prompt_is_prefilled_on_the_prefill_replica_and_decoded_elsewhere():
+    d = KVAwarePolicy(seed=0).rank(LONG, decoding_fleet(), {})
+    assert d.reason == "disaggregated" and "r2" not in d.ranked  # the prefill replica takes no request
+    plan = d.fetches[d.ranked[0]]
+    assert (plan.holder, plan.prefill, plan.num_blocks) == ("r2", True, 255) and plan.expected_s > 1.0
+    # Colocated, its 1 s prefill would stall 20 streams: the split costs the prefill plus a 0.04 s fetch.
+    off = KVAwarePolicy(seed=0, disaggregate_tokens=0).rank(LONG, decoding_fleet(), {})
+    assert off.reason == "miss" and not off.fetches and "r2" not in off.ranked
+
+
+def test_no_split_for_a_short_prompt_or_onto_a_replica_as_busy_decoding():
+    short = RouteRequest(LONG.block_hashes[:32], 512, 16)
+    assert not KVAwarePolicy(seed=0).rank(short, decoding_fleet(), {}).fetches
+    busy = decoding_fleet("mixed")
+    busy[2].num_running = 20  # every replica decodes as many streams: a split only moves the stall
+    d = KVAwarePolicy(seed=0).rank(LONG, busy, {})
+    assert d.reason == "miss" and not d.fetches

@@ -298,6 +298,8 @@ class FleetSim:
         simulated = {"clock": lambda: self.clock} if "clock" in accepts else {}
         if "predict_ttl_s" in accepts and "predict_ttl_s" not in kwargs:
             simulated["predict_ttl_s"] = self.ttl_s
+        if "disaggregate_tokens" in accepts and "disaggregate_tokens" not in kwargs:
+            simulated["disaggregate_tokens"] = 0  # prefilling on one replica for another is not simulated
         seeded = [{"seed": k} if "seed" in accepts else {} for k in range(processes)]
         return [make_policy(name, **seed, **simulated, **kwargs) for seed in seeded]
 

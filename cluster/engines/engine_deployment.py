@@ -24,6 +24,7 @@ def engine_deployment(
     drain_timeout_s: float = 60.0,
     replicas_per_node: int | None = None,
     kv_events: KVEventsConfig | None = None,
+    prefill_replicas: int = 0,
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles; ``engine`` and
     ``kv_events`` reach every replica as themselves.
@@ -33,6 +34,7 @@ def engine_deployment(
     finish its streams: Ray stops routing to it at once and waits for them before its destructor clears its
     index entries. ``replicas_per_node`` (default: all of them on one node) sizes each CPU replica's threads
     on its node. ``kv_events``: vLLM's ``--kv-events-config``; each replica publishes on the ports plus its rank.
+    ``prefill_replicas``: the replicas of the lowest ranks that only prefill for others (``role="prefill"``).
     """
     sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     per_node = replicas_per_node or max(num_replicas, (autoscaling or {}).get("max_replicas", 0))
@@ -47,4 +49,5 @@ def engine_deployment(
         deployment=routing.deployment,
         replicas_per_node=per_node,
         kv_events=kv_events,
+        prefill_replicas=prefill_replicas,
     )

@@ -37,12 +37,20 @@ from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.replica.kv_peer import KVPeer
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
+from kvmesh.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
 FETCH_GRACE_S = 0.5
 """A prefix fetch may take this long beyond twice what recomputing the blocks would (then the rest is
 recomputed): room for the holder's step to end before it exports."""
+WARM_UP_S = 10.0
+"""How long a starting replica pulls its peers' hottest blocks before it serves (its first request waits)."""
+WARM_UP_SHARE = 0.25
+"""Most of its pool a starting replica fills with its peers' hottest blocks."""
+HAND_OFF_S = 5.0
+"""How long a draining replica looks for peers to take its hottest blocks before it stops (in a rolling update
+its replacements register while it drains; on a shutdown every peer drains too and none accepts)."""
 INDEX_CONNECT_TIMEOUT_S = 15.0
 """How long a starting replica tries to publish its (empty) cache to the index before it gives up."""
 
@@ -63,13 +71,15 @@ class EngineReplica:
         identity: tuple[str, object] | None = None,
         kv_host: str | None = None,
         kv_port: int = 0,
+        prefill_replicas: int = 0,
     ) -> None:
         """``engine`` unset ``torch_threads`` on a CPU: this replica's share of its node's cores, among
         ``replicas_per_node``. ``rank_offset``: replicas of the deployment ranked before this one that are not
         kvmesh engines (worker proxies, ``cluster/workers/mixed_deployment.py``); its KV-event ports count from
         the first engine. ``identity``: the Serve replica's id and rank, from the replica that runs this engine
         in an actor of its own (default: this process's Serve identity, ``serve_replica_identity``). ``kv_host``,
-        ``kv_port``: where peers fetch this engine's KV blocks (default: this node's address, any free port)."""
+        ``kv_port``: where peers fetch this engine's KV blocks (default: this node's address, any free port).
+        ``prefill_replicas``: replicas ranked below it only prefill for others (``LoadReport.role``)."""
         self.node = node_address()
         if engine.torch_threads is None and engine.device in (None, "cpu"):
             threads = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
@@ -79,8 +89,10 @@ class EngineReplica:
         self.engine.warm_up()  # measured decode costs for routers from the first request on
         name, rank = identity or serve_replica_identity()
         self.kv_events = self._kv_event_publisher(kv_events, replica_rank(rank) - rank_offset)
+        self.role = "prefill" if rank is not None and replica_rank(rank) - rank_offset < prefill_replicas else "mixed"
         self.publisher = self._index_publisher(index_redis_url(redis_url), deployment, name)
         self.index_id = self.publisher.replica_id if self.publisher else name
+        self._index_args = (index_redis_url(redis_url), deployment, self.engine.model_id)
         self._preemptions_seen = 0
         host = kv_host or self.node
         self.peer = KVPeer(self.llm, host, kv_port, advertise=self.node if host in ("0.0.0.0", "::") else host)
@@ -89,12 +101,45 @@ class EngineReplica:
             self._peer_start = asyncio.get_running_loop().create_task(self.start_peer())
 
     async def start_peer(self) -> str:
-        """Serve this engine's blocks to peers (``replica/kv_peer.py``); the address they fetch from."""
+        """Serve this engine's blocks to peers (``replica/kv_peer.py``), then, in a deployment with an index,
+        pull the hottest blocks of the other replicas (a scale-up or restart starts warm); the address peers
+        fetch from."""
         if self.peer.port:
             return self.peer.address
         address = await self.peer.start()
         log.info("replica %s serves its KV blocks at %s", self.index_id, address)
+        peers = await self._peer_addresses()
+        if peers:
+            budget = int(self.engine.num_blocks * WARM_UP_SHARE)
+            took = await self.peer.warm_up(peers, budget, WARM_UP_S)
+            log.info("replica %s started warm: %d blocks from %d peers", self.index_id, took, len(peers))
         return address
+
+    async def _peer_addresses(self) -> list[str]:
+        """The KV addresses of the deployment's other live replicas, those caching most first (their statuses
+        in the index's Redis); none without an index or when it cannot be read."""
+        url, deployment, model = self._index_args
+        if self.publisher is None or not url:
+            return []
+        index = PrefixIndex(url, deployment, model, timeout_s=2.0)
+        try:
+            reports = await index.replica_reports()
+        except Exception as exc:  # peers are an optimisation: without them, start cold
+            log.info("replica %s: no peer list (%r)", self.index_id, exc)
+            return []
+        finally:
+            await index.close()
+        peers = [r for rid, r in reports.items() if rid != self.index_id and r.kv_address and r.error is None]
+        return [r.kv_address for r in sorted(peers, key=lambda r: -r.index_entries)]
+
+    async def _hand_off_and_close(self) -> None:
+        """Drain: the surviving replicas take this one's hottest blocks (within ``HAND_OFF_S``), then close."""
+        try:
+            if self._index_args[0] and self.publisher is not None:
+                took = await self.peer.hand_off(self._peer_addresses, self.engine.num_blocks, HAND_OFF_S)
+                log.info("replica %s handed %d blocks to its peers", self.index_id, took)
+        finally:
+            self.close()
 
     def _index_publisher(self, redis_url: str | None, deployment: str, name: str) -> KVIndexPublisher | None:
         """This engine's cache mirrored into the index (None without a Redis URL, here or in
@@ -136,10 +181,11 @@ class EngineReplica:
         sequences); the last one carries the request's ``Usage``."""
         params = dataclasses.replace(call.params)  # checked again (``__post_init__``): any handle user may call
         unfinished, completion_tokens = params.n, 0
+        if self._peer_start is not None and not self._peer_start.done():  # starting warm: the first requests wait
+            await asyncio.wait({self._peer_start}, timeout=WARM_UP_S + HAND_OFF_S)
         hashes = self._checked_hashes(call)
         plan = (call.fetches or {}).get(self.index_id)
-        if plan is not None:
-            await self._fetch(plan, call, hashes)
+        prefilled = await self._fetch(plan, call, hashes) if plan is not None else 0
         async for out in self.llm.generate(
             call.prompt_token_ids,
             params,
@@ -154,30 +200,33 @@ class EngineReplica:
                 usage = Usage(
                     prompt_tokens=call.num_tokens,
                     completion_tokens=completion_tokens,
-                    cached_tokens=out.num_cached_tokens,
+                    cached_tokens=max(out.num_cached_tokens - prefilled, 0),
                 )
             yield GenerateChunk(
                 index=out.index,
                 text=out.delta_text,
                 token_ids=out.delta_token_ids,
                 finish_reason=out.finish_reason,
-                num_cached_tokens=out.num_cached_tokens,
+                num_cached_tokens=max(out.num_cached_tokens - prefilled, 0),  # a peer computed them for it
                 replica=self.index_id,
                 usage=usage,
                 logprobs=out.logprobs,
                 prompt_logprobs=out.prompt_logprobs,
             )
 
-    async def _fetch(self, plan: KVFetch, call: GenerateCall, hashes: list[bytes] | None) -> None:
-        """Pull the prefix blocks the router planned from their holder, within about what recomputing them
-        would take (a slower fetch is cut short: the rest is recomputed)."""
+    async def _fetch(self, plan: KVFetch, call: GenerateCall, hashes: list[bytes] | None) -> int:
+        """Pull the prefix blocks the router planned from their holder (prefilled there first for a
+        disaggregated request), within about twice what the router expected or recomputing them here would
+        take, whichever is longer (a slower fetch is cut short: the rest is recomputed). The prompt tokens it
+        brought that the holder computed for this request (not cache hits anywhere)."""
         ids, size = call.prompt_token_ids, self.engine.block_size
         if hashes is None:
             hashes = hash_blocks(ids, size, self.engine.hash_seed, first_block_extra(call.cache_salt))
+        local = self.peer.exchange.local_depth(hashes[: plan.num_blocks])
         recompute_s = plan.num_blocks * size / max(self.engine.rates.prefill_tok_s, 1.0)
-        await self.peer.fetch(
-            plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=FETCH_GRACE_S + 2 * recompute_s
-        )
+        timeout_s = FETCH_GRACE_S + 2 * max(recompute_s, plan.expected_s)
+        held = await self.peer.fetch(plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=timeout_s)
+        return (held - local) * size if plan.prefill else 0
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
         """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
@@ -203,7 +252,8 @@ class EngineReplica:
 
     def status(self) -> ReplicaStatus:
         """The replica's state for metrics and ``kvmesh status`` (its publisher stores it with each heartbeat)."""
-        return ReplicaStatus.of(self.stats(), pid=os.getpid(), node=self.node)
+        address = self.peer.address if self.peer.port else None
+        return ReplicaStatus.of(self.stats(), pid=os.getpid(), node=self.node, kv_address=address)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """``KVPressure`` for the autoscaler (``cluster/engines/autoscaling.py``), as the dict Ray takes;
@@ -222,6 +272,7 @@ class EngineReplica:
             reported_at=time.time(),
             node=self.node,
             index_error=error,
+            role=self.role,
             kv_address=self.peer.address if self.peer.port else None,
         )
         return report.as_dict()
@@ -241,8 +292,18 @@ class EngineReplica:
         if kv_events is not None:
             kv_events.close()
 
-    def __del__(self) -> None:
-        self.close()
+    def __del__(self):
+        """Serve awaits what a replica's destructor returns, on the replica's event loop (scale-down, redeploy,
+        shutdown, after its streams drained): there the drain hands the hottest blocks to the surviving
+        replicas first. Anywhere else (garbage collection) it just closes."""
+        if getattr(self, "engine", None) is None:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.close()
+            return None
+        return self._hand_off_and_close()
 
 
 def serve_replica_identity() -> tuple[str, object]:

@@ -100,6 +100,7 @@ def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> s
         drain_timeout_s=config.drain_timeout_s,
         replicas_per_node=per_node,
         kv_events=kv_events,
+        prefill_replicas=config.prefill_replicas,
     )
 
 

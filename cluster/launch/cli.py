@@ -140,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         "scaling_policy": args.scaling_policy,
         "target_kv_util": args.target_kv_util,
         "drain_timeout_s": args.drain_timeout_s,
+        "prefill_replicas": args.prefill_replicas,
         "no_replica_timeout_s": args.no_replica_timeout_s,
         "kv_events_config": _kv_events(args),
         "engine": _engine_settings(args),
@@ -304,6 +305,11 @@ def _add_autoscaling_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--upscale-delay-s", type=float, help="autoscaling: pressure must last this long (default 5)")
     srv.add_argument("--downscale-delay-s", type=float, help="autoscaling: low demand must last this long (60)")
     srv.add_argument("--drain-timeout-s", type=float, help="a removed replica's time to finish its streams (60)")
+    srv.add_argument(
+        "--prefill-replicas",
+        type=int,
+        help="engine replicas that only prefill long prompts other replicas fetch and decode (default 0)",
+    )
     srv.add_argument(
         "--no-replica-timeout-s",
         type=float,

@@ -63,6 +63,9 @@ class ClusterConfig:
     """Further Ray ``AutoscalingConfig`` fields (upscale_delay_s, downscale_delay_s, metrics_interval_s, ...)."""
     drain_timeout_s: float = 60.0
     """How long a replica being removed may take to finish its in-flight streams."""
+    prefill_replicas: int = 0
+    """Engine replicas (the lowest ranks) that only prefill prompts other replicas fetch and decode (conditional
+    disaggregation, ``docs/routing.md``); 0: every replica prefills and decodes."""
     ingress_replicas: int = 1
     """Ingress replicas; each runs its own router on the engine handle (they share the Redis index)."""
     policy: str = "kv_aware"
@@ -143,6 +146,11 @@ class ClusterConfig:
             raise ValueError(f"no_replica_timeout_s must be in (0, 600], got {self.no_replica_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.prefill_replicas < max(self.replicas, 1):
+            raise ValueError(
+                f"prefill_replicas must be >= 0 and leave a replica that decodes: {self.prefill_replicas} of "
+                f"{self.replicas} replicas"
+            )
 
     def _check_workers(self) -> None:
         if not self.workers and self.replicas < 1:
