@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args, timeout=120):
     return subprocess.run(
@@ -98,3 +100,15 @@ def test_kvmesh_serve_configures_before_ray_is_imported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_prefill_replicas_must_leave_a_replica_that_decodes():
+    from kvmesh.cluster.launch.cli import build_parser
+    from kvmesh.cluster.launch.config import build_config
+
+    assert build_config(None, {"replicas": 3, "prefill_replicas": 1}).prefill_replicas == 1
+    for replicas, prefill in ((2, 2), (1, 1), (3, -1)):
+        with pytest.raises(ValueError, match="prefill_replicas"):
+            build_config(None, {"replicas": replicas, "prefill_replicas": prefill})
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--prefill-replicas", "1"])
+    assert args.prefill_replicas == 1
