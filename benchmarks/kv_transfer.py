@@ -1,6 +1,6 @@
 """Moving a prefix's KV from one replica to another, against recomputing it and against the raw path.
 
-    kvmesh bench kv_transfer [--prefix-tokens 8000] [--pairs 3] [--netns] [--json OUT.json]
+    kvmesh bench kv_transfer [--prefix-tokens 8000] [--pairs 3] [--netns] [--holder-streams N] [--json OUT.json]
 
 A holder (``kvmesh engine``, SmolLM2, one torch thread) computes a fresh prefix of ``--prefix-tokens`` token
 ids per pair; a receiver (an engine in a process of its own, one torch thread) then, in an order that
@@ -9,7 +9,9 @@ first token on the fetched prefix), recomputes it (``recompute``: the first toke
 the same number of bytes from the holder over the same connection code without any KV work (``path``:
 ``KVPeer.probe``, zero blocks, framed and checksummed). Per pair: the transfer's rate over the path's, and the
 move's time (and the fetched TTFT) over the recompute's TTFT. With ``--netns`` the holder runs in a network
-namespace of its own and the receiver in another, joined by a veth pair (root). Prints a table, writes JSON.
+namespace of its own and the receiver in another, joined by a veth pair (root). With ``--holder-streams N`` the
+holder decodes N long streams all the while (a conversation's busy home: its blocks are exported between
+the steps of a full batch). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix-tokens", type=int, default=8000)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--netns", action="store_true", help="holder and receiver in two network namespaces (root)")
+    ap.add_argument("--holder-streams", type=int, default=0, help="long generations the holder decodes meanwhile")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--receive-from", help=argparse.SUPPRESS)  # the receiver's role, in its own process
     return ap
@@ -48,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.receive_from:
-        print(json.dumps(asyncio.run(receive(args.receive_from, args.prefix_tokens, args.pairs))))
+        print(json.dumps(asyncio.run(receive(args.receive_from, args.prefix_tokens, args.pairs, args.holder_streams))))
         return
     rows = run(args)
     report(args, rows)
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     blocks = -(-args.prefix_tokens // BLOCK) + 64
     receiver = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "bench", "kv_transfer"]
     receiver += ["--prefix-tokens", str(args.prefix_tokens), "--pairs", str(args.pairs)]
+    receiver += ["--holder-streams", str(args.holder_streams)]
     netns = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -101,8 +105,9 @@ def _wait(holder: Child, netns) -> None:
         time.sleep(1)
 
 
-async def receive(holder_url: str, prefix_tokens: int, pairs: int) -> list[dict]:
-    """The receiver's side: per pair a fresh prefix on the holder, then fetch, recompute and path in turn."""
+async def receive(holder_url: str, prefix_tokens: int, pairs: int, holder_streams: int = 0) -> list[dict]:
+    """The receiver's side: per pair a fresh prefix on the holder, then fetch, recompute and path in turn
+    (the holder decoding ``holder_streams`` long generations meanwhile)."""
     from kvmesh.core.hashing import hash_blocks
     from kvmesh.core.messages import KVFetch
     from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
@@ -124,6 +129,8 @@ async def receive(holder_url: str, prefix_tokens: int, pairs: int) -> list[dict]
             plan = KVFetch(holder="holder", address=address, num_blocks=n)
             hashes = hash_blocks(prompt, BLOCK, llm.engine.hash_seed)
             row = {"pair": i, "bytes": n * peer.block_bytes}
+            streams = [asyncio.create_task(_decode(http, k)) for k in range(holder_streams)]
+            await asyncio.sleep(2.0 if streams else 0.0)  # their prompts are in, they decode
             for task in TASKS[i % 3 :] + TASKS[: i % 3]:
                 await llm.reset_prefix_cache()
                 began = time.perf_counter()
@@ -136,10 +143,22 @@ async def receive(holder_url: str, prefix_tokens: int, pairs: int) -> list[dict]
                 async for out in llm.generate(prompt, params):
                     row[f"{task}_token"] = out.token_ids
                 row[f"{task}_ttft_s"] = time.perf_counter() - began
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
             row["fetch_bytes_s"] = row["bytes"] / row["move_s"]
             rows.append(row)
     await llm.shutdown()
     return rows
+
+
+async def _decode(http: httpx.AsyncClient, k: int) -> None:
+    """One long greedy generation streamed from the holder, read until cancelled."""
+    prompt = random.Random(1000 + k).choices(range(1000, 40000), k=32)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+        async for _ in reply.aiter_bytes():
+            pass
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -170,9 +189,12 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     for k in keys:
         s = summary[k]
         print(f"{k}: median {s['median']:.3f} over {len(rows)} pairs (range {s['min']:.3f}-{s['max']:.3f})")
-    where = "two network namespaces (veth)" if args.netns else "loopback"
+    where = ("two network namespaces (veth)" if args.netns else "loopback") + (
+        f", the holder decoding {args.holder_streams} streams" if args.holder_streams else ""
+    )
     payload = {"path": where, "prefix_tokens": args.prefix_tokens, "rows": rows, "summary": summary}
-    write_json("kv_transfer_netns" if args.netns else "kv_transfer", payload, args.json)
+    name = "kv_transfer" + ("_netns" if args.netns else "") + ("_busy" if args.holder_streams else "")
+    write_json(name, {**payload, "holder_streams": args.holder_streams}, args.json)
 
 
 def _spread(values: list[float]) -> dict:

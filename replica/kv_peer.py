@@ -7,8 +7,9 @@ format); TCP's flow control bounds what is in flight to a chunk and the sockets'
 each chunk (fingerprint, chain, checksums) and adopts what passed between two of its steps, so a failure
 part-way keeps what came before it. Whatever goes wrong (unreachable, too slow, refused, corrupt, foreign,
 the holder gone mid-transfer, no room) ends the fetch with a counted fallback: the request then recomputes
-what it lacks, with no error to its client. Asyncio streams, not ZMQ or NIXL: the measurement that chose
-them is in ``benchmarks/results/kv_transfer.md``.
+what it lacks, with no error to its client. Plain TCP (``replica/kv_link.py``), not ZMQ or NIXL: the
+measurement that chose it is in ``benchmarks/results/kv_transfer.md``. Scaling rides on the same server
+(``hot``, ``take``: ``replica/kv_scaling.py``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
-import struct
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
@@ -32,6 +29,7 @@ from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import EngineStats, KVFetch
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.async_llm import AsyncLLM
+from kvmesh.replica.kv_link import LENGTH, MAX_FRAME, Link, probe_chain, send_frame
 from kvmesh.replica.kv_transfer import (
     END,
     REFUSED,
@@ -45,13 +43,8 @@ from kvmesh.replica.kv_transfer import (
 
 log = logging.getLogger(__name__)
 
-LENGTH = struct.Struct("<I")
 CHUNK_BYTES = 16 << 20
 """Most bytes of blocks in one chunk: what the holder copies at once and the receiver checks at once."""
-MAX_REQUEST = 1 << 22
-"""Largest fetch request read (hashes of ~250k blocks)."""
-HAND_OFF_POLL_S = 0.5
-"""How often a draining replica with no peer to take its blocks looks for one again."""
 RATE_WEIGHT = 0.3
 """Weight of the newest fetch in the moving average of the transfer rate routers are told."""
 
@@ -134,7 +127,7 @@ class KVPeer:
         At start, from itself: the rate routers price a fetch at before this replica has made one (real fetches
         then replace it in the moving average); loopback, so an upper bound for a peer on another node."""
         began = time.perf_counter()
-        link = await _Link.open(address or self.address)
+        link = await Link.open(address or self.address)
         try:
             ask = {"fingerprint": self.fingerprint.hex(), "probe": blocks or self.chunk_blocks}
             await link.send(json.dumps(ask).encode())
@@ -144,7 +137,7 @@ class KVPeer:
                 if status == END:
                     break
                 await link.read_into(memoryview(buffer[:count].numpy()).cast("B"))
-                await asyncio.to_thread(check_chunk, entries, buffer[:count], _probe_chain(count), None)
+                await asyncio.to_thread(check_chunk, entries, buffer[:count], probe_chain(count), None)
                 received += count * self.block_bytes
         finally:
             link.close()
@@ -161,59 +154,12 @@ class KVPeer:
     async def ask(self, address: str, request: dict, timeout_s: float = 60.0) -> Any:
         """A peer's JSON answer to ``request`` (``hot``: its hottest hashes; ``take``: fetch blocks from us)."""
         async with asyncio.timeout(timeout_s):
-            link = await _Link.open(address)
+            link = await Link.open(address)
             try:
                 await link.send(json.dumps({"fingerprint": self.fingerprint.hex(), **request}).encode())
                 return json.loads(await link.frame())
             finally:
                 link.close()
-
-    async def warm_up(self, peers: list[str], max_blocks: int, timeout_s: float) -> int:
-        """Pull up to ``max_blocks`` of the hottest blocks of ``peers`` (KV addresses), in turn, within
-        ``timeout_s`` in all (a replica starting up); how many blocks it adopted."""
-        took, deadline = 0, time.monotonic() + timeout_s
-        for address in peers:
-            left = deadline - time.monotonic()
-            if took >= max_blocks or left <= 0:
-                break
-            try:
-                hot = [bytes.fromhex(h) for h in await self.ask(address, {"hot": max_blocks - took}, left)]
-            except (OSError, TimeoutError, ValueError) as exc:
-                log.info("warm-up: %s gave no hot list: %r", address, exc)
-                continue
-            took += await self.take(address, hot, max(deadline - time.monotonic(), 0.1))
-        return took
-
-    async def hand_off(self, peers: Callable[[], Awaitable[list[str]]], max_blocks: int, timeout_s: float) -> int:
-        """Drain: have other replicas take this one's hottest blocks, split among those that accept (not
-        draining themselves), asking ``peers()`` (their KV addresses) again while blocks are left and
-        ``timeout_s`` has not passed (in a rolling update the replacements start while the old replicas
-        drain); how many blocks they took."""
-        self.draining = True
-        left = await self.llm.between_steps(lambda: self.engine.pool.hottest(max_blocks))
-        deadline, took, refused = time.monotonic() + timeout_s, 0, set()
-        while left and time.monotonic() < deadline:
-            addresses = [a for a in await peers() if a not in refused]
-            shares = [left[i :: len(addresses)] for i in range(len(addresses))]
-            wait = max(deadline - time.monotonic(), 0.1)
-            offers = [self._offer(a, share, wait) for a, share in zip(addresses, shares, strict=True)]
-            answers = await asyncio.gather(*offers)
-            left = [h for share, answer in zip(shares, answers, strict=True) if answer is None for h in share]
-            refused |= {a for a, answer in zip(addresses, answers, strict=True) if answer is None}
-            took += sum(answer for answer in answers if answer is not None)
-            if left:
-                await asyncio.sleep(HAND_OFF_POLL_S)
-        return took
-
-    async def _offer(self, peer: str, hashes: list[BlockHash], timeout_s: float) -> int | None:
-        """How many of ``hashes`` ``peer`` took from this replica; None if it refused (draining) or failed."""
-        request = {"take": {"address": self.address, "hashes": [h.hex() for h in hashes]}}
-        try:
-            answer = await self.ask(peer, request, timeout_s)
-        except (OSError, TimeoutError, ValueError) as exc:
-            log.info("hand-off: %s took nothing: %r", peer, exc)
-            return None
-        return None if answer.get("draining") else int(answer.get("took", 0))
 
     def stop(self) -> None:
         """Stop taking new transfers (those under way end when their connections do)."""
@@ -241,21 +187,21 @@ class KVPeer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-            if size > MAX_REQUEST:
+            if size > MAX_FRAME:
                 raise ValueError(f"a {size}-byte request")
             ask = json.loads(await reader.readexactly(size))
             if bytes.fromhex(ask["fingerprint"]) != self.fingerprint:
-                _send(writer, refusal(self.fingerprint, "another model or cache layout"))
+                send_frame(writer, refusal(self.fingerprint, "another model or cache layout"))
             elif "probe" in ask:
                 await self._send_zeros(writer, int(ask["probe"]))
             elif "hot" in ask:
                 hot = await self.llm.between_steps(lambda: self.engine.pool.hottest(int(ask["hot"])))
-                _send(writer, json.dumps([h.hex() for h in hot]).encode())
+                send_frame(writer, json.dumps([h.hex() for h in hot]).encode())
             elif "take" in ask and self.draining:  # it is leaving too: the blocks must go to a survivor
-                _send(writer, json.dumps({"draining": True}).encode())
+                send_frame(writer, json.dumps({"draining": True}).encode())
             elif "take" in ask:
                 took = await self.take(ask["take"]["address"], [bytes.fromhex(h) for h in ask["take"]["hashes"]])
-                _send(writer, json.dumps({"took": took}).encode())
+                send_frame(writer, json.dumps({"took": took}).encode())
             else:
                 if "prefill" in ask:  # conditional disaggregation: compute the prompt here first
                     await self._prefill(ask["prefill"]["tokens"], ask["prefill"].get("cache_salt"))
@@ -282,12 +228,12 @@ class KVPeer:
         zeros = torch.zeros((min(blocks, self.chunk_blocks), self.block_bytes), dtype=torch.uint8)
         for start in range(0, blocks, len(zeros)):
             count = min(len(zeros), blocks - start)
-            chain = _probe_chain(count)
+            chain = probe_chain(count)
             head, payload = encode_chunk(self.fingerprint, chain, [None, *chain[:-1]], zeros[:count])
-            _send(writer, head)
+            send_frame(writer, head)
             writer.write(payload)
             await writer.drain()
-        _send(writer, end_frame(self.fingerprint))
+        send_frame(writer, end_frame(self.fingerprint))
 
     async def _stream(self, writer: asyncio.StreamWriter, hashes: list[BlockHash], parent: BlockHash | None) -> None:
         """Pin the leading ``hashes`` held here, send them chunk by chunk (the next one copied while this one
@@ -310,13 +256,13 @@ class KVPeer:
                 head, payload = await upcoming
                 if start + self.chunk_blocks < len(held):
                     upcoming = asyncio.ensure_future(asyncio.to_thread(frames, start + self.chunk_blocks))
-                _send(writer, head)
+                send_frame(writer, head)
                 writer.write(payload)
                 await writer.drain()
                 count = min(self.chunk_blocks, len(held) - start)
                 self.stats.served_blocks += count
                 self.stats.served_bytes += count * self.block_bytes
-            _send(writer, end_frame(self.fingerprint))
+            send_frame(writer, end_frame(self.fingerprint))
         finally:
             if upcoming is not None and not upcoming.done():
                 await asyncio.wait([upcoming])  # its copy reads pinned blocks: done before they are unpinned
@@ -376,7 +322,7 @@ class KVPeer:
     ) -> None:
         """Fetch ``wanted[start:]`` and adopt each checked chunk, counting in ``progress`` (it outlives a failure
         part-way)."""
-        link = await _Link.open(address)
+        link = await Link.open(address)
         progress.connected = True
         adopting: asyncio.Task | None = None  # the previous chunk's adoption, while this one arrives
         try:
@@ -438,60 +384,3 @@ async def _settle(adopting: asyncio.Task | None, progress: _Progress) -> None:
     progress.blocks += held
     if held < passed:
         raise TransferRejected("no_room", f"{passed - held} blocks found no free KV block")
-
-
-def _send(writer: asyncio.StreamWriter, frame: bytes) -> None:
-    writer.write(LENGTH.pack(len(frame)) + frame)
-
-
-def _probe_chain(n: int) -> list[BlockHash]:
-    """Stand-in hashes of a probe's blocks: a chain no real block has (real ones are xxh3 digests)."""
-    return [(i + 1).to_bytes(16, "little") for i in range(n)]
-
-
-class _Link:
-    """The receiver's end of one transfer: a non-blocking socket read straight into the caller's buffers
-    (``recv_into``: no intermediate bytes objects, about 4x asyncio streams' ``readexactly`` here)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.loop = sock, asyncio.get_running_loop()
-
-    @classmethod
-    async def open(cls, address: str) -> _Link:
-        url = urlsplit(address)
-        infos = await asyncio.get_running_loop().getaddrinfo(url.hostname, url.port, type=socket.SOCK_STREAM)
-        family, kind, proto, _, where = infos[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, where)
-        except BaseException:
-            sock.close()
-            raise
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(sock)
-
-    async def send(self, frame: bytes) -> None:
-        await self.loop.sock_sendall(self.sock, LENGTH.pack(len(frame)) + frame)
-
-    async def read_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
-            if not n:
-                raise ConnectionResetError(f"the holder closed the transfer after {got} of {len(view)} bytes")
-            got += n
-
-    async def frame(self) -> bytes:
-        """One length-prefixed frame."""
-        size = bytearray(LENGTH.size)
-        await self.read_into(memoryview(size))
-        (n,) = LENGTH.unpack(size)
-        if n > MAX_REQUEST:
-            raise TransferRejected("malformed", f"a {n}-byte header")
-        data = bytearray(n)
-        await self.read_into(memoryview(data))
-        return bytes(data)
-
-    def close(self) -> None:
-        self.sock.close()

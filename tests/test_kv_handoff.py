@@ -8,6 +8,7 @@ import asyncio
 
 from kvmesh.cluster.engines.engine_replica import EngineReplica
 from kvmesh.core.engine_config import EngineConfig
+from kvmesh.replica.kv_scaling import hand_off
 from kvmesh.router.prefix_index import PrefixIndex
 from tests.serve_helpers import greedy_call
 
@@ -69,7 +70,7 @@ def test_a_draining_replica_takes_no_blocks(own_redis, tiny_llama_dir):
             await r._peer_start
         await serve(a, PROMPTS[0])
         b.peer.draining = True  # b is leaving as well: a must find no taker and keep trying until its deadline
-        took = await a.peer.hand_off(a._peer_addresses, 100, timeout_s=1.5)
+        took = await hand_off(a.peer, a._peer_addresses, 100, timeout_s=1.5)
         stats = b.stats()
         a.close()
         b.close()

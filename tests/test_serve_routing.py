@@ -68,17 +68,17 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
         return await asyncio.gather(*(conversation(c) for c in range(6)))
 
     results = asyncio.run(main())
-    # A move is the router's call when the home's queue costs more than re-reading the history elsewhere
-    # by its 5 ms margin, and on two shared cores such calls happen. What must hold: most conversations
-    # never move, none moves twice (no back and forth), at most two moves in the 18 decisions (routing by
-    # load alone moves about two thirds of them), and every turn at the same home as the one before finds
-    # its history cached.
+    # A move is the router's call when the home's queue costs more than taking the history elsewhere by its
+    # 5 ms margin, and on two shared cores such calls happen. With peer fetch (docs/routing.md) a move brings
+    # the history (the new replica pulls it from the home), so it costs a transfer, not a re-read, and moves
+    # come on smaller differences than when they meant recomputing. What must hold: none moves twice (no back
+    # and forth), most turns stay (routing by load alone moves about two thirds of the 18), and every later
+    # turn finds its history cached, whether it stayed or moved.
     moves = [sum(a != b for a, b in pairwise(homes)) for homes, _, _ in results]
     homes_seen = [homes for homes, _, _ in results]
-    assert max(moves) <= 1 and sum(moves) <= 2, f"conversations moved between replicas: {homes_seen}"
+    assert max(moves) <= 1 and sum(moves) <= 6, f"conversations moved between replicas: {homes_seen}"
     for homes, cached, _ in results:
-        stayed = [hit for prev, home, hit in zip(homes, homes[1:], cached[1:], strict=False) if prev == home]
-        assert all(hit > 0 for hit in stayed), f"later turns at home found no cached history: {homes} {cached}"
+        assert all(hit > 0 for hit in cached[1:]), f"later turns found no cached history: {homes} {cached}"
     assert len({homes[0] for homes, _, _ in results}) >= 2, "all conversations landed on one replica"
 
 

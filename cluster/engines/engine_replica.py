@@ -35,6 +35,7 @@ from kvmesh.core.messages import EngineStats, GenerateCall, GenerateChunk, KVFet
 from kvmesh.replica import AsyncLLM
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.replica.kv_peer import KVPeer
+from kvmesh.replica.kv_scaling import hand_off, warm_up
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
 from kvmesh.router.prefix_index import PrefixIndex
@@ -111,7 +112,7 @@ class EngineReplica:
         peers = await self._peer_addresses()
         if peers:
             budget = int(self.engine.num_blocks * WARM_UP_SHARE)
-            took = await self.peer.warm_up(peers, budget, WARM_UP_S)
+            took = await warm_up(self.peer, peers, budget, WARM_UP_S)
             log.info("replica %s started warm: %d blocks from %d peers", self.index_id, took, len(peers))
         return address
 
@@ -136,7 +137,7 @@ class EngineReplica:
         """Drain: the surviving replicas take this one's hottest blocks (within ``HAND_OFF_S``), then close."""
         try:
             if self._index_args[0] and self.publisher is not None:
-                took = await self.peer.hand_off(self._peer_addresses, self.engine.num_blocks, HAND_OFF_S)
+                took = await hand_off(self.peer, self._peer_addresses, self.engine.num_blocks, HAND_OFF_S)
                 log.info("replica %s handed %d blocks to its peers", self.index_id, took)
         finally:
             self.close()
