@@ -35,6 +35,8 @@ from kvmesh.cluster.launch.embedded_redis import free_port
 MODEL = "smollm2-135m"
 BLOCK = 16
 TASKS = ("fetch", "recompute", "path")
+STREAM_TOKENS = 4000
+"""Output tokens of each of the holder's ``--holder-streams`` generations (cancelled at the end of a pair)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     """Start the holder (in its namespace with ``--netns``), run the receiver's pairs, stop everything."""
     blocks = -(-args.prefix_tokens // BLOCK) + 64
+    blocks += args.holder_streams * -(-(32 + STREAM_TOKENS) // BLOCK)  # its streams never evict the prefix
     receiver = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "bench", "kv_transfer"]
     receiver += ["--prefix-tokens", str(args.prefix_tokens), "--pairs", str(args.pairs)]
     receiver += ["--holder-streams", str(args.holder_streams)]
@@ -155,7 +158,7 @@ async def receive(holder_url: str, prefix_tokens: int, pairs: int, holder_stream
 async def _decode(http: httpx.AsyncClient, k: int) -> None:
     """One long greedy generation streamed from the holder, read until cancelled."""
     prompt = random.Random(1000 + k).choices(range(1000, 40000), k=32)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}
     async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
         async for _ in reply.aiter_bytes():
             pass
