@@ -437,8 +437,10 @@ class KVAwarePolicy:
         seconds per stream; a replica takes the plan, and its cost drops by the saving, where the plan's total
         is lower. Only for prompts with ``disaggregate_tokens`` or more left to compute there."""
         by_id = {r.index_id: r for r in replicas}
-        sources = [r for r in replicas if r.kv_address]
-        if not sources:
+        serving = [r for r in replicas if r.kv_address]
+        # The two soonest prefillers, found once (no candidate prefills for itself): O(n) per decision.
+        soonest = heapq.nsmallest(2, serving, key=lambda s: (own_s[s.index_id], s.role != "prefill"))
+        if not soonest:
             return
         most = max(req.num_tokens - 1, 0) // req.block_size
         for rid in costs:
@@ -447,11 +449,7 @@ class KVAwarePolicy:
             fast = r.fetch_tok_s and r.fetch_tok_s > (r.prefill_tok_s or 0.0)
             if r.role == "prefill" or prefill < self.disaggregate_tokens or not fast or rid in fetches:
                 continue
-            p = min(
-                (s for s in sources if s.index_id != rid),
-                key=lambda s: (own_s[s.index_id], s.role != "prefill"),
-                default=None,
-            )
+            p = next((s for s in soonest if s.index_id != rid), None)
             if p is None:
                 continue
             fetch_s = req.num_tokens / r.fetch_tok_s + p.step_s
