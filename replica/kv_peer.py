@@ -32,12 +32,14 @@ from kvmesh.replica.async_llm import AsyncLLM
 from kvmesh.replica.kv_link import LENGTH, MAX_FRAME, Link, probe_chain, send_frame
 from kvmesh.replica.kv_transfer import (
     END,
+    PREFILLED,
     REFUSED,
     TransferRejected,
     check_chunk,
     encode_chunk,
     end_frame,
     parse_header,
+    prefilled_frame,
     refusal,
 )
 
@@ -84,6 +86,8 @@ class _Progress:
 
     connected: bool = False
     blocks: int = 0
+    computed: int = 0
+    """Prompt tokens the holder computed for this fetch (a prefill asked for), not cache hits there."""
 
 
 class KVPeer:
@@ -204,7 +208,8 @@ class KVPeer:
                 send_frame(writer, json.dumps({"took": took}).encode())
             else:
                 if "prefill" in ask:  # conditional disaggregation: compute the prompt here first
-                    await self._prefill(ask["prefill"]["tokens"], ask["prefill"].get("cache_salt"))
+                    computed = await self._prefill(ask["prefill"]["tokens"], ask["prefill"].get("cache_salt"))
+                    send_frame(writer, prefilled_frame(self.fingerprint, computed))
                 parent = bytes.fromhex(ask["parent"]) if ask.get("parent") else None
                 await self._stream(writer, [bytes.fromhex(h) for h in ask["hashes"]], parent)
             await writer.drain()
@@ -213,15 +218,16 @@ class KVPeer:
         finally:
             writer.close()
 
-    async def _prefill(self, tokens: list[int], cache_salt: str | None) -> None:
+    async def _prefill(self, tokens: list[int], cache_salt: str | None) -> int:
         """Compute ``tokens``' KV into this engine's prefix cache (one greedy token, dropped) for a peer that
-        decodes the request; counted in ``prefills``."""
-        params = SamplingParams(max_tokens=1, temperature=0)
-        async for _ in self.llm.generate(
+        decodes the request; counted in ``prefills``. How many of them it computed (the rest were cached)."""
+        params, cached = SamplingParams(max_tokens=1, temperature=0), 0
+        async for out in self.llm.generate(
             tokens, params, request_id=f"prefill-{uuid.uuid4().hex}", cache_salt=cache_salt
         ):
-            pass
+            cached = out.num_cached_tokens
         self.stats.prefills += 1
+        return len(tokens) - cached
 
     async def _send_zeros(self, writer: asyncio.StreamWriter, blocks: int) -> None:
         """A probe's answer: ``blocks`` zero blocks in chunks, then the end frame."""
@@ -283,15 +289,28 @@ class KVPeer:
         them, for at most ``timeout_s``; how many leading blocks this engine then holds. Never raises for the
         transfer: a failure is counted under its reason and the rest is recomputed by the request.
         ``chained`` False: separate hot blocks, not a prompt's chain (``take``)."""
+        adoption = _Adoption(token_ids, cache_salt, chained)
+        return (await self._fetch(plan, hashes, adoption, timeout_s))[0]
+
+    async def fetch_prefilled(
+        self, plan: KVFetch, hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None, timeout_s: float
+    ) -> int:
+        """``fetch`` with the holder computing the prompt ``token_ids`` first (conditional disaggregation): how
+        many prompt tokens the holder computed for it (its cache hits excluded: the request's usage counts
+        those as cached; 0 if the prefill did not complete)."""
+        return (await self._fetch(plan, hashes, _Adoption(token_ids, cache_salt, True, prefill=True), timeout_s))[1]
+
+    async def _fetch(
+        self, plan: KVFetch, hashes: list[BlockHash], adoption: _Adoption, timeout_s: float
+    ) -> tuple[int, int]:
         wanted = hashes[: plan.num_blocks]
         start = self.exchange.local_depth(wanted)
         if start >= len(wanted):
-            return start
+            return start, 0
         stats, began, progress = self.stats, time.perf_counter(), _Progress()
         stats.fetches += 1
         try:
             async with asyncio.timeout(timeout_s):
-                adoption = _Adoption(token_ids, cache_salt, chained, plan.prefill and token_ids is not None)
                 await self._pull(plan.address, wanted, start, progress, adoption)
         except TransferRejected as exc:
             self._fell_back(exc.reason, plan, exc)
@@ -306,7 +325,7 @@ class KVPeer:
             stats.fetched_bytes += got * self.block_bytes
             rate = got * self.block_bytes / max(seconds, 1e-6)
             stats.bytes_s = rate if stats.bytes_s is None else (1 - RATE_WEIGHT) * stats.bytes_s + RATE_WEIGHT * rate
-        return start + got
+        return start + got, progress.computed
 
     def _fell_back(self, reason: str, plan: KVFetch, exc: BaseException) -> None:
         self.stats.fallbacks[reason] += 1
@@ -339,6 +358,9 @@ class KVPeer:
                     return
                 if status == REFUSED:
                     raise TransferRejected("refused", rest.decode(errors="replace"))
+                if status == PREFILLED:
+                    progress.computed = count
+                    continue
                 payload = torch.empty((count, self.block_bytes), dtype=torch.uint8)
                 await link.read_into(memoryview(payload.numpy()).cast("B"))
                 try:

@@ -29,8 +29,9 @@ ENTRY = struct.Struct("<16s16sQ")
 """Per block, after the header: its hash, its parent's hash (zeros for block 0), xxh3_64 of its bytes."""
 NO_PARENT = bytes(16)
 
-OK, END, REFUSED = 0, 1, 2
-"""Chunk statuses: blocks follow; the transfer is complete; the holder refuses (its reason follows)."""
+OK, END, REFUSED, PREFILLED = 0, 1, 2, 3
+"""Chunk statuses: blocks follow; the transfer is complete; the holder refuses (its reason follows); the
+holder prefilled the prompt asked for, computing ``count`` of its tokens (the rest it had cached)."""
 
 
 class TransferRejected(ValueError):
@@ -54,6 +55,10 @@ def encode_chunk(fingerprint: bytes, hashes: list[BlockHash], parents: list[Bloc
 
 def end_frame(fingerprint: bytes) -> bytes:
     return CHUNK.pack(MAGIC, END, fingerprint, 0, 0)
+
+
+def prefilled_frame(fingerprint: bytes, computed_tokens: int) -> bytes:
+    return CHUNK.pack(MAGIC, PREFILLED, fingerprint, computed_tokens, 0)
 
 
 def refusal(fingerprint: bytes, why: str) -> bytes:

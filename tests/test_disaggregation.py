@@ -1,6 +1,6 @@
 """Conditional disaggregation on real engines: one replica prefills a prompt, another fetches its KV and
 decodes, and the client gets what a colocated request gives: the tokens, the log-probabilities (to fp32
-rounding) and the usage (the prompt counted as computed, not cached)."""
+rounding) and the usage (the prompt counted as computed, not cached, except what the prefiller held)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvmesh.core.messages import KVFetch
 from tests.serve_helpers import greedy_call
 
 PROMPT = [(13 * i) % 6000 + 200 for i in range(300)]
+LONGER = PROMPT + [(7 * i) % 5000 + 300 for i in range(100)]
 
 
 async def run(replica: EngineReplica, call) -> tuple[list[int], list, object]:
@@ -38,10 +39,16 @@ def test_a_disaggregated_request_streams_what_a_colocated_one_does(smollm_dir):
         plan = KVFetch(holder=prefiller.index_id, address=prefiller.peer.address, num_blocks=18, prefill=True)
         split_call = dataclasses.replace(call, request_id="split", fetches={decoder.index_id: plan})
         split = await run(decoder, split_call)
-        return colocated, split, prefiller.stats(), decoder.stats()
+        # A longer prompt on the same prefix, split again on a decoder that lost it: the prefiller finds the
+        # first 288 tokens cached and computes the rest, and the usage says so.
+        await decoder.llm.reset_prefix_cache()
+        longer_plan = dataclasses.replace(plan, num_blocks=len(LONGER) // 16)
+        longer = dataclasses.replace(greedy_call(str(smollm_dir), LONGER, 8), fetches={decoder.index_id: longer_plan})
+        again = await run(decoder, longer)
+        return colocated, split, again, prefiller.stats(), decoder.stats()
 
     try:
-        colocated, split, held, took = asyncio.run(main())
+        colocated, split, again, held, took = asyncio.run(main())
     finally:
         prefiller.close()
         decoder.close()
@@ -52,5 +59,6 @@ def test_a_disaggregated_request_streams_what_a_colocated_one_does(smollm_dir):
         assert token == token_c and [t for t, _ in top] == [t for t, _ in top_c]
         assert abs(lp - lp_c) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, top_c, strict=True))
     assert split[2] == colocated[2] and split[2].cached_tokens == 0  # computed for this request: not a hit
-    assert held.kv_prefills == 1 and held.kv_served_blocks == 18
-    assert took.kv_fetched_blocks == 18 and not took.kv_fetch_fallbacks
+    assert again[2].cached_tokens == 18 * 16 and again[2].prompt_tokens == len(LONGER)
+    assert held.kv_prefills == 2 and held.kv_served_blocks == 18 + len(LONGER) // 16
+    assert took.kv_fetched_blocks == held.kv_served_blocks and not took.kv_fetch_fallbacks

@@ -186,7 +186,7 @@ class EngineReplica:
             await asyncio.wait({self._peer_start}, timeout=WARM_UP_S + HAND_OFF_S)
         hashes = self._checked_hashes(call)
         plan = (call.fetches or {}).get(self.index_id)
-        prefilled = await self._fetch(plan, call, hashes) if plan is not None else 0
+        cached_at_most = await self._fetch(plan, call, hashes) if plan is not None else call.num_tokens
         async for out in self.llm.generate(
             call.prompt_token_ids,
             params,
@@ -201,14 +201,14 @@ class EngineReplica:
                 usage = Usage(
                     prompt_tokens=call.num_tokens,
                     completion_tokens=completion_tokens,
-                    cached_tokens=max(out.num_cached_tokens - prefilled, 0),
+                    cached_tokens=min(out.num_cached_tokens, cached_at_most),
                 )
             yield GenerateChunk(
                 index=out.index,
                 text=out.delta_text,
                 token_ids=out.delta_token_ids,
                 finish_reason=out.finish_reason,
-                num_cached_tokens=max(out.num_cached_tokens - prefilled, 0),  # a peer computed them for it
+                num_cached_tokens=min(out.num_cached_tokens, cached_at_most),  # a peer computed the rest for it
                 replica=self.index_id,
                 usage=usage,
                 logprobs=out.logprobs,
@@ -218,16 +218,20 @@ class EngineReplica:
     async def _fetch(self, plan: KVFetch, call: GenerateCall, hashes: list[bytes] | None) -> int:
         """Pull the prefix blocks the router planned from their holder (prefilled there first for a
         disaggregated request), within about twice what the router expected or recomputing them here would
-        take, whichever is longer (a slower fetch is cut short: the rest is recomputed). The prompt tokens it
-        brought that the holder computed for this request (not cache hits anywhere)."""
+        take, whichever is longer (a slower fetch is cut short: the rest is recomputed). The prompt tokens the
+        usage may count as cached: all of them, or for a prefilled fetch, those before
+        the first that was computed for this request (cache hits here or at the prefiller)."""
         ids, size = call.prompt_token_ids, self.engine.block_size
         if hashes is None:
             hashes = hash_blocks(ids, size, self.engine.hash_seed, first_block_extra(call.cache_salt))
-        local = self.peer.exchange.local_depth(hashes[: plan.num_blocks])
         recompute_s = plan.num_blocks * size / max(self.engine.rates.prefill_tok_s, 1.0)
         timeout_s = FETCH_GRACE_S + 2 * max(recompute_s, plan.expected_s)
-        held = await self.peer.fetch(plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=timeout_s)
-        return (held - local) * size if plan.prefill else 0
+        if not plan.prefill:
+            await self.peer.fetch(plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=timeout_s)
+            return len(ids)
+        local = self.peer.exchange.local_depth(hashes[: plan.num_blocks])
+        computed = await self.peer.fetch_prefilled(plan, hashes, ids, call.cache_salt, timeout_s)
+        return max(local * size, len(ids) - computed)  # the prefiller had the prompt's first tokens cached
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:
         """The caller's block hashes if they are this engine's hashes of this prompt, else None (rehash).
