@@ -30,6 +30,8 @@ KERNEL_CACHE = str(Path.home() / ".cache" / "torch_extensions")
 """The worker's HOME is its own (cold caches, as on a new machine) but its CPU kernels come from this
 machine's build, so CI compiles them once, not once more for the worker."""
 KVMESH = str(Path(sys.executable).with_name("kvmesh"))
+ENGINE_SLOT = "kvmesh_engine_slot"
+"""A custom resource each node has one of: replicas asking for it land one per node."""
 
 CLIENT = """
 import json, sys, time, httpx
@@ -102,7 +104,7 @@ def cluster(tmp_path_factory):
     except NetnsUnavailable as exc:
         pytest.skip(str(exc))
     try:
-        nodes.start_head()
+        nodes.start_head(resources={ENGINE_SLOT: 1}, TORCH_EXTENSIONS_DIR=KERNEL_CACHE)
         nodes.start_worker(TORCH_EXTENSIONS_DIR=KERNEL_CACHE)
         yield nodes
     finally:
@@ -289,3 +291,50 @@ def test_stop_leaves_nothing_and_a_second_start_honours_host_and_placement(clust
         assert "exception" in ending or '"error"' in ending.get("line", ""), ending
     finally:
         assert second.stop() == 0
+
+
+def test_replicas_on_two_nodes_fetch_prefixes_from_each_other(cluster, tiny_llama_dir, tmp_path):
+    """One replica on each node: requests the router moves off a busy holder pull its prefix over the network
+    between the nodes (the holder's node address, not loopback) and are served from cache."""
+    cluster.start_worker(resources={ENGINE_SLOT: 1}, TORCH_EXTENSIONS_DIR=KERNEL_CACHE)
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        f"engine_actor_options: {{num_cpus: 0, resources: {{{ENGINE_SLOT}: 1}}}}\n"
+        "engine: {num_kv_blocks: 256, max_model_len: 1024, max_num_seqs: 2}\n"
+    )
+    model = str(tiny_llama_dir)
+    server = Served(cluster, config, tmp_path / "serve.log", ["--model", model])
+    try:
+        server.wait_ready()
+        prefix = long_prompt(7)
+        assert complete(cluster, model, prefix)["status"] == 200
+        time.sleep(1.0)  # the holder's KV events reach the index
+        # More long generations on the prefix than the holder's batch (2) holds: the router spreads them.
+        clients = [
+            cluster.popen(
+                "head",
+                [sys.executable, "-c", CLIENT, URL, model, f"{prefix} go{i}", "120", "0"],
+                tmp_path / f"b{i}.log",
+            )
+            for i in range(4)
+        ]
+        assert all(c.wait(150) == 0 for c in clients)
+        answers = [json.loads((tmp_path / f"b{i}.log").read_text().strip().splitlines()[-1]) for i in range(4)]
+        assert all(a["status"] == 200 for a in answers), answers
+        cached = [a["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+        deadline = time.monotonic() + 30
+        while True:
+            r = status(cluster)["replicas"]
+            if any(x["kv_fetched_blocks"] for x in r.values()):
+                break
+            assert time.monotonic() < deadline, f"no replica fetched a prefix: {r} (cached tokens {cached})"
+            time.sleep(1.0)
+        assert {x["node"] for x in r.values()} == {HEAD_IP, WORKER_IP}, r
+        fetcher = next(x for x in r.values() if x["kv_fetched_blocks"])
+        holder = next(x for x in r.values() if x is not fetcher)
+        assert fetcher["kv_fetched_blocks"] == holder["kv_served_blocks"] >= 16, r
+        assert not fetcher["kv_fetch_fallbacks"], fetcher
+        assert holder["kv_address"].startswith(f"tcp://{holder['node']}:"), holder  # reached across the nodes
+        assert min(cached) >= 16 * 8, cached  # every request of the burst found the prefix, fetched or local
+    finally:
+        assert server.stop() == 0
