@@ -111,4 +111,6 @@ def test_prefill_replicas_must_leave_a_replica_that_decodes():
         with pytest.raises(ValueError, match="prefill_replicas"):
             build_config(None, {"replicas": replicas, "prefill_replicas": prefill})
     args = build_parser().parse_args(["serve", "--replicas", "3", "--prefill-replicas", "1"])
-    assert args.prefill_replicas == 1
+    assert args.prefill_replicas == 1 and args.keep_kv is None  # unset: the config's (default True)
+    assert build_parser().parse_args(["serve", "--no-keep-kv"]).keep_kv is False
+    assert build_config(None, {}).keep_kv and not build_config(None, {"keep_kv": False}).keep_kv

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvmesh.cluster.engines.engine_replica import EngineReplica
 from kvmesh.core.engine_config import EngineConfig
 from kvmesh.replica.kv_scaling import hand_off
@@ -28,11 +30,15 @@ async def depths(url: str, model: str, replica_ids: list[str]) -> list[dict[str,
         await index.close()
 
 
-def test_a_draining_replica_hands_off_and_a_new_one_starts_warm(own_redis, tiny_llama_dir):
+@pytest.mark.parametrize("keep_kv", [True, False])
+def test_a_draining_replica_hands_off_and_a_new_one_starts_warm(own_redis, tiny_llama_dir, keep_kv):
+    """``keep_kv`` off (``kvmesh serve --no-keep-kv``): the drained replica's cache goes with it and the
+    newcomer starts cold."""
     config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=400, torch_threads=1)  # warm-up: up to 100
 
     def replica(name: str) -> EngineReplica:
-        return EngineReplica(config, redis_url=own_redis.url, deployment="kvho", identity=(name, None))
+        ids = (f"{name}-{keep_kv}", None)
+        return EngineReplica(config, redis_url=own_redis.url, deployment="kvho", identity=ids, keep_kv=keep_kv)
 
     async def main():
         drained, staying = replica("drained"), replica("staying")
@@ -54,9 +60,10 @@ def test_a_draining_replica_hands_off_and_a_new_one_starts_warm(own_redis, tiny_
 
     after_drain, after_start, staying_stats, newcomer_stats = asyncio.run(main())
     # (a pool of 200 would take the 50 hottest blocks: its warm-up is bounded to a quarter of the pool)
-    assert all(d[next(iter(d))] == 20 for d in after_drain), after_drain  # the survivor took every prompt
-    assert all(d[next(iter(d))] == 20 for d in after_start), after_start  # the newcomer pulled them first
-    assert staying_stats.kv_fetched_blocks == newcomer_stats.kv_fetched_blocks == 80
+    kept = 20 if keep_kv else 0
+    assert all(d[next(iter(d))] == kept for d in after_drain), after_drain  # the survivor took every prompt
+    assert all(d[next(iter(d))] == kept for d in after_start), after_start  # the newcomer pulled them first
+    assert staying_stats.kv_fetched_blocks == newcomer_stats.kv_fetched_blocks == 4 * kept
     assert not staying_stats.kv_fetch_fallbacks and not newcomer_stats.kv_fetch_fallbacks
 
 

@@ -25,6 +25,7 @@ def engine_deployment(
     replicas_per_node: int | None = None,
     kv_events: KVEventsConfig | None = None,
     prefill_replicas: int = 0,
+    keep_kv: bool = True,
 ) -> serve.Application:
     """The engine deployment with the KV-aware router (or a baseline policy) on its handles; ``engine`` and
     ``kv_events`` reach every replica as themselves.
@@ -35,6 +36,7 @@ def engine_deployment(
     index entries. ``replicas_per_node`` (default: all of them on one node) sizes each CPU replica's threads
     on its node. ``kv_events``: vLLM's ``--kv-events-config``; each replica publishes on the ports plus its rank.
     ``prefill_replicas``: the replicas of the lowest ranks that only prefill for others (``role="prefill"``).
+    ``keep_kv``: replicas start warm from their peers' hottest blocks and hand theirs over when removed.
     """
     sizing = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": num_replicas}
     per_node = replicas_per_node or max(num_replicas, (autoscaling or {}).get("max_replicas", 0))
@@ -50,4 +52,5 @@ def engine_deployment(
         replicas_per_node=per_node,
         kv_events=kv_events,
         prefill_replicas=prefill_replicas,
+        keep_kv=keep_kv,
     )

@@ -73,6 +73,7 @@ class EngineReplica:
         kv_host: str | None = None,
         kv_port: int = 0,
         prefill_replicas: int = 0,
+        keep_kv: bool = True,
     ) -> None:
         """``engine`` unset ``torch_threads`` on a CPU: this replica's share of its node's cores, among
         ``replicas_per_node``. ``rank_offset``: replicas of the deployment ranked before this one that are not
@@ -80,7 +81,8 @@ class EngineReplica:
         the first engine. ``identity``: the Serve replica's id and rank, from the replica that runs this engine
         in an actor of its own (default: this process's Serve identity, ``serve_replica_identity``). ``kv_host``,
         ``kv_port``: where peers fetch this engine's KV blocks (default: this node's address, any free port).
-        ``prefill_replicas``: replicas ranked below it only prefill for others (``LoadReport.role``)."""
+        ``prefill_replicas``: replicas ranked below it only prefill for others (``LoadReport.role``).
+        ``keep_kv``: start warm from the peers' hottest blocks and hand its own to them when drained."""
         self.node = node_address()
         if engine.torch_threads is None and engine.device in (None, "cpu"):
             threads = replica_threads(replicas_per_node, claimed_cpus(), available_cpus())
@@ -95,6 +97,7 @@ class EngineReplica:
         self.index_id = self.publisher.replica_id if self.publisher else name
         self._index_args = (index_redis_url(redis_url), deployment, self.engine.model_id)
         self._preemptions_seen = 0
+        self.keep_kv = keep_kv
         host = kv_host or self.node
         self.peer = KVPeer(self.llm, host, kv_port, advertise=self.node if host in ("0.0.0.0", "::") else host)
         self._peer_start: asyncio.Task | None = None
@@ -109,7 +112,7 @@ class EngineReplica:
             return self.peer.address
         address = await self.peer.start()
         log.info("replica %s serves its KV blocks at %s", self.index_id, address)
-        peers = await self._peer_addresses()
+        peers = await self._peer_addresses() if self.keep_kv else []
         if peers:
             budget = int(self.engine.num_blocks * WARM_UP_SHARE)
             took = await warm_up(self.peer, peers, budget, WARM_UP_S)
@@ -136,7 +139,7 @@ class EngineReplica:
     async def _hand_off_and_close(self) -> None:
         """Drain: the surviving replicas take this one's hottest blocks (within ``HAND_OFF_S``), then close."""
         try:
-            if self._index_args[0] and self.publisher is not None:
+            if self.keep_kv and self._index_args[0] and self.publisher is not None:
                 took = await hand_off(self.peer, self._peer_addresses, self.engine.num_blocks, HAND_OFF_S)
                 log.info("replica %s handed %d blocks to its peers", self.index_id, took)
         finally:

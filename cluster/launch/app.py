@@ -101,6 +101,7 @@ def _engines(config: ClusterConfig, env: dict[str, str], engine_nodes: int) -> s
         replicas_per_node=per_node,
         kv_events=kv_events,
         prefill_replicas=config.prefill_replicas,
+        keep_kv=config.keep_kv,
     )
 
 

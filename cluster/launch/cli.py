@@ -141,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         "target_kv_util": args.target_kv_util,
         "drain_timeout_s": args.drain_timeout_s,
         "prefill_replicas": args.prefill_replicas,
+        "keep_kv": args.keep_kv,
         "no_replica_timeout_s": args.no_replica_timeout_s,
         "kv_events_config": _kv_events(args),
         "engine": _engine_settings(args),
@@ -309,6 +310,13 @@ def _add_autoscaling_args(srv: argparse.ArgumentParser) -> None:
         "--prefill-replicas",
         type=int,
         help="engine replicas that only prefill long prompts other replicas fetch and decode (default 0)",
+    )
+    srv.add_argument(
+        "--no-keep-kv",
+        dest="keep_kv",
+        action="store_false",
+        default=None,
+        help="start replicas cold and drop a removed replica's cache (default: warm start and hand-off)",
     )
     srv.add_argument(
         "--no-replica-timeout-s",

@@ -66,6 +66,9 @@ class ClusterConfig:
     prefill_replicas: int = 0
     """Engine replicas (the lowest ranks) that only prefill prompts other replicas fetch and decode (conditional
     disaggregation, ``docs/routing.md``); 0: every replica prefills and decodes."""
+    keep_kv: bool = True
+    """A starting replica pulls its peers' hottest blocks before it serves, and a removed one hands its own to
+    the survivors (``docs/operations.md``); off: replicas start cold and their cache goes with them."""
     ingress_replicas: int = 1
     """Ingress replicas; each runs its own router on the engine handle (they share the Redis index)."""
     policy: str = "kv_aware"
