@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from kvmesh.bench.harness.peer_fleet import Child
-from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.bench.harness.report import print_table, spread, write_json
 from kvmesh.cluster.launch.embedded_redis import free_port
 
 MODEL = "smollm2-135m"
@@ -171,7 +171,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         r["ttft_over_recompute"] = r["fetch_ttft_s"] / r["recompute_ttft_s"]
         r["same_token"] = r["fetch_token"] == r["recompute_token"]
     keys = ("rate_over_path", "move_over_recompute", "ttft_over_recompute")
-    summary = {k: _spread([r[k] for r in rows]) for k in keys}
+    summary = {k: spread([r[k] for r in rows]) for k in keys}
     table = [
         [
             r["pair"],
@@ -198,10 +198,6 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     payload = {"path": where, "prefix_tokens": args.prefix_tokens, "rows": rows, "summary": summary}
     name = "kv_transfer" + ("_netns" if args.netns else "") + ("_busy" if args.holder_streams else "")
     write_json(name, {**payload, "holder_streams": args.holder_streams}, args.json)
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 if __name__ == "__main__":

@@ -58,6 +58,16 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def spread(values: list[float]) -> dict:
+    """Per-pair ratios (or any series) as reported: median, range and n."""
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def spread_text(values: list[float]) -> str:
+    """``spread`` as a table cell: ``0.42x (0.31-0.55, n=3)``; ``-`` for none."""
+    return f"{median(values):.2f}x ({min(values):.2f}-{max(values):.2f}, n={len(values)})" if values else "-"
+
+
 def _fmt(c) -> str:
     if not isinstance(c, float):
         return str(c)
