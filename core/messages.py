@@ -151,6 +151,9 @@ class EngineLoad:
     step_s: float = DEFAULT_STEP_S
     mean_output_tokens: float = DEFAULT_MEAN_OUTPUT_TOKENS
     max_num_seqs: int = 256
+    slot_free_steps: float | None = None
+    """Decode steps until the first running sequence ends (when the batch is full, a newcomer's wait for a
+    slot): the least expected remaining output among them; None when none runs."""
 
 
 class MalformedReport(ValueError):

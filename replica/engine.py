@@ -486,6 +486,7 @@ class LLMEngine:
             step_s=rates.step_s,
             mean_output_tokens=rates.mean_output_tokens,
             max_num_seqs=s.max_num_seqs,
+            slot_free_steps=_slot_free_steps(running, rates.mean_output_tokens),
             waiting_blocks=waiting_blocks,
             num_free_blocks=pool.num_free,
             num_cached_blocks=pool.num_cached_free,
@@ -503,3 +504,17 @@ class LLMEngine:
             disk_blocks_read=swap.disk_blocks_read if disk is not None else 0,
             disk_blocks_dropped=disk.dropped if disk is not None else 0,
         )
+
+
+def _slot_free_steps(running: tuple[Request, ...], mean_output: float) -> float | None:
+    """Decode steps until the first of ``running`` ends: the least of each one's expected remaining output,
+    what its ``max_tokens`` leaves and, where it may stop sooner (EOS, stop ids or strings), at most what the
+    mean output length leaves (at least one step). None when none runs."""
+    best = None
+    for r in running:
+        done = r.num_tokens - r.num_prompt_tokens
+        left = r.max_new_tokens - done
+        if r.stop_ids or r.params.stop:
+            left = min(left, max(mean_output - done, 1.0))
+        best = left if best is None else min(best, left)
+    return best

@@ -378,7 +378,15 @@ class KVPeer:
             link.close()
             await _settle(adopting, progress)
 
-    async def _adopt(self, wanted, first, count, payload, parent, adoption: _Adoption) -> tuple[int, int]:
+    async def _adopt(
+        self,
+        wanted: list[BlockHash],
+        first: int,
+        count: int,
+        payload: torch.Tensor,
+        parent: BlockHash | None,
+        adoption: _Adoption,
+    ) -> tuple[int, int]:
         """Adopt ``count`` checked blocks ``wanted[first:]`` between two steps; how many were, of ``count``."""
         if not count:
             return 0, 0

@@ -79,9 +79,18 @@ class ReplicaLoad(LoadReport):
         routed_rate = max(routed_tok_s, 1e-6) if routed_tok_s else prefill_rate
         prefill = self.pending_prefill_tokens / prefill_rate + self.routed_prefill_tokens / routed_rate
         running = min(self.num_requests, self.max_num_seqs)
+        return prefill + running * (self.decode_s_per_seq or DEFAULT_DECODE_S_PER_SEQ) + self.slot_wait_s
+
+    @property
+    def slot_wait_s(self) -> float:
+        """Seconds a newcomer waits for a batch slot once the replica holds ``max_num_seqs``: until the soonest
+        running sequence ends where the report says (``slot_free_steps``), then one mean lifetime spread over
+        the batch per request ahead of it (ends staggered); all of it from the mean where it does not."""
         excess = max(0, self.num_requests + 1 - self.max_num_seqs)
-        slot_wait = excess * self.mean_output_tokens * self.step_s / max(self.max_num_seqs, 1)
-        return prefill + running * (self.decode_s_per_seq or DEFAULT_DECODE_S_PER_SEQ) + slot_wait
+        between_ends = self.mean_output_tokens / max(self.max_num_seqs, 1) * self.step_s
+        if not excess or self.slot_free_steps is None:
+            return excess * between_ends
+        return max(self.slot_free_steps * self.step_s - self.report_age_s, 0.0) + (excess - 1) * between_ends
 
     def kv_wait_s(self, tokens: int, block_size: int) -> float:
         """Seconds a newcomer needing ``tokens`` of new KV would wait for running sequences to free blocks.
@@ -392,7 +401,9 @@ class KVAwarePolicy:
         # queue holds q jobs of this request's size, each second of work costs about q seconds of others'
         # waiting. The median, not the mean: one overloaded replica does not make its idle peers busy.
         typical_s = max(req.num_tokens / median_rate, 1e-6)
-        busy = self.busy_weight * sorted(queues.values())[len(queues) // 2] / typical_s
+        # Prefill work queued, that is: a full batch's wait for a slot holds no prefill back.
+        prefill_queues = sorted(queues[r.index_id] - r.slot_wait_s for r in replicas)
+        busy = self.busy_weight * prefill_queues[len(prefill_queues) // 2] / typical_s
         sources = self._sources(replicas, depth, queues) if self.peer_fetch else []
         own_weight = min(self.miss_weight, 1.0)
         most = max(req.num_tokens - 1, 0)  # the last token is always computed

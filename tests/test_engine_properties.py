@@ -171,6 +171,22 @@ def test_load_report_tells_routers_how_much_kv_room_a_newcomer_has(tiny_llama_di
     assert report().kv_free_blocks == engine.pool.num_free - 7 < 0
 
 
+def test_load_report_tells_routers_when_the_first_batch_slot_frees(tiny_llama_dir):
+    """A full batch makes a newcomer wait for the soonest running sequence to end: the report's
+    ``slot_free_steps`` is what ``max_tokens`` leaves a sequence that ignores EOS, and at most what the mean
+    output length leaves one that may stop sooner."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=256, max_num_seqs=4))
+    assert engine.stats().slot_free_steps is None
+    engine.add_request([3000 + i for i in range(20)], SamplingParams(max_tokens=500, ignore_eos=True), "long")
+    engine.step()
+    engine.step()
+    assert engine.stats().slot_free_steps == 498  # two tokens out
+    engine.add_request([4000 + i for i in range(20)], SamplingParams(max_tokens=500), "may_stop")
+    engine.step()
+    mean = engine.stats().mean_output_tokens
+    assert engine.stats().slot_free_steps == pytest.approx(min(497, max(mean - 1, 1.0)))
+
+
 def test_load_report_tells_routers_how_busy_prefill_has_been(tiny_llama_dir):
     """Routers price cache churn by how busy the fleet's prefill is: a replica that only prefilled reports a
     share of the last window in proportion to the time it spent at it, and an idle one reports none."""

@@ -513,6 +513,25 @@ def test_a_long_prompt_goes_where_the_kv_pool_has_room():
     assert unreported.kv_wait_s(640, 16) == 0.0
 
 
+def test_a_full_batch_of_long_generations_is_priced_by_its_soonest_end():
+    """r0 holds the conversation's history but its 4 batch slots run generations with 3,800 tokens left
+    (``slot_free_steps``): the next turn would wait for one to end, so it goes to r1 and recomputes there.
+    Known to end within 2 steps, r0 keeps the turn; unreported, the mean output length stands in."""
+    history = request(list(range(1600)))
+    stats = dict(prefill_tok_s=4000, num_running=4, max_num_seqs=4, step_s=0.05, mean_output_tokens=16)
+    idle = ReplicaLoad(index_id="r1", prefill_tok_s=4000, step_s=0.05, mean_output_tokens=16)
+    hits = {"r0": 100, "r1": 0}
+    policy = KVAwarePolicy(peer_fetch=False)
+    busy = ReplicaLoad(index_id="r0", slot_free_steps=3800, **stats)
+    assert busy.queue_s >= 3800 * 0.05
+    assert policy.rank(history, [busy, idle], hits).ranked[0] == "r1"
+    ending = ReplicaLoad(index_id="r0", slot_free_steps=2, **stats)
+    assert policy.rank(history, [ending, idle], hits).ranked[0] == "r0"
+    unknown = ReplicaLoad(index_id="r0", **stats)
+    assert unknown.queue_s == pytest.approx(ReplicaLoad(index_id="r0", slot_free_steps=None, **stats).queue_s)
+    assert unknown.queue_s < busy.queue_s
+
+
 def test_a_full_pool_in_an_old_report_has_been_freeing_since():
     """The report was taken while a request pinned 42 of 48 blocks. Its running sequences have decoded since:
     the wait counts from the report, and a report older than that wait shows no wait at all."""
