@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 from kvmesh.bench.harness.report import print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
 
-APP = "busy-home-bench"
 SETTINGS = ("fetch", "no_fetch")
 BUSY_STREAMS = 4
 BUSY_TOKENS = 4000
@@ -48,8 +47,12 @@ async def turn_on_busy_home(handle, history: list[int], rng: random.Random) -> d
     fresh = lambda n: [rng.randrange(100, 40_000) for _ in range(n)]  # noqa: E731
     first = await stream(handle, history, 1)
     await asyncio.sleep(1.0)  # the history's KV events reach the index
-    busy = [asyncio.ensure_future(stream(handle, history + fresh(8), BUSY_TOKENS)) for _ in range(BUSY_STREAMS)]
-    await asyncio.sleep(3.0)  # they are decoding
+    busy, where = [], []  # generations on the history, and where each runs (known at its first token)
+    for _ in range(BUSY_STREAMS):  # one at a time, each routed once the one before decodes
+        busy.append(asyncio.ensure_future(stream(handle, history + fresh(8), BUSY_TOKENS, on_first=where.append)))
+        while len(where) < len(busy) and not busy[-1].done():
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)
     try:
         turn = await stream(handle, history + fresh(32), 8)
     finally:
@@ -63,24 +66,26 @@ async def turn_on_busy_home(handle, history: list[int], rng: random.Random) -> d
         "moved": turn["replica"] != first["replica"],
         "home": first["replica"],
         "replica": turn["replica"],
+        "busy_at_home": sum(r == first["replica"] for r in where),
     }
 
 
 def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, seed: int) -> dict:
     engine = EngineConfig(model=MODEL, num_kv_blocks=2048, torch_threads=1, max_num_seqs=BUSY_STREAMS)
     kwargs = {} if setting == "fetch" else {"peer_fetch": False}
+    name = app_name("busy-home", setting, seed)
     routing = RoutingSettings(
         redis_url=redis_url, deployment=f"bh-{setting}-{seed}", stats_period_s=0.5, policy_kwargs=kwargs
     )
     app = engine_deployment(engine, routing, num_replicas=2, replicas_per_node=2)
-    handle = serve.run(app, name=APP, route_prefix=None).options(method_name="generate", stream=True)
+    handle = serve.run(app, name=name, route_prefix=None).options(method_name="generate", stream=True)
     try:
         time.sleep(2.0)  # load reports (KV addresses, rates) reach the router
         rng = random.Random(seed)
         history = [rng.randrange(100, 40_000) for _ in range(args.history_tokens)]
         return asyncio.run(turn_on_busy_home(handle, history, rng))
     finally:
-        serve.delete(APP)
+        serve.delete(name)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -93,7 +98,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 pair[setting] = m = run_setting(serve, redis_url, args, setting, seed=3000 + p)
                 where = "moved" if m["moved"] else "at home"
                 ttft = f"{m['ttft_s'] * 1000:.0f} ms"
-                print(f"pair {p} {setting}: TTFT {ttft}, {where}, {m['cached']} cached", flush=True)
+                home = f"{m['busy_at_home']} of {BUSY_STREAMS} busy streams at home"
+                print(f"pair {p} {setting}: TTFT {ttft}, {where}, {m['cached']} cached; {home}", flush=True)
             pairs.append(pair)
     return pairs
 

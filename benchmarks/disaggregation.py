@@ -28,12 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from kvmesh.bench.harness.report import median, print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
 
-APP = "disaggregation-bench"
 SETTINGS = ("split", "colocated")
 LONG_OUTPUT = 16
 STREAM_PROMPT = 64
@@ -99,16 +98,17 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
     split = setting == "split"
     engine = EngineConfig(model=MODEL, num_kv_blocks=1024, torch_threads=1, max_num_seqs=8)
     kwargs = {} if split else {"disaggregate_tokens": 10**9}
+    name = app_name("disaggregation", setting, seed)
     routing = RoutingSettings(
         redis_url=redis_url, deployment=f"dis-{setting}-{seed}", stats_period_s=0.5, policy_kwargs=kwargs
     )
     app = engine_deployment(engine, routing, num_replicas=2, replicas_per_node=2, prefill_replicas=int(split))
-    handle = serve.run(app, name=APP, route_prefix=None).options(method_name="generate", stream=True)
+    handle = serve.run(app, name=name, route_prefix=None).options(method_name="generate", stream=True)
     try:
         time.sleep(2.0)  # load reports (KV addresses, roles, rates) reach the router
         return measure(asyncio.run(drive(handle, args, random.Random(seed))))
     finally:
-        serve.delete(APP)
+        serve.delete(name)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

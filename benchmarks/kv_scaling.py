@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 from kvmesh.bench.harness.report import print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
 
-APP = "kv-scaling-bench"
 QUESTION_TOKENS = 32
 SETTINGS = ("keep", "drop")
 """``keep_kv`` on and off."""
@@ -76,7 +75,7 @@ def measure(rows: list[dict], before: set[str]) -> dict:
 
 def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, seed: int) -> dict:
     """One setting's deploy, warm-up traffic, scale-up and scale-down, measured after each change."""
-    rng = random.Random(seed)
+    rng, name = random.Random(seed), app_name("kv-scaling", setting, seed)
     prefixes = [[rng.randrange(100, 40_000) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
 
     def requests() -> list[list[int]]:
@@ -90,7 +89,7 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
 
     def deploy(n: int):
         app = engine_deployment(engine, routing, num_replicas=n, replicas_per_node=3, keep_kv=setting == "keep")
-        handle = serve.run(app, name=APP, route_prefix=None).options(method_name="generate", stream=True)
+        handle = serve.run(app, name=name, route_prefix=None).options(method_name="generate", stream=True)
         time.sleep(1.5)  # load reports (KV addresses, rates) and the replaced replicas' exits reach the router
         return handle
 
@@ -107,7 +106,7 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
             out[step] = {**measure(rows, seen), "deploy_s": deploy_s}
             seen |= {r["replica"] for r in rows}
     finally:
-        serve.delete(APP)
+        serve.delete(name)
     return out
 
 

@@ -4,10 +4,11 @@ deploy and redeploy engine fleets themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 from kvmesh.core.hashing import hash_blocks, model_seed
@@ -34,6 +35,13 @@ def local_serve() -> Iterator[tuple[object, str]]:
         ray.shutdown()
 
 
+def app_name(bench: str, setting: str, seed: int) -> str:
+    """A Serve application name of its own per setting and seed: handles in one process share the router of
+    an application's deployment, so settings deployed under one name would all run the first one's router
+    (its policy options, its index namespace)."""
+    return f"{bench}-{setting}-{seed}"
+
+
 def generate_call(tokens: list[int], max_tokens: int) -> GenerateCall:
     """What the ingress sends for ``tokens``: ``max_tokens`` greedy tokens, blocks hashed with the seed."""
     return GenerateCall(
@@ -45,13 +53,22 @@ def generate_call(tokens: list[int], max_tokens: int) -> GenerateCall:
     )
 
 
-async def stream(handle, tokens: list[int], max_tokens: int) -> dict:
+async def stream(handle, tokens: list[int], max_tokens: int, on_first: Callable[[str], None] | None = None) -> dict:
     """One request through ``handle`` (``generate``, streamed): when each chunk of tokens arrived (seconds
-    from the call, with its token count), its TTFT, cached prompt tokens and the replica that served it."""
+    from the call, with its token count), its TTFT, cached prompt tokens and the replica that served it.
+    ``on_first``: called with the replica's id at the first token. Cancelled, it cancels the request on its
+    replica."""
     start, arrivals, cached, replica = time.perf_counter(), [], 0, None
-    async for chunk in handle.remote(generate_call(tokens, max_tokens)):
-        if chunk.token_ids:
-            arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
-        cached, replica = chunk.num_cached_tokens, chunk.replica
+    response = handle.remote(generate_call(tokens, max_tokens))
+    try:
+        async for chunk in response:
+            if chunk.token_ids:
+                if not arrivals and on_first is not None:
+                    on_first(chunk.replica)
+                arrivals.append((time.perf_counter() - start, len(chunk.token_ids)))
+            cached, replica = chunk.num_cached_tokens, chunk.replica
+    except asyncio.CancelledError:
+        response.cancel()  # the caller stopped reading: the engine frees the request's blocks now, as the ingress does
+        raise
     ttft = arrivals[0][0] if arrivals else None
     return {"ttft_s": ttft, "arrivals": arrivals, "prompt": len(tokens), "cached": cached, "replica": replica}
