@@ -88,6 +88,8 @@ class _Progress:
     blocks: int = 0
     computed: int = 0
     """Prompt tokens the holder computed for this fetch (a prefill asked for), not cache hits there."""
+    prefilled_at: float | None = None
+    """When the holder said its prefill was done: the transfer's own time starts there."""
 
 
 class KVPeer:
@@ -318,12 +320,13 @@ class KVPeer:
             self._fell_back("timeout", plan, exc)
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._fell_back("holder_lost" if progress.connected else "unreachable", plan, exc)
-        got, seconds = progress.blocks, time.perf_counter() - began
-        stats.fetch_seconds += seconds
+        now, got = time.perf_counter(), progress.blocks
+        stats.fetch_seconds += now - began
         if got:
             stats.fetched_blocks += got
             stats.fetched_bytes += got * self.block_bytes
-            rate = got * self.block_bytes / max(seconds, 1e-6)
+            # The rate routers price fetches at is the transfer's, not the holder's prefill before it.
+            rate = got * self.block_bytes / max(now - (progress.prefilled_at or began), 1e-6)
             stats.bytes_s = rate if stats.bytes_s is None else (1 - RATE_WEIGHT) * stats.bytes_s + RATE_WEIGHT * rate
         return start + got, progress.computed
 
@@ -359,7 +362,7 @@ class KVPeer:
                 if status == REFUSED:
                     raise TransferRejected("refused", rest.decode(errors="replace"))
                 if status == PREFILLED:
-                    progress.computed = count
+                    progress.computed, progress.prefilled_at = count, time.perf_counter()
                     continue
                 payload = torch.empty((count, self.block_bytes), dtype=torch.uint8)
                 await link.read_into(memoryview(payload.numpy()).cast("B"))
