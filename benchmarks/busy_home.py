@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import random
 import time
 from pathlib import Path
 
 from kvmesh.bench.harness.report import print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, run_pairs, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
@@ -70,7 +71,7 @@ async def turn_on_busy_home(handle, history: list[int], rng: random.Random) -> d
     }
 
 
-def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, seed: int) -> dict:
+def run_setting(serve, redis_url: str, setting: str, seed: int, args: argparse.Namespace) -> dict:
     engine = EngineConfig(model=MODEL, num_kv_blocks=2048, torch_threads=1, max_num_seqs=BUSY_STREAMS)
     kwargs = {} if setting == "fetch" else {"peer_fetch": False}
     name = app_name("busy-home", setting, seed)
@@ -89,19 +90,12 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    pairs = []
-    with local_serve() as (serve, redis_url):
-        for p in range(args.pairs):
-            order = SETTINGS if p % 2 == 0 else SETTINGS[::-1]
-            pair = {"pair": p, "order": list(order)}
-            for setting in order:
-                pair[setting] = m = run_setting(serve, redis_url, args, setting, seed=3000 + p)
-                where = "moved" if m["moved"] else "at home"
-                ttft = f"{m['ttft_s'] * 1000:.0f} ms"
-                home = f"{m['busy_at_home']} of {BUSY_STREAMS} busy streams at home"
-                print(f"pair {p} {setting}: TTFT {ttft}, {where}, {m['cached']} cached; {home}", flush=True)
-            pairs.append(pair)
-    return pairs
+    def describe(m: dict) -> str:
+        where = "moved" if m["moved"] else "at home"
+        ttft = f"{m['ttft_s'] * 1000:.0f} ms"
+        return f"TTFT {ttft}, {where}, {m['cached']} cached; {m['busy_at_home']} of {BUSY_STREAMS} busy streams at home"
+
+    return run_pairs(SETTINGS, args.pairs, 3000, functools.partial(run_setting, args=args), describe)
 
 
 def report(args: argparse.Namespace, pairs: list[dict]) -> None:

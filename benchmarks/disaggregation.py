@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import random
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvmesh.bench.harness.report import median, print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, run_pairs, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
@@ -94,7 +95,7 @@ def measure(seen: dict) -> dict:
     }
 
 
-def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, seed: int) -> dict:
+def run_setting(serve, redis_url: str, setting: str, seed: int, args: argparse.Namespace) -> dict:
     split = setting == "split"
     engine = EngineConfig(model=MODEL, num_kv_blocks=1024, torch_threads=1, max_num_seqs=8)
     kwargs = {} if split else {"disaggregate_tokens": 10**9}
@@ -112,20 +113,13 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    pairs = []
-    with local_serve() as (serve, redis_url):
-        for p in range(args.pairs):
-            order = SETTINGS if p % 2 == 0 else SETTINGS[::-1]
-            pair = {"pair": p, "order": list(order)}
-            for setting in order:
-                pair[setting] = m = run_setting(serve, redis_url, args, setting, seed=2000 + p)
-                print(
-                    f"pair {p} {setting}: ITL p99 {m['itl_p99_s'] * 1000:.0f} ms, "
-                    f"long TTFT p50 {m['long_ttft_p50_s'] * 1000:.0f} ms, {m['output_tok_s']:.1f} tok/s",
-                    flush=True,
-                )
-            pairs.append(pair)
-    return pairs
+    def describe(m: dict) -> str:
+        return (
+            f"ITL p99 {m['itl_p99_s'] * 1000:.0f} ms, "
+            f"long TTFT p50 {m['long_ttft_p50_s'] * 1000:.0f} ms, {m['output_tok_s']:.1f} tok/s"
+        )
+
+    return run_pairs(SETTINGS, args.pairs, 2000, functools.partial(run_setting, args=args), describe)
 
 
 def report(args: argparse.Namespace, pairs: list[dict]) -> None:

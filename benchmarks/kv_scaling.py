@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import statistics
 import time
 from pathlib import Path
 
 from kvmesh.bench.harness.report import print_table, spread, spread_text, write_json
-from kvmesh.bench.harness.serve_fleet import MODEL, app_name, local_serve, stream
+from kvmesh.bench.harness.serve_fleet import MODEL, app_name, run_pairs, stream
 from kvmesh.cluster.engines.engine_deployment import engine_deployment
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.core.engine_config import EngineConfig
@@ -73,7 +74,7 @@ def measure(rows: list[dict], before: set[str]) -> dict:
     }
 
 
-def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, seed: int) -> dict:
+def run_setting(serve, redis_url: str, setting: str, seed: int, args: argparse.Namespace) -> dict:
     """One setting's deploy, warm-up traffic, scale-up and scale-down, measured after each change."""
     rng, name = random.Random(seed), app_name("kv-scaling", setting, seed)
     prefixes = [[rng.randrange(100, 40_000) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)]
@@ -111,17 +112,10 @@ def run_setting(serve, redis_url: str, args: argparse.Namespace, setting: str, s
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    pairs = []
-    with local_serve() as (serve, redis_url):
-        for p in range(args.pairs):
-            order = SETTINGS if p % 2 == 0 else SETTINGS[::-1]
-            pair = {"pair": p, "order": list(order)}
-            for setting in order:
-                pair[setting] = run_setting(serve, redis_url, args, setting, seed=1000 + p)
-                rates = ", ".join(f"{s} {pair[setting][s]['hit_rate']:.1%}" for s in ("up", "down"))
-                print(f"pair {p} {setting}: hit rate {rates}", flush=True)
-            pairs.append(pair)
-    return pairs
+    def describe(m: dict) -> str:
+        return "hit rate " + ", ".join(f"{step} {m[step]['hit_rate']:.1%}" for step in ("up", "down"))
+
+    return run_pairs(SETTINGS, args.pairs, 1000, functools.partial(run_setting, args=args), describe)
 
 
 def report(args: argparse.Namespace, pairs: list[dict]) -> None:

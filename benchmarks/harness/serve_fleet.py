@@ -35,6 +35,25 @@ def local_serve() -> Iterator[tuple[object, str]]:
         ray.shutdown()
 
 
+def run_pairs(
+    settings: tuple[str, str], pairs: int, seed: int, run_setting: Callable, describe: Callable[[dict], str]
+) -> list[dict]:
+    """``pairs`` pairs of runs of the two ``settings`` on one local Serve session, in an order that alternates
+    from pair to pair: ``run_setting(serve, redis_url, setting, seed)`` (the pair's seed: ``seed + pair``)
+    returns a setting's measures, printed with ``describe`` as they come. Each pair's record holds them by
+    setting."""
+    records = []
+    with local_serve() as (serve, redis_url):
+        for p in range(pairs):
+            order = settings if p % 2 == 0 else settings[::-1]
+            record = {"pair": p, "order": list(order)}
+            for setting in order:
+                record[setting] = run_setting(serve, redis_url, setting, seed + p)
+                print(f"pair {p} {setting}: {describe(record[setting])}", flush=True)
+            records.append(record)
+    return records
+
+
 def app_name(bench: str, setting: str, seed: int) -> str:
     """A Serve application name of its own per setting and seed: handles in one process share the router of
     an application's deployment, so settings deployed under one name would all run the first one's router
