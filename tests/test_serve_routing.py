@@ -83,17 +83,23 @@ def test_multi_turn_conversations_stick_to_their_replica_and_spread(engine_handl
 
     results = asyncio.run(main())
     # A move is the router's call when the home's queue costs more than taking the history elsewhere by its
-    # 5 ms margin, and on two shared cores such calls happen. With peer fetch (docs/routing.md) a move brings
-    # the history (the new replica pulls it from the home), so it costs a transfer, not a re-read, and moves
-    # come on smaller differences than when they meant recomputing; one CI run moved a conversation away and
-    # back. What must hold: most turns stay (routing by load alone moves about two thirds of the 18), no
-    # conversation moves on every turn, and every later turn finds its history cached, moved or not.
+    # 5 ms margin, and on two shared cores such calls happen. With peer fetch (docs/routing.md) a move usually
+    # brings the history (the new replica pulls it from the home), so moves come on smaller differences than
+    # when they meant recomputing; one CI run moved a conversation away and back. The tiny model prefills
+    # 3,600 tokens in tens of ms, so the router may also price recomputing a history elsewhere below the
+    # fetch and the home's queue: a CI run moved one turn that way. What must hold: most turns stay
+    # (routing by load alone moves about two thirds of the 18), no conversation moves on every turn, a turn
+    # that stays finds its history cached, and at most two of the 18 later turns recompute theirs.
     moves = [sum(a != b for a, b in pairwise(homes)) for homes, _, _ in results]
     homes_seen = [homes for homes, _, _ in results]
     assert max(moves) <= 2 and sum(moves) <= 6, f"conversations moved between replicas: {homes_seen}"
     moved = kv_moved(redis_server.url, model)
+    misses = 0
     for homes, cached, _ in results:
-        assert all(hit > 0 for hit in cached[1:]), f"later turns found no cached history: {homes} {cached} {moved}"
+        for (before, here), hit in zip(pairwise(homes), cached[1:], strict=True):
+            assert hit > 0 or before != here, f"a turn that stayed missed its history: {homes} {cached} {moved}"
+            misses += hit == 0
+    assert misses <= 2, f"later turns recomputed their history: {homes_seen} {[c for _, c, _ in results]} {moved}"
     assert len({homes[0] for homes, _, _ in results}) >= 2, "all conversations landed on one replica"
 
 
