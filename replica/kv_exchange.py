@@ -4,9 +4,11 @@ Both run between engine steps (``AsyncLLM.between_steps``), on the engine's own 
 exporting pins the prefix's device blocks (a reference each, so no step evicts or reuses them) and copies
 the few it finds only in the host or disk tier; the bulk copy of device blocks (``gather``) then runs on
 another thread while the engine steps, once every step launched before the pin has run (``ready``: under
-asynchronous scheduling a block is published before the step that fills it). Adopting allocates device
-blocks, queues the copy of their validated bytes on the device queue (after every step in flight, like a
-swap-in) and publishes them as cached prefix blocks, in the KV events and so in the index.
+asynchronous scheduling a block is published before the step that fills it). Adopting is the same in three
+steps: ``reserve`` free device blocks (between steps), ``fill`` them with validated bytes (on another thread,
+through the device queue: after every step in flight, like a swap-in), ``commit`` them as cached prefix blocks
+(between steps), published in the KV events and so in the index. The copy never holds up a step, nor the
+receiver's socket.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from kvmesh.core.hashing import BlockHash
 from kvmesh.replica.block_pool import Block, BlockPool
-from kvmesh.replica.device_queue import DeviceQueue, StepHandle
+from kvmesh.replica.device_queue import DeviceQueue, StepHandle, StepResult
 from kvmesh.replica.kv_transfer import BlockBytes
 from kvmesh.replica.swap import SwapSpace
 
@@ -35,6 +37,16 @@ class Export:
     """Position in ``hashes`` -> the block's bytes (one row)."""
     ready: StepHandle | None = None
     """Done once every step launched before the pin has run: the device blocks' bytes are final."""
+
+
+@dataclass
+class Reservation:
+    """Free device blocks taken for imported ones: ``positions`` (in the hashes reserved for) of those this
+    engine lacked, the ``blocks`` they go into, and ``count``: how many leading hashes it will then hold."""
+
+    positions: list[int]
+    blocks: list[Block]
+    count: int
 
 
 def _marker() -> tuple[torch.Tensor, dict, None]:
@@ -91,39 +103,31 @@ class KVExchange:
             row = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None else None
         return row
 
-    def gather(self, export: Export, start: int, end: int) -> torch.Tensor:
-        """Bytes of ``export``'s blocks ``start:end`` (off the engine's thread, once ``ready``)."""
+    def gather(self, export: Export, start: int, end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bytes of ``export``'s blocks ``start:end`` (off the engine's thread, once ``ready``), into ``out``'s
+        leading rows when given."""
         on_device = [i for i in range(start, end) if i in export.device]
         ids = [export.device[i].block_id for i in on_device]
         if len(on_device) == end - start:  # the usual case: one gather, no reassembly
-            return self.blocks.gather(ids)
-        out = torch.empty((end - start, self.blocks.block_bytes), dtype=torch.uint8)
+            return self.blocks.gather(ids, out)
+        rows = torch.empty((end - start, self.blocks.block_bytes), dtype=torch.uint8) if out is None else out
+        rows = rows[: end - start]
         for row, i in zip(self.blocks.gather(ids) if ids else [], on_device, strict=False):
-            out[i - start] = row
+            rows[i - start] = row
         for i in range(start, end):
             if i in export.host:
-                out[i - start] = export.host[i]
-        return out
+                rows[i - start] = export.host[i]
+        return rows
 
     def unpin(self, export: Export) -> None:
         """Release the pinned device blocks (between steps)."""
         self.pool.free(reversed(list(export.device.values())))
         export.device.clear()
 
-    def adopt(
-        self,
-        hashes: list[BlockHash],
-        parent: BlockHash | None,
-        payload: torch.Tensor,
-        token_ids: list[list[int]] | None = None,
-        cache_salt: str | None = None,
-        chained: bool = True,
-    ) -> int:
-        """Adopt validated blocks continuing the chain after ``parent`` as cached prefix blocks (between
-        steps); how many of the leading ``hashes`` this engine now holds. They stay free (evictable, freshest
-        last), so adopting never takes room a request could have. ``token_ids`` (each block's tokens) and
-        ``cache_salt`` (block 0's) only travel in the KV events. ``chained`` False: ``hashes`` are separate hot
-        blocks, not one chain (a hand-off or warm-up); their events name no parent."""
+    def reserve(self, hashes: list[BlockHash]) -> Reservation:
+        """Free device blocks for those of the leading ``hashes`` this engine lacks, as many as fit (between
+        steps); ``release`` or ``commit`` them. Taking only free blocks, adopting never takes room a request
+        could have."""
         room = self.pool.num_free
         held, new = 0, []
         for i, h in enumerate(hashes):
@@ -133,17 +137,48 @@ class KVExchange:
                 new.append(i)
             else:
                 break
-        count = held + len(new)
-        if not new:
-            return count
-        blocks = self.pool.allocate(len(new))
-        rows = payload if len(new) == len(payload) else payload[new]  # the caller leaves ``payload`` to the copy
-        ids = [b.block_id for b in blocks]
-        self.device.submit(lambda: (self.blocks.scatter(ids, rows), _marker())[1])
-        for i, block in zip(new, blocks, strict=True):
+        return Reservation(new, self.pool.allocate(len(new)) if new else [], held + len(new))
+
+    def fill(self, reservation: Reservation, payload: torch.Tensor) -> None:
+        """Copy the reserved blocks' rows of ``payload`` (one per hash reserved for) into them, after every step
+        launched before; returns once the copy is done (call it off the engine's thread)."""
+        if not reservation.blocks:
+            return
+        positions = reservation.positions
+        rows = payload[: len(positions)] if positions[-1] == len(positions) - 1 else payload[positions]
+        ids = [b.block_id for b in reservation.blocks]
+
+        def copy_in() -> StepResult:
+            self.blocks.scatter(ids, rows)
+            if self.device.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            return _marker()
+
+        self.device.submit(copy_in).result()
+
+    def commit(
+        self,
+        reservation: Reservation,
+        hashes: list[BlockHash],
+        parent: BlockHash | None,
+        token_ids: list[list[int]] | None = None,
+        cache_salt: str | None = None,
+        chained: bool = True,
+    ) -> int:
+        """Publish the filled blocks as cached prefix blocks continuing the chain after ``parent`` (between
+        steps); how many of the leading ``hashes`` this engine now holds. They stay free (evictable, freshest
+        last). ``token_ids`` (each block's tokens) and ``cache_salt`` (block 0's) only travel in the KV events.
+        ``chained`` False: ``hashes`` are separate hot blocks, not one chain (a hand-off or warm-up); their
+        events name no parent."""
+        for i, block in zip(reservation.positions, reservation.blocks, strict=True):
             prev = (hashes[i - 1] if i else parent) if chained else None
             tokens = token_ids[i] if token_ids is not None else ()
             self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if chained and prev is None else None)
-        self.pool.free(reversed(blocks))
+        self.release(reservation)
         self.flush_events()
-        return count
+        return self.local_depth(hashes[: reservation.count])
+
+    def release(self, reservation: Reservation) -> None:
+        """Give the reserved blocks back (between steps): committed ones stay cached, others are plain free."""
+        self.pool.free(reversed(reservation.blocks))
+        reservation.blocks = []

@@ -1,8 +1,9 @@
-"""The wire under KV transfers between replicas: length-prefixed frames, and the receiver's socket.
+"""The wire under KV transfers between replicas: length-prefixed frames over a non-blocking socket.
 
-The holder writes with asyncio streams (``send_frame``); the receiver (``Link``) reads straight into the
-caller's buffers with ``recv_into`` on a non-blocking socket: no intermediate bytes objects, about 4x
-asyncio streams' ``readexactly`` here (``benchmarks/results/kv_transfer.md``).
+Both ends use ``Link``: it reads straight into the caller's buffers (``recv_into``: no intermediate bytes
+objects, about 4x asyncio streams' ``readexactly`` here, ``benchmarks/results/kv_transfer.md``) and writes
+straight from them (``sendall``: asyncio's stream transport copies what the socket does not take at once into
+a buffer of its own); so the holder's chunk buffers can be reused once ``write`` returns.
 """
 
 from __future__ import annotations
@@ -20,18 +21,13 @@ MAX_FRAME = 1 << 22
 """Largest request or chunk header read (a request's hashes of ~250k blocks)."""
 
 
-def send_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
-    """Queue one length-prefixed frame on an asyncio stream."""
-    writer.write(LENGTH.pack(len(frame)) + frame)
-
-
 def probe_chain(n: int) -> list[BlockHash]:
     """Stand-in hashes of a probe's blocks: a chain no real block has (real ones are xxh3 digests)."""
     return [(i + 1).to_bytes(16, "little") for i in range(n)]
 
 
 class Link:
-    """The receiver's end of one transfer (or a request to a peer): a non-blocking socket."""
+    """One end of a transfer (or a request to a peer): a non-blocking socket."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.loop = sock, asyncio.get_running_loop()
@@ -48,11 +44,29 @@ class Link:
         except BaseException:
             sock.close()
             raise
+        return cls.over(sock)
+
+    @classmethod
+    def over(cls, sock: socket.socket) -> Link:
+        """A link over a connected socket (one a server accepted)."""
+        sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
 
+    @property
+    def peer(self) -> str:
+        try:
+            return str(self.sock.getpeername())
+        except OSError:
+            return "?"
+
     async def send(self, frame: bytes) -> None:
+        """One length-prefixed frame."""
         await self.loop.sock_sendall(self.sock, LENGTH.pack(len(frame)) + frame)
+
+    async def write(self, data) -> None:
+        """Raw bytes (any buffer); returns once the kernel has taken them all."""
+        await self.loop.sock_sendall(self.sock, data)
 
     async def read_into(self, view: memoryview) -> None:
         got = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 import uuid
 from collections import Counter
@@ -29,7 +30,7 @@ from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import EngineStats, KVFetch
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.async_llm import AsyncLLM
-from kvmesh.replica.kv_link import LENGTH, MAX_FRAME, Link, probe_chain, send_frame
+from kvmesh.replica.kv_link import Link, probe_chain
 from kvmesh.replica.kv_transfer import (
     END,
     PREFILLED,
@@ -49,6 +50,26 @@ CHUNK_BYTES = 16 << 20
 """Most bytes of blocks in one chunk: what the holder copies at once and the receiver checks at once."""
 RATE_WEIGHT = 0.3
 """Weight of the newest fetch in the moving average of the transfer rate routers are told."""
+
+
+class ChunkBuffers:
+    """Host buffers of one chunk each, reused from chunk to chunk and transfer to transfer: a fresh 16 MiB
+    tensor per chunk cost a page fault per 4 KiB on both sides, about a memory copy's worth of CPU. At most
+    ``keep`` idle ones are kept; ``take`` and ``give`` may be called from any thread."""
+
+    def __init__(self, blocks: int, block_bytes: int, keep: int = 4) -> None:
+        self.shape, self.keep = (blocks, block_bytes), keep
+        self._idle: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return torch.empty(self.shape, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if len(self._idle) < self.keep:
+            self._idle.append(buffer)
 
 
 @dataclass
@@ -110,11 +131,14 @@ class KVPeer:
         self.fingerprint = self.engine.kv_fingerprint
         self.block_bytes = self.exchange.blocks.block_bytes
         self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
+        self.buffers = ChunkBuffers(self.chunk_blocks, self.block_bytes)
         self.host, self.port, self.advertise = host, port, advertise or host
         self.stats = TransferStats()
         self.draining = False
         """Set once this replica hands its blocks off: it takes no peer's blocks any more."""
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._serving: set[asyncio.Task] = set()
 
     @property
     def address(self) -> str:
@@ -122,8 +146,13 @@ class KVPeer:
 
     async def start(self) -> str:
         """Listen for peers and measure a first transfer rate (``probe``); the address peers fetch from."""
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        family, both = (socket.AF_INET6, self.host == "::") if ":" in self.host else (socket.AF_INET, False)
+        self._listener = socket.create_server(
+            (self.host, self.port), family=family, backlog=64, dualstack_ipv6=both and socket.has_dualstack_ipv6()
+        )
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
         await self.probe()
         return self.address
 
@@ -169,8 +198,10 @@ class KVPeer:
 
     def stop(self) -> None:
         """Stop taking new transfers (those under way end when their connections do)."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._listener is not None:
+            self._listener.close()
 
     def with_transfers(self, stats: EngineStats) -> EngineStats:
         """``stats`` with this peer's transfer rate (tokens per second, for routers) and counters."""
@@ -190,35 +221,39 @@ class KVPeer:
         )
 
     # ------------------------------------------------------------------ the holder's side
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            task = loop.create_task(self._serve(Link.over(sock)))
+            self._serving.add(task)  # a reference, so the task is not collected mid-transfer
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, link: Link) -> None:
         try:
-            (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-            if size > MAX_FRAME:
-                raise ValueError(f"a {size}-byte request")
-            ask = json.loads(await reader.readexactly(size))
+            ask = json.loads(await link.frame())
             if bytes.fromhex(ask["fingerprint"]) != self.fingerprint:
-                send_frame(writer, refusal(self.fingerprint, "another model or cache layout"))
+                await link.send(refusal(self.fingerprint, "another model or cache layout"))
             elif "probe" in ask:
-                await self._send_zeros(writer, int(ask["probe"]))
+                await self._send_zeros(link, int(ask["probe"]))
             elif "hot" in ask:
                 hot = await self.llm.between_steps(lambda: self.engine.pool.hottest(int(ask["hot"])))
-                send_frame(writer, json.dumps([h.hex() for h in hot]).encode())
+                await link.send(json.dumps([h.hex() for h in hot]).encode())
             elif "take" in ask and self.draining:  # it is leaving too: the blocks must go to a survivor
-                send_frame(writer, json.dumps({"draining": True}).encode())
+                await link.send(json.dumps({"draining": True}).encode())
             elif "take" in ask:
                 took = await self.take(ask["take"]["address"], [bytes.fromhex(h) for h in ask["take"]["hashes"]])
-                send_frame(writer, json.dumps({"took": took}).encode())
+                await link.send(json.dumps({"took": took}).encode())
             else:
                 if "prefill" in ask:  # conditional disaggregation: compute the prompt here first
                     computed = await self._prefill(ask["prefill"]["tokens"], ask["prefill"].get("cache_salt"))
-                    send_frame(writer, prefilled_frame(self.fingerprint, computed))
+                    await link.send(prefilled_frame(self.fingerprint, computed))
                 parent = bytes.fromhex(ask["parent"]) if ask.get("parent") else None
-                await self._stream(writer, [bytes.fromhex(h) for h in ask["hashes"]], parent)
-            await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, ValueError, KeyError) as exc:
-            log.info("KV transfer to %s ended: %r", writer.get_extra_info("peername"), exc)
+                await self._stream(link, [bytes.fromhex(h) for h in ask["hashes"]], parent)
+        except (OSError, ValueError, KeyError) as exc:
+            log.info("KV transfer to %s ended: %r", link.peer, exc)
         finally:
-            writer.close()
+            link.close()
 
     async def _prefill(self, tokens: list[int], cache_salt: str | None) -> int:
         """Compute ``tokens``' KV into this engine's prefix cache (one greedy token, dropped) for a peer that
@@ -231,22 +266,22 @@ class KVPeer:
         self.stats.prefills += 1
         return len(tokens) - cached
 
-    async def _send_zeros(self, writer: asyncio.StreamWriter, blocks: int) -> None:
+    async def _send_zeros(self, link: Link, blocks: int) -> None:
         """A probe's answer: ``blocks`` zero blocks in chunks, then the end frame."""
         zeros = torch.zeros((min(blocks, self.chunk_blocks), self.block_bytes), dtype=torch.uint8)
         for start in range(0, blocks, len(zeros)):
             count = min(len(zeros), blocks - start)
             chain = probe_chain(count)
             head, payload = encode_chunk(self.fingerprint, chain, [None, *chain[:-1]], zeros[:count])
-            send_frame(writer, head)
-            writer.write(payload)
-            await writer.drain()
-        send_frame(writer, end_frame(self.fingerprint))
+            await link.send(head)
+            await link.write(payload)
+        await link.send(end_frame(self.fingerprint))
 
-    async def _stream(self, writer: asyncio.StreamWriter, hashes: list[BlockHash], parent: BlockHash | None) -> None:
-        """Pin the leading ``hashes`` held here, send them chunk by chunk (the next one copied while this one
-        drains: two chunks in memory at most), unpin them; then the end frame."""
+    async def _stream(self, link: Link, hashes: list[BlockHash], parent: BlockHash | None) -> None:
+        """Pin the leading ``hashes`` held here, send them chunk by chunk (the next one copied into a second
+        buffer while this one is sent), unpin them; then the end frame."""
         export = await self.llm.between_steps(lambda: self.exchange.pin(hashes))
+        buffers = [self.buffers.take(), self.buffers.take()]
         upcoming: asyncio.Future | None = None
         try:
             await asyncio.to_thread(export.ready.result)
@@ -255,7 +290,7 @@ class KVPeer:
             def frames(start: int) -> list:
                 end = min(start + self.chunk_blocks, len(held))
                 parents = [held[start - 1] if start else parent, *held[start : end - 1]]
-                payload = self.exchange.gather(export, start, end)
+                payload = self.exchange.gather(export, start, end, buffers[start // self.chunk_blocks % 2])
                 return encode_chunk(self.fingerprint, held[start:end], parents, payload)
 
             starts = range(0, len(held), self.chunk_blocks)
@@ -264,17 +299,18 @@ class KVPeer:
                 head, payload = await upcoming
                 if start + self.chunk_blocks < len(held):
                     upcoming = asyncio.ensure_future(asyncio.to_thread(frames, start + self.chunk_blocks))
-                send_frame(writer, head)
-                writer.write(payload)
-                await writer.drain()
+                await link.send(head)
+                await link.write(payload)
                 count = min(self.chunk_blocks, len(held) - start)
                 self.stats.served_blocks += count
                 self.stats.served_bytes += count * self.block_bytes
-            send_frame(writer, end_frame(self.fingerprint))
+            await link.send(end_frame(self.fingerprint))
         finally:
             if upcoming is not None and not upcoming.done():
                 await asyncio.wait([upcoming])  # its copy reads pinned blocks: done before they are unpinned
             await self.llm.between_steps(lambda: self.exchange.unpin(export))
+            for buffer in buffers:
+                self.buffers.give(buffer)
 
     # ------------------------------------------------------------------ the receiver's side
     async def fetch(
@@ -364,7 +400,8 @@ class KVPeer:
                 if status == PREFILLED:
                     progress.computed, progress.prefilled_at = count, time.perf_counter()
                     continue
-                payload = torch.empty((count, self.block_bytes), dtype=torch.uint8)
+                buffer = self.buffers.take()
+                payload = buffer[:count]
                 await link.read_into(memoryview(payload.numpy()).cast("B"))
                 try:
                     await asyncio.to_thread(check_chunk, rest, payload, wanted[first:], parent)
@@ -372,7 +409,7 @@ class KVPeer:
                 except TransferRejected as exc:
                     passed, failure = exc.passed, exc
                 await _settle(adopting, progress)
-                adopting = asyncio.ensure_future(self._adopt(wanted, first, passed, payload, parent, adoption))
+                adopting = asyncio.ensure_future(self._adopt(wanted, first, passed, buffer, parent, adoption))
                 if failure is not None:
                     raise failure
                 first += passed
@@ -386,24 +423,28 @@ class KVPeer:
         wanted: list[BlockHash],
         first: int,
         count: int,
-        payload: torch.Tensor,
+        buffer: torch.Tensor,
         parent: BlockHash | None,
         adoption: _Adoption,
     ) -> tuple[int, int]:
-        """Adopt ``count`` checked blocks ``wanted[first:]`` between two steps; how many were, of ``count``."""
+        """Adopt ``count`` checked blocks ``wanted[first:]`` (``buffer``'s leading rows): reserve blocks between
+        two steps, copy into them on a thread, commit them between two steps; how many were, of ``count``.
+        ``buffer`` goes back to the pool once copied."""
         if not count:
             return 0, 0
+        hashes = wanted[first : first + count]
+        reservation = await self.llm.between_steps(lambda: self.exchange.reserve(hashes))
+        try:
+            await asyncio.to_thread(self.exchange.fill, reservation, buffer)
+        except BaseException:
+            await self.llm.between_steps(lambda: self.exchange.release(reservation))
+            raise
+        self.buffers.give(buffer)
         size, ids = self.engine.block_size, adoption.token_ids
         tokens = [ids[i * size : (i + 1) * size] for i in range(first, first + count)] if ids is not None else None
-        hashes = wanted[first : first + count]
         held = await self.llm.between_steps(
-            lambda: self.exchange.adopt(
-                hashes,
-                parent,
-                payload[:count],
-                token_ids=tokens,
-                cache_salt=adoption.cache_salt,
-                chained=adoption.chained,
+            lambda: self.exchange.commit(
+                reservation, hashes, parent, token_ids=tokens, cache_salt=adoption.cache_salt, chained=adoption.chained
             )
         )
         return held, count

@@ -118,11 +118,19 @@ class BlockBytes:
             self.spans.append((offset, width, dtype))
             offset += width
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' bytes on the host, one row per block, in the disk tier's layout."""
+    def gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' bytes on the host, one row per block, in the disk tier's layout: ``out``'s leading rows
+        when given (a host buffer reused from chunk to chunk costs no page faults), else a new tensor. From a
+        CPU cache each tensor is gathered straight into its columns: one copy."""
         index = torch.tensor(block_ids, device=self.tensors[0].device)
-        rows = torch.cat([t.index_select(0, index).view(torch.uint8) for t in self.tensors], dim=1)
-        return rows.cpu()
+        if out is None:
+            out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
+        rows = out[: len(block_ids)]
+        if index.device.type != "cpu":
+            return rows.copy_(torch.cat([t.index_select(0, index).view(torch.uint8) for t in self.tensors], dim=1))
+        for t, (offset, width, dtype) in zip(self.tensors, self.spans, strict=True):
+            torch.index_select(t, 0, index, out=rows[:, offset : offset + width].view(dtype))
+        return rows
 
     def scatter(self, block_ids: list[int], payload: torch.Tensor) -> None:
         """Write ``payload``'s rows into the blocks ``block_ids``."""
