@@ -41,12 +41,13 @@ class Export:
 
 @dataclass
 class Reservation:
-    """Free device blocks taken for imported ones: ``positions`` (in the hashes reserved for) of those this
-    engine lacked, the ``blocks`` they go into, and ``count``: how many leading hashes it will then hold."""
+    """Free device blocks taken for imported ones: per hash reserved for, the block it goes into (None where
+    this engine held it, or once committed); ``len(slots)`` leading hashes fit."""
 
-    positions: list[int]
-    blocks: list[Block]
-    count: int
+    slots: list[Block | None]
+    ready: StepHandle
+    committed: int = 0
+    """Blocks before this one are committed."""
 
 
 def _marker() -> tuple[torch.Tensor, dict, None]:
@@ -126,27 +127,39 @@ class KVExchange:
 
     def reserve(self, hashes: list[BlockHash]) -> Reservation:
         """Free device blocks for those of the leading ``hashes`` this engine lacks, as many as fit (between
-        steps); ``release`` or ``commit`` them. Taking only free blocks, adopting never takes room a request
-        could have."""
+        steps); ``commit`` them as they are filled, ``release`` the rest. Taking only free blocks, adopting never
+        takes room a request could have. Write into them once ``ready``: a step launched before may still read
+        a block freed since."""
         room = self.pool.num_free
-        held, new = 0, []
-        for i, h in enumerate(hashes):
-            if self.pool.lookup(h) is not None:
-                held += 1
-            elif len(new) < room:
-                new.append(i)
-            else:
-                break
-        return Reservation(new, self.pool.allocate(len(new)) if new else [], held + len(new))
+        slots, new = [], []
+        for h in hashes:
+            if self.pool.lookup(h) is None:
+                if len(new) == room:
+                    break
+                new.append(len(slots))
+            slots.append(None)
+        blocks = self.pool.allocate(len(new)) if new else []
+        for i, block in zip(new, blocks, strict=True):
+            slots[i] = block
+        return Reservation(slots, ready=self.device.submit(_marker))
 
-    def fill(self, reservation: Reservation, payload: torch.Tensor) -> None:
-        """Copy the reserved blocks' rows of ``payload`` (one per hash reserved for) into them, after every step
-        launched before; returns once the copy is done (call it off the engine's thread)."""
-        if not reservation.blocks:
+    def landing(self, reservation: Reservation, start: int, end: int, scratch: torch.Tensor) -> list[list]:
+        """Where the blocks ``start:end`` of a reservation land on a ``direct`` cache: each reserved block's rows
+        in the cache, a row of ``scratch`` for one already held (its bytes are checked, then dropped)."""
+        rows = scratch.numpy()
+        slots = reservation.slots[start:end]
+        return [self.blocks.views(b.block_id) if b is not None else [rows[i]] for i, b in enumerate(slots)]
+
+    def fill(self, reservation: Reservation, start: int, payload: torch.Tensor) -> None:
+        """Copy ``payload``'s rows (blocks ``start:start+len(payload)`` of the reservation) into the blocks reserved
+        for them, after every step launched before (a cache that is not ``direct``); returns once copied (call
+        it off the engine's thread)."""
+        slots = reservation.slots[start : start + len(payload)]
+        rows = [i for i, b in enumerate(slots) if b is not None]
+        if not rows:
             return
-        positions = reservation.positions
-        rows = payload[: len(positions)] if positions[-1] == len(positions) - 1 else payload[positions]
-        ids = [b.block_id for b in reservation.blocks]
+        ids = [slots[i].block_id for i in rows]
+        rows = payload[: len(rows)] if rows[-1] == len(rows) - 1 else payload[rows]
 
         def copy_in() -> StepResult:
             self.blocks.scatter(ids, rows)
@@ -159,26 +172,35 @@ class KVExchange:
     def commit(
         self,
         reservation: Reservation,
+        end: int,
         hashes: list[BlockHash],
         parent: BlockHash | None,
         token_ids: list[list[int]] | None = None,
         cache_salt: str | None = None,
         chained: bool = True,
     ) -> int:
-        """Publish the filled blocks as cached prefix blocks continuing the chain after ``parent`` (between
-        steps); how many of the leading ``hashes`` this engine now holds. They stay free (evictable, freshest
-        last). ``token_ids`` (each block's tokens) and ``cache_salt`` (block 0's) only travel in the KV events.
-        ``chained`` False: ``hashes`` are separate hot blocks, not one chain (a hand-off or warm-up); their
-        events name no parent."""
-        for i, block in zip(reservation.positions, reservation.blocks, strict=True):
+        """Publish the filled blocks ``reservation.committed:end`` (``hashes`` are the reservation's) as cached
+        prefix blocks continuing the chain after ``parent`` (between steps); how many of the leading ``hashes``
+        this engine now holds. They stay free (evictable, freshest last). ``token_ids`` (each block's tokens)
+        and ``cache_salt`` (block 0's) only travel in the KV events. ``chained`` False: ``hashes`` are separate
+        hot blocks, not one chain (a hand-off or warm-up); their events name no parent."""
+        done = []
+        for i in range(reservation.committed, end):
+            block = reservation.slots[i]
+            if block is None:
+                continue
             prev = (hashes[i - 1] if i else parent) if chained else None
             tokens = token_ids[i] if token_ids is not None else ()
             self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if chained and prev is None else None)
-        self.release(reservation)
+            reservation.slots[i] = None
+            done.append(block)
+        reservation.committed = end
+        self.pool.free(reversed(done))
         self.flush_events()
-        return self.local_depth(hashes[: reservation.count])
+        return self.local_depth(hashes[:end])
 
     def release(self, reservation: Reservation) -> None:
-        """Give the reserved blocks back (between steps): committed ones stay cached, others are plain free."""
-        self.pool.free(reversed(reservation.blocks))
-        reservation.blocks = []
+        """Give back the blocks reserved and not committed (between steps): plain free blocks, no content."""
+        left = [b for b in reservation.slots if b is not None]
+        self.pool.free(reversed(left))
+        reservation.slots = [None] * len(reservation.slots)

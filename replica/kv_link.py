@@ -19,6 +19,8 @@ from kvmesh.replica.kv_transfer import TransferRejected
 LENGTH = struct.Struct("<I")
 MAX_FRAME = 1 << 22
 """Largest request or chunk header read (a request's hashes of ~250k blocks)."""
+IOV_MAX = 1024
+"""Most buffers one scattered read fills (Linux's limit)."""
 
 
 def probe_chain(n: int) -> list[BlockHash]:
@@ -75,6 +77,33 @@ class Link:
             if not n:
                 raise ConnectionResetError(f"the holder closed the transfer after {got} of {len(view)} bytes")
             got += n
+
+    async def read_into_views(self, views: list) -> None:
+        """Fill ``views`` (writable buffers) in order from the socket: scattered reads, many buffers per call."""
+        views = [memoryview(v).cast("B") for v in views]
+        i = 0
+        while i < len(views):
+            try:
+                n = self.sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            if not n:
+                raise ConnectionResetError(f"the holder closed the transfer with {len(views) - i} buffers to fill")
+            while n:
+                if n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                else:
+                    views[i], n = views[i][n:], 0
+
+    async def _readable(self) -> None:
+        ready = self.loop.create_future()
+        self.loop.add_reader(self.sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(self.sock.fileno())
 
     async def frame(self) -> bytes:
         """One length-prefixed frame."""

@@ -30,18 +30,23 @@ from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import EngineStats, KVFetch
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.async_llm import AsyncLLM
+from kvmesh.replica.kv_exchange import Reservation
 from kvmesh.replica.kv_link import Link, probe_chain
 from kvmesh.replica.kv_transfer import (
     END,
     PREFILLED,
     REFUSED,
+    BlockBytes,
     TransferRejected,
     check_chunk,
     encode_chunk,
     end_frame,
     parse_header,
     prefilled_frame,
+    read_entries,
     refusal,
+    row_digests,
+    verify,
 )
 
 log = logging.getLogger(__name__)
@@ -61,14 +66,17 @@ class ChunkBuffers:
         self.shape, self.keep = (blocks, block_bytes), keep
         self._idle: list[torch.Tensor] = []
 
-    def take(self) -> torch.Tensor:
+    def take(self, blocks: int = 0) -> torch.Tensor:
+        """A buffer of at least ``blocks`` rows (a chunk's by default; a peer may send larger chunks)."""
+        if blocks > self.shape[0]:
+            return torch.empty((blocks, self.shape[1]), dtype=torch.uint8)
         try:
             return self._idle.pop()
         except IndexError:
             return torch.empty(self.shape, dtype=torch.uint8)
 
     def give(self, buffer: torch.Tensor) -> None:
-        if len(self._idle) < self.keep:
+        if buffer.shape == self.shape and len(self._idle) < self.keep:
             self._idle.append(buffer)
 
 
@@ -378,19 +386,36 @@ class KVPeer:
         progress: _Progress,
         adoption: _Adoption,
     ) -> None:
-        """Fetch ``wanted[start:]`` and adopt each checked chunk, counting in ``progress`` (it outlives a failure
-        part-way)."""
+        """Reserve free blocks for ``wanted[start:]`` (as many as fit), fetch those and adopt each checked chunk,
+        counting in ``progress`` (it outlives a failure part-way); what is not committed is released."""
+        reservation = await self.llm.between_steps(lambda: self.exchange.reserve(wanted[start:]))
+        try:
+            fits = len(reservation.slots)
+            if fits:
+                await asyncio.to_thread(reservation.ready.result)
+                hashes, ids, size = wanted[start : start + fits], adoption.token_ids, self.engine.block_size
+                tokens = None if ids is None else [ids[i * size : (i + 1) * size] for i in range(start, start + fits)]
+                landing = _Landing(reservation, hashes, wanted[start - 1] if start else None, tokens)
+                await self._receive(address, landing, progress, adoption)
+            if start + fits < len(wanted):
+                raise TransferRejected("no_room", f"{len(wanted) - start - fits} blocks found no free KV block")
+        finally:
+            await self.llm.between_steps(lambda: self.exchange.release(reservation))
+
+    async def _receive(self, address: str, landing: _Landing, progress: _Progress, adoption: _Adoption) -> None:
+        """Ask the holder for ``landing``'s blocks and receive them chunk by chunk, each straight into its
+        reserved blocks on a ``direct`` cache (else into a buffer copied in after the check); a chunk is
+        checked and committed while the next one arrives."""
         link = await Link.open(address)
         progress.connected = True
         adopting: asyncio.Task | None = None  # the previous chunk's adoption, while this one arrives
         try:
-            parent = wanted[start - 1] if start else None
-            ask = {"fingerprint": self.fingerprint.hex(), "hashes": [h.hex() for h in wanted[start:]]}
-            ask["parent"] = parent.hex() if parent else None
+            ask = {"fingerprint": self.fingerprint.hex(), "hashes": [h.hex() for h in landing.hashes]}
+            ask["parent"] = landing.parent.hex() if landing.parent else None
             if adoption.prefill:
                 ask["prefill"] = {"tokens": adoption.token_ids, "cache_salt": adoption.cache_salt}
             await link.send(json.dumps(ask).encode())
-            first = start
+            first = 0
             while True:
                 status, count, rest = parse_header(await link.frame(), self.fingerprint, self.block_bytes)
                 if status == END:
@@ -400,61 +425,90 @@ class KVPeer:
                 if status == PREFILLED:
                     progress.computed, progress.prefilled_at = count, time.perf_counter()
                     continue
-                buffer = self.buffers.take()
-                payload = buffer[:count]
-                await link.read_into(memoryview(payload.numpy()).cast("B"))
-                try:
-                    await asyncio.to_thread(check_chunk, rest, payload, wanted[first:], parent)
-                    passed, failure = count, None
-                except TransferRejected as exc:
-                    passed, failure = exc.passed, exc
+                parent = landing.hashes[first - 1] if first else landing.parent
+                checksums, chained = read_entries(rest, count, landing.hashes[first:], parent)
+                buffer = self.buffers.take(count)
+                if self.exchange.blocks.direct:
+                    blocks = self.exchange.landing(landing.reservation, first, first + count, buffer)
+                    await link.read_into_views([v for block in blocks for v in block])
+                else:
+                    blocks = buffer[:count]
+                    await link.read_into(memoryview(blocks.numpy()).cast("B"))
                 await _settle(adopting, progress)
-                adopting = asyncio.ensure_future(self._adopt(wanted, first, passed, buffer, parent, adoption))
-                if failure is not None:
-                    raise failure
-                first += passed
-                parent = wanted[first - 1]
+                chunk = _Chunk(first, count, checksums, chained, blocks, buffer)
+                adopting = asyncio.ensure_future(self._adopt(landing, chunk, adoption))
+                first += count
         finally:
             link.close()
             await _settle(adopting, progress)
 
     async def _adopt(
-        self,
-        wanted: list[BlockHash],
-        first: int,
-        count: int,
-        buffer: torch.Tensor,
-        parent: BlockHash | None,
-        adoption: _Adoption,
-    ) -> tuple[int, int]:
-        """Adopt ``count`` checked blocks ``wanted[first:]`` (``buffer``'s leading rows): reserve blocks between
-        two steps, copy into them on a thread, commit them between two steps; how many were, of ``count``.
-        ``buffer`` goes back to the pool once copied."""
-        if not count:
-            return 0, 0
-        hashes = wanted[first : first + count]
-        reservation = await self.llm.between_steps(lambda: self.exchange.reserve(hashes))
+        self, landing: _Landing, chunk: _Chunk, adoption: _Adoption
+    ) -> tuple[int, TransferRejected | None]:
+        """Check a received chunk, copy it into its reserved blocks (a cache that is not ``direct``) and commit
+        the blocks that passed (between two steps); the leading blocks of ``landing`` then held, and the
+        failure that ends the transfer, if any."""
+        digests = await asyncio.to_thread(chunk.digests)
         try:
-            await asyncio.to_thread(self.exchange.fill, reservation, buffer)
-        except BaseException:
-            await self.llm.between_steps(lambda: self.exchange.release(reservation))
-            raise
-        self.buffers.give(buffer)
-        size, ids = self.engine.block_size, adoption.token_ids
-        tokens = [ids[i * size : (i + 1) * size] for i in range(first, first + count)] if ids is not None else None
+            verify(chunk.checksums, digests, chunk.chained)
+            passed, failure = chunk.count, None
+        except TransferRejected as exc:
+            passed, failure = exc.passed, exc
+        if passed and not self.exchange.blocks.direct:
+            await asyncio.to_thread(self.exchange.fill, landing.reservation, chunk.first, chunk.blocks[:passed])
+        self.buffers.give(chunk.buffer)
+        end = chunk.first + passed
         held = await self.llm.between_steps(
             lambda: self.exchange.commit(
-                reservation, hashes, parent, token_ids=tokens, cache_salt=adoption.cache_salt, chained=adoption.chained
+                landing.reservation,
+                end,
+                landing.hashes,
+                landing.parent,
+                token_ids=landing.tokens,
+                cache_salt=adoption.cache_salt,
+                chained=adoption.chained,
             )
         )
-        return held, count
+        if failure is None and held < end:
+            failure = TransferRejected("no_room", f"{end - held} blocks were evicted before they could be adopted")
+        return held, failure
+
+
+@dataclass
+class _Landing:
+    """Where a fetch's blocks go: the reservation for ``hashes`` (blocks after ``parent`` in the prompt's chain),
+    and each block's ``tokens`` (for the KV events; None where the prompt's are not known)."""
+
+    reservation: Reservation
+    hashes: list[BlockHash]
+    parent: BlockHash | None
+    tokens: list[list[int]] | None
+
+
+@dataclass
+class _Chunk:
+    """A received chunk: blocks ``first:first+count`` of its landing, their checksums and chained count
+    (``read_entries``), and their bytes: ``blocks`` (per block its views on a ``direct`` cache, else the rows
+    of ``buffer``)."""
+
+    first: int
+    count: int
+    checksums: list[int]
+    chained: int
+    blocks: Any
+    buffer: torch.Tensor
+
+    def digests(self) -> list[int]:
+        if isinstance(self.blocks, torch.Tensor):
+            return row_digests(self.blocks)
+        return [BlockBytes.digest(views) for views in self.blocks]
 
 
 async def _settle(adopting: asyncio.Task | None, progress: _Progress) -> None:
-    """Wait for a chunk's adoption and count it; ``no_room`` if the pool took fewer blocks than passed."""
+    """Wait for a chunk's adoption, count what is held, raise its failure."""
     if adopting is None:
         return
-    held, passed = await adopting
-    progress.blocks += held
-    if held < passed:
-        raise TransferRejected("no_room", f"{passed - held} blocks found no free KV block")
+    held, failure = await adopting
+    progress.blocks = held
+    if failure is not None:
+        raise failure

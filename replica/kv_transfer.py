@@ -80,31 +80,57 @@ def parse_header(head: bytes, fingerprint: bytes, block_bytes: int) -> tuple[int
     return status, count, head[CHUNK.size :]
 
 
-def check_chunk(entries: bytes, payload: torch.Tensor, expected: list[BlockHash], parent: BlockHash | None) -> None:
-    """Check every block of a chunk: each must be the hash ``expected`` names at its position, follow its parent
-    (``parent`` for the first) and match its checksum. Raises ``TransferRejected`` at the first that does not,
-    with the count of those before it that passed."""
-    count = len(entries) // ENTRY.size
-    if count * ENTRY.size != len(entries) or payload.shape[0] != count or count > len(expected):
-        raise TransferRejected("malformed", f"{count} entries for {payload.shape[0]} blocks of {len(expected)} asked")
-    rows = payload.numpy()
+def read_entries(
+    entries: bytes, count: int, expected: list[BlockHash], parent: BlockHash | None
+) -> tuple[list[int], int]:
+    """A chunk's per-block checksums, and how many of its leading blocks are the hashes ``expected`` names at
+    their positions, each following its parent (``parent`` for the first): checked before its bytes arrive."""
+    if len(entries) != count * ENTRY.size or count > len(expected):
+        raise TransferRejected("malformed", f"{len(entries)} bytes of entries for {count} blocks of {len(expected)}")
+    checksums, chained = [], count
     for i in range(count):
         h, p, checksum = ENTRY.unpack_from(entries, i * ENTRY.size)
-        if h != expected[i] or (p if p != NO_PARENT else None) != parent:
-            raise TransferRejected("wrong_chain", f"block {i} is not the one asked for at its position", i)
-        if xxhash.xxh3_64_intdigest(rows[i]) != checksum:
-            raise TransferRejected("corrupt", f"block {i} fails its checksum", i)
+        if chained == count and (h != expected[i] or (p if p != NO_PARENT else None) != parent):
+            chained = i
+        checksums.append(checksum)
         parent = h
+    return checksums, chained
+
+
+def verify(checksums: list[int], digests: list[int], chained: int) -> None:
+    """Raise ``TransferRejected`` at a chunk's first block that fails a check: its checksum (``digests``: its
+    bytes' xxh3_64), or its place in the chain (from ``chained`` on); with the count that passed before it."""
+    for i, (want, got) in enumerate(zip(checksums[:chained], digests, strict=False)):
+        if want != got:
+            raise TransferRejected("corrupt", f"block {i} fails its checksum", i)
+    if chained < len(checksums):
+        raise TransferRejected("wrong_chain", f"block {chained} is not the one asked for at its position", chained)
+
+
+def row_digests(payload: torch.Tensor) -> list[int]:
+    """xxh3_64 of each row of ``payload`` (``[n, block_bytes]`` uint8 on the host)."""
+    return [xxhash.xxh3_64_intdigest(r) for r in payload.numpy()]
+
+
+def check_chunk(entries: bytes, payload: torch.Tensor, expected: list[BlockHash], parent: BlockHash | None) -> None:
+    """Check every block of a chunk received into ``payload``: each must be the hash ``expected`` names at its
+    position, follow its parent (``parent`` for the first) and match its checksum (``TransferRejected`` at
+    the first that does not, with the count of those before it that passed)."""
+    checksums, chained = read_entries(entries, payload.shape[0], expected, parent)
+    verify(checksums, row_digests(payload), chained)
 
 
 class BlockBytes:
     """Batches of blocks between a runner's device cache and host bytes (``[n, block_bytes]`` uint8).
 
     Each cache tensor is moved as the widest integer type that tiles its row (int64 for most): torch's
-    gathers and scatters go element by element, several times faster on 8-byte elements than on bytes."""
+    gathers and scatters go element by element, several times faster on 8-byte elements than on bytes.
+    A cache in host memory is also ``direct``: a block's bytes are its rows in each tensor (``views``), which a
+    socket can read into with no copy after it."""
 
     def __init__(self, kv_caches: list[LayerCache]) -> None:
-        rows = [as_bytes(t).view(torch.uint8).flatten(1) for layer in kv_caches for t in layer.per_block()]
+        cache = [t for layer in kv_caches for t in layer.per_block()]
+        rows = [as_bytes(t).view(torch.uint8).flatten(1) for t in cache]
         self.block_bytes = sum(r.shape[1] for r in rows)
         self.spans: list[tuple[int, int, torch.dtype]] = []
         """Per tensor: its bytes' offset and width in a block's row, and the type it moves as."""
@@ -117,6 +143,21 @@ class BlockBytes:
             self.tensors.append(row.view(dtype))
             self.spans.append((offset, width, dtype))
             offset += width
+        views = all(r.data_ptr() == t.data_ptr() and r.is_contiguous() for r, t in zip(rows, cache, strict=True))
+        self.direct = rows[0].device.type == "cpu" and views
+        self._host_rows = [r.numpy() for r in rows] if self.direct else []
+
+    def views(self, block_id: int) -> list:
+        """A host cache's block as its rows in each tensor (writable arrays), in the wire's order."""
+        return [rows[block_id] for rows in self._host_rows]
+
+    @staticmethod
+    def digest(views: list) -> int:
+        """xxh3_64 of a block's bytes given as ``views``: the same as of its bytes in one row."""
+        h = xxhash.xxh3_64()
+        for v in views:
+            h.update(v)
+        return h.intdigest()
 
     def gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks' bytes on the host, one row per block, in the disk tier's layout: ``out``'s leading rows

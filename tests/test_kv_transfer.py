@@ -180,6 +180,36 @@ def test_fetched_prefix_gives_the_tokens_of_a_local_prefill(engines):
     assert cached > 200 and warm == cold
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_blocks_land_whole_whatever_the_path_chunking_or_holes(engines, direct):
+    """Hot blocks taken in reverse chain order, the receiver already holding the last five (holes: their bytes
+    land in a scratch row), from a holder whose chunks are four times the receiver's: every block arrives byte
+    for byte, received straight into the cache (``direct``: a host cache) or staged in a buffer (a GPU's)."""
+    holder, receiver = engines("auto")
+    blocks = receiver.engine.exchange.blocks
+
+    async def run():
+        await holder.reset_prefix_cache()
+        await receiver.reset_prefix_cache()
+        hp = KVPeer(holder, chunk_bytes=4 * blocks.block_bytes)
+        rp = KVPeer(receiver, chunk_bytes=blocks.block_bytes)
+        await hp.start()
+        await _generate(holder)
+        await _generate(receiver, PROMPT[:81])  # holds the first five blocks
+        hashes = _plan(receiver, "")[1][:18][::-1]
+        took = await rp.take(hp.address, hashes)
+        hp.stop()
+        return hashes, took, rp.stats
+
+    was, blocks.direct = blocks.direct, direct
+    try:
+        hashes, took, stats = asyncio.run(run())
+    finally:
+        blocks.direct = was
+    assert took == 18 and not stats.fallbacks and stats.fetched_blocks == 18
+    assert torch.equal(_block_bytes(receiver, hashes), _block_bytes(holder, hashes))
+
+
 class Tamper:
     """A TCP relay between a receiver and a holder that damages what the holder sends: flips the byte at
     ``flip`` or ends the stream after ``cut`` bytes. A stand-in for a faulty network, not for a component."""
