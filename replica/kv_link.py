@@ -13,6 +13,8 @@ import socket
 import struct
 from urllib.parse import urlsplit
 
+import torch
+
 from kvmesh.core.hashing import BlockHash
 from kvmesh.replica.kv_transfer import TransferRejected
 
@@ -118,3 +120,26 @@ class Link:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class ChunkBuffers:
+    """Host buffers of one chunk each, reused from chunk to chunk and transfer to transfer: a fresh 16 MiB
+    tensor per chunk cost a page fault per 4 KiB on both sides, about a memory copy's worth of CPU. At most
+    ``keep`` idle ones are kept; ``take`` and ``give`` may be called from any thread."""
+
+    def __init__(self, blocks: int, block_bytes: int, keep: int = 4) -> None:
+        self.shape, self.keep = (blocks, block_bytes), keep
+        self._idle: list[torch.Tensor] = []
+
+    def take(self, blocks: int = 0) -> torch.Tensor:
+        """A buffer of at least ``blocks`` rows (a chunk's by default; a peer may send larger chunks)."""
+        if blocks > self.shape[0]:
+            return torch.empty((blocks, self.shape[1]), dtype=torch.uint8)
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return torch.empty(self.shape, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if buffer.shape == self.shape and len(self._idle) < self.keep:
+            self._idle.append(buffer)

@@ -1,15 +1,14 @@
 """Prefix blocks between replicas over TCP: each replica serves its cached blocks and fetches a peer's.
 
-A fetch is one connection: the receiver sends the chained hashes it wants (those of its own prompt it lacks,
-``KVFetch`` from the router), the holder pins the leading ones it holds between two steps, copies them off
-its engine thread and streams them in chunks of at most ``chunk_bytes`` (``replica/kv_transfer.py``'s
-format); TCP's flow control bounds what is in flight to a chunk and the sockets' buffers. The receiver checks
-each chunk (fingerprint, chain, checksums) and adopts what passed between two of its steps, so a failure
-part-way keeps what came before it. Whatever goes wrong (unreachable, too slow, refused, corrupt, foreign,
-the holder gone mid-transfer, no room) ends the fetch with a counted fallback: the request then recomputes
-what it lacks, with no error to its client. Plain TCP (``replica/kv_link.py``), not ZMQ or NIXL: the
-measurement that chose it is in ``benchmarks/results/kv_transfer.md``. Scaling rides on the same server
-(``hot``, ``take``: ``replica/kv_scaling.py``).
+A fetch is one connection: the receiver (``replica/kv_receive.py``) reserves room, sends the chained hashes it
+wants (those of its own prompt it lacks, ``KVFetch`` from the router), the holder pins the leading ones it
+holds between two steps, copies them off its engine thread and streams them in chunks of at most
+``chunk_bytes`` (``replica/kv_transfer.py``'s format); TCP's flow control bounds what is in flight to a chunk
+and the sockets' buffers. Whatever goes wrong (unreachable, too slow, refused, corrupt, foreign, the holder
+gone mid-transfer, no room) ends the fetch with a counted fallback: the request then recomputes what it
+lacks, with no error to its client. Plain TCP (``replica/kv_link.py``), not ZMQ or NIXL: the measurement that
+chose it is in ``benchmarks/results/kv_transfer.md``. Scaling rides on the same server (``hot``, ``take``:
+``replica/kv_scaling.py``).
 """
 
 from __future__ import annotations
@@ -30,23 +29,17 @@ from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import EngineStats, KVFetch
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.async_llm import AsyncLLM
-from kvmesh.replica.kv_exchange import Reservation
-from kvmesh.replica.kv_link import Link, probe_chain
+from kvmesh.replica.kv_link import ChunkBuffers, Link, probe_chain
+from kvmesh.replica.kv_receive import Adoption, Progress, Receiver
 from kvmesh.replica.kv_transfer import (
     END,
-    PREFILLED,
-    REFUSED,
-    BlockBytes,
     TransferRejected,
     check_chunk,
     encode_chunk,
     end_frame,
     parse_header,
     prefilled_frame,
-    read_entries,
     refusal,
-    row_digests,
-    verify,
 )
 
 log = logging.getLogger(__name__)
@@ -55,29 +48,6 @@ CHUNK_BYTES = 16 << 20
 """Most bytes of blocks in one chunk: what the holder copies at once and the receiver checks at once."""
 RATE_WEIGHT = 0.3
 """Weight of the newest fetch in the moving average of the transfer rate routers are told."""
-
-
-class ChunkBuffers:
-    """Host buffers of one chunk each, reused from chunk to chunk and transfer to transfer: a fresh 16 MiB
-    tensor per chunk cost a page fault per 4 KiB on both sides, about a memory copy's worth of CPU. At most
-    ``keep`` idle ones are kept; ``take`` and ``give`` may be called from any thread."""
-
-    def __init__(self, blocks: int, block_bytes: int, keep: int = 4) -> None:
-        self.shape, self.keep = (blocks, block_bytes), keep
-        self._idle: list[torch.Tensor] = []
-
-    def take(self, blocks: int = 0) -> torch.Tensor:
-        """A buffer of at least ``blocks`` rows (a chunk's by default; a peer may send larger chunks)."""
-        if blocks > self.shape[0]:
-            return torch.empty((blocks, self.shape[1]), dtype=torch.uint8)
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return torch.empty(self.shape, dtype=torch.uint8)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        if buffer.shape == self.shape and len(self._idle) < self.keep:
-            self._idle.append(buffer)
 
 
 @dataclass
@@ -95,30 +65,6 @@ class TransferStats:
     fallbacks: Counter[str] = field(default_factory=Counter)
     bytes_s: float | None = None
     """Moving average of the fetch rate (bytes per second of blocks adopted); None before any."""
-
-
-@dataclass
-class _Adoption:
-    """What a fetch's blocks are adopted with: the prompt's tokens and salt (for the KV events), whether they
-    form one chain."""
-
-    token_ids: list[int] | None
-    cache_salt: str | None
-    chained: bool
-    prefill: bool = False
-    """The holder computes the prompt (``token_ids``) first."""
-
-
-@dataclass
-class _Progress:
-    """How far a fetch got: connected to the holder, and blocks adopted."""
-
-    connected: bool = False
-    blocks: int = 0
-    computed: int = 0
-    """Prompt tokens the holder computed for this fetch (a prefill asked for), not cache hits there."""
-    prefilled_at: float | None = None
-    """When the holder said its prefill was done: the transfer's own time starts there."""
 
 
 class KVPeer:
@@ -140,6 +86,7 @@ class KVPeer:
         self.block_bytes = self.exchange.blocks.block_bytes
         self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
         self.buffers = ChunkBuffers(self.chunk_blocks, self.block_bytes)
+        self.receiver = Receiver(llm, self.buffers)
         self.host, self.port, self.advertise = host, port, advertise or host
         self.stats = TransferStats()
         self.draining = False
@@ -335,7 +282,7 @@ class KVPeer:
         them, for at most ``timeout_s``; how many leading blocks this engine then holds. Never raises for the
         transfer: a failure is counted under its reason and the rest is recomputed by the request.
         ``chained`` False: separate hot blocks, not a prompt's chain (``take``)."""
-        adoption = _Adoption(token_ids, cache_salt, chained)
+        adoption = Adoption(token_ids, cache_salt, chained)
         return (await self._fetch(plan, hashes, adoption, timeout_s))[0]
 
     async def fetch_prefilled(
@@ -344,20 +291,20 @@ class KVPeer:
         """``fetch`` with the holder computing the prompt ``token_ids`` first (conditional disaggregation): how
         many prompt tokens the holder computed for it (its cache hits excluded: the request's usage counts
         those as cached; 0 if the prefill did not complete)."""
-        return (await self._fetch(plan, hashes, _Adoption(token_ids, cache_salt, True, prefill=True), timeout_s))[1]
+        return (await self._fetch(plan, hashes, Adoption(token_ids, cache_salt, True, prefill=True), timeout_s))[1]
 
     async def _fetch(
-        self, plan: KVFetch, hashes: list[BlockHash], adoption: _Adoption, timeout_s: float
+        self, plan: KVFetch, hashes: list[BlockHash], adoption: Adoption, timeout_s: float
     ) -> tuple[int, int]:
         wanted = hashes[: plan.num_blocks]
         start = self.exchange.local_depth(wanted)
         if start >= len(wanted):
             return start, 0
-        stats, began, progress = self.stats, time.perf_counter(), _Progress()
+        stats, began, progress = self.stats, time.perf_counter(), Progress()
         stats.fetches += 1
         try:
             async with asyncio.timeout(timeout_s):
-                await self._pull(plan.address, wanted, start, progress, adoption)
+                await self.receiver.pull(plan.address, wanted, start, progress, adoption)
         except TransferRejected as exc:
             self._fell_back(exc.reason, plan, exc)
         except TimeoutError as exc:
@@ -377,138 +324,3 @@ class KVPeer:
     def _fell_back(self, reason: str, plan: KVFetch, exc: BaseException) -> None:
         self.stats.fallbacks[reason] += 1
         log.info("KV fetch from %s (%s) fell back to recompute: %s: %r", plan.holder, plan.address, reason, exc)
-
-    async def _pull(
-        self,
-        address: str,
-        wanted: list[BlockHash],
-        start: int,
-        progress: _Progress,
-        adoption: _Adoption,
-    ) -> None:
-        """Reserve free blocks for ``wanted[start:]`` (as many as fit), fetch those and adopt each checked chunk,
-        counting in ``progress`` (it outlives a failure part-way); what is not committed is released."""
-        reservation = await self.llm.between_steps(lambda: self.exchange.reserve(wanted[start:]))
-        try:
-            fits = len(reservation.slots)
-            if fits:
-                await asyncio.to_thread(reservation.ready.result)
-                hashes, ids, size = wanted[start : start + fits], adoption.token_ids, self.engine.block_size
-                tokens = None if ids is None else [ids[i * size : (i + 1) * size] for i in range(start, start + fits)]
-                landing = _Landing(reservation, hashes, wanted[start - 1] if start else None, tokens)
-                await self._receive(address, landing, progress, adoption)
-            if start + fits < len(wanted):
-                raise TransferRejected("no_room", f"{len(wanted) - start - fits} blocks found no free KV block")
-        finally:
-            await self.llm.between_steps(lambda: self.exchange.release(reservation))
-
-    async def _receive(self, address: str, landing: _Landing, progress: _Progress, adoption: _Adoption) -> None:
-        """Ask the holder for ``landing``'s blocks and receive them chunk by chunk, each straight into its
-        reserved blocks on a ``direct`` cache (else into a buffer copied in after the check); a chunk is
-        checked and committed while the next one arrives."""
-        link = await Link.open(address)
-        progress.connected = True
-        adopting: asyncio.Task | None = None  # the previous chunk's adoption, while this one arrives
-        try:
-            ask = {"fingerprint": self.fingerprint.hex(), "hashes": [h.hex() for h in landing.hashes]}
-            ask["parent"] = landing.parent.hex() if landing.parent else None
-            if adoption.prefill:
-                ask["prefill"] = {"tokens": adoption.token_ids, "cache_salt": adoption.cache_salt}
-            await link.send(json.dumps(ask).encode())
-            first = 0
-            while True:
-                status, count, rest = parse_header(await link.frame(), self.fingerprint, self.block_bytes)
-                if status == END:
-                    return
-                if status == REFUSED:
-                    raise TransferRejected("refused", rest.decode(errors="replace"))
-                if status == PREFILLED:
-                    progress.computed, progress.prefilled_at = count, time.perf_counter()
-                    continue
-                parent = landing.hashes[first - 1] if first else landing.parent
-                checksums, chained = read_entries(rest, count, landing.hashes[first:], parent)
-                buffer = self.buffers.take(count)
-                if self.exchange.blocks.direct:
-                    blocks = self.exchange.landing(landing.reservation, first, first + count, buffer)
-                    await link.read_into_views([v for block in blocks for v in block])
-                else:
-                    blocks = buffer[:count]
-                    await link.read_into(memoryview(blocks.numpy()).cast("B"))
-                await _settle(adopting, progress)
-                chunk = _Chunk(first, count, checksums, chained, blocks, buffer)
-                adopting = asyncio.ensure_future(self._adopt(landing, chunk, adoption))
-                first += count
-        finally:
-            link.close()
-            await _settle(adopting, progress)
-
-    async def _adopt(
-        self, landing: _Landing, chunk: _Chunk, adoption: _Adoption
-    ) -> tuple[int, TransferRejected | None]:
-        """Check a received chunk, copy it into its reserved blocks (a cache that is not ``direct``) and commit
-        the blocks that passed (between two steps); the leading blocks of ``landing`` then held, and the
-        failure that ends the transfer, if any."""
-        digests = await asyncio.to_thread(chunk.digests)
-        try:
-            verify(chunk.checksums, digests, chunk.chained)
-            passed, failure = chunk.count, None
-        except TransferRejected as exc:
-            passed, failure = exc.passed, exc
-        if passed and not self.exchange.blocks.direct:
-            await asyncio.to_thread(self.exchange.fill, landing.reservation, chunk.first, chunk.blocks[:passed])
-        self.buffers.give(chunk.buffer)
-        end = chunk.first + passed
-        held = await self.llm.between_steps(
-            lambda: self.exchange.commit(
-                landing.reservation,
-                end,
-                landing.hashes,
-                landing.parent,
-                token_ids=landing.tokens,
-                cache_salt=adoption.cache_salt,
-                chained=adoption.chained,
-            )
-        )
-        if failure is None and held < end:
-            failure = TransferRejected("no_room", f"{end - held} blocks were evicted before they could be adopted")
-        return held, failure
-
-
-@dataclass
-class _Landing:
-    """Where a fetch's blocks go: the reservation for ``hashes`` (blocks after ``parent`` in the prompt's chain),
-    and each block's ``tokens`` (for the KV events; None where the prompt's are not known)."""
-
-    reservation: Reservation
-    hashes: list[BlockHash]
-    parent: BlockHash | None
-    tokens: list[list[int]] | None
-
-
-@dataclass
-class _Chunk:
-    """A received chunk: blocks ``first:first+count`` of its landing, their checksums and chained count
-    (``read_entries``), and their bytes: ``blocks`` (per block its views on a ``direct`` cache, else the rows
-    of ``buffer``)."""
-
-    first: int
-    count: int
-    checksums: list[int]
-    chained: int
-    blocks: Any
-    buffer: torch.Tensor
-
-    def digests(self) -> list[int]:
-        if isinstance(self.blocks, torch.Tensor):
-            return row_digests(self.blocks)
-        return [BlockBytes.digest(views) for views in self.blocks]
-
-
-async def _settle(adopting: asyncio.Task | None, progress: _Progress) -> None:
-    """Wait for a chunk's adoption, count what is held, raise its failure."""
-    if adopting is None:
-        return
-    held, failure = await adopting
-    progress.blocks = held
-    if failure is not None:
-        raise failure

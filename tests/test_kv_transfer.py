@@ -343,7 +343,7 @@ def test_holder_process_killed_mid_transfer(smollm_dir, tmp_path):
             cold, _ = await _generate(receiver, LONG)
             await receiver.reset_prefix_cache()
             peer = KVPeer(receiver)
-            adopt = peer._adopt
+            adopt = peer.receiver._adopt
 
             async def adopt_then_kill(*args):
                 held = await adopt(*args)
@@ -352,7 +352,7 @@ def test_holder_process_killed_mid_transfer(smollm_dir, tmp_path):
                     holder.proc.wait()
                 return held
 
-            peer._adopt = adopt_then_kill
+            peer.receiver._adopt = adopt_then_kill
             held = await peer.fetch(*_plan(receiver, address, LONG), token_ids=LONG, timeout_s=120)
             warm, cached = await _generate(receiver, LONG)
             return cold, held, warm, cached, peer.stats
