@@ -72,6 +72,16 @@ class EngineConfig:
     work overlaps it. Off by default: the two threads contend for the GIL, which costs more than it saves
     unless a step's forward pass is long next to the host's work (``benchmarks/results/README.md``)."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters of the model beside it (``replica/lora.py``): ``lora_modules`` at start, more loaded
+    while running (``LLMEngine.load_lora``); a request names one as its model."""
+    lora_modules: dict[str, str] | None = None
+    """Adapters to load at start: name -> PEFT directory."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted."""
+    max_cpu_loras: int = 8
+    """Adapters whose weights are kept in memory (the least recently used are read again when next used)."""
+
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             dtypes = ", ".join(KV_CACHE_DTYPES)
@@ -98,5 +108,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive (or unset for the default), got {value}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 1:
+            raise ValueError("max_lora_rank and max_cpu_loras must be positive")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
         if self.cuda_graph_sizes is not None and not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes}")

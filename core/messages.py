@@ -44,6 +44,9 @@ class GenerateCall:
     """Validated when built; the replica checks them again (a call may come from any handle user)."""
     session_id: str | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter the request runs on (the ``model`` it named); None: the base model. Part of its
+    block hashes, as the cache salt is."""
     fetches: dict[str, KVFetch] | None = None
     """Per candidate replica (index id), the prefix blocks it should pull from a peer before prefilling, as
     the router priced them; written by the router on the handle, read by the replica that runs the call."""

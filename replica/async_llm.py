@@ -37,6 +37,7 @@ class _Add:
     params: SamplingParams | None
     cache_salt: str | None
     block_hashes: list[BlockHash] | None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -75,11 +76,13 @@ class AsyncLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs, one per sequence per step; leaving the iteration early aborts the
-        request. With ``params.n > 1`` the sequences' outputs interleave (``RequestOutput.index``) and the
-        stream ends once all ``n`` have finished. Raises ``InvalidRequest`` for a request the engine refuses
-        and ``RequestFailed`` if its data made a step fail (other requests carry on)."""
+        request. ``lora_name``: the LoRA adapter it runs on (None: the base model). With ``params.n > 1`` the
+        sequences' outputs interleave (``RequestOutput.index``) and the stream ends once all ``n`` have finished.
+        Raises ``InvalidRequest`` for a request the engine refuses and ``RequestFailed`` if its data made a step
+        fail (other requests carry on)."""
         request_id = request_id or f"async-{next(self._ids)}"
         unfinished = (params or SamplingParams()).n
         if request_id in self._queues:
@@ -87,7 +90,14 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending.append(
-            _Add(request_id=request_id, prompt=prompt, params=params, cache_salt=cache_salt, block_hashes=block_hashes)
+            _Add(
+                request_id=request_id,
+                prompt=prompt,
+                params=params,
+                cache_salt=cache_salt,
+                block_hashes=block_hashes,
+                lora_name=lora_name,
+            )
         )
         self._ensure_loop()
         finished = False
@@ -153,7 +163,12 @@ class AsyncLLM:
             elif op.request_id in self._queues:  # else the client left before the request was queued
                 try:
                     self.engine.add_request(
-                        op.prompt, op.params, op.request_id, cache_salt=op.cache_salt, block_hashes=op.block_hashes
+                        op.prompt,
+                        op.params,
+                        op.request_id,
+                        cache_salt=op.cache_salt,
+                        block_hashes=op.block_hashes,
+                        lora_name=op.lora_name,
                     )
                 except ValueError as exc:
                     self._queues[op.request_id].put_nowait(exc)

@@ -13,6 +13,7 @@ import torch
 
 from kvmesh.kernels import AttentionMetadata, Kernels
 from kvmesh.kernels.int4_store import TailPlan
+from kvmesh.replica.lora import LoRAStep
 
 
 @dataclass
@@ -46,6 +47,8 @@ class ForwardContext:
     """The kernels of the runner's device, picked once when the runner was built."""
     tails: TailPlan | None = None
     """int4: where the step's keys go and which tails hold their blocks' earlier keys (every layer alike)."""
+    lora: LoRAStep | None = None
+    """The step's LoRA adapters and the tokens each covers (``replica/lora.py``); None: base model only."""
 
 
 _current: ForwardContext | None = None

@@ -41,6 +41,8 @@ from kvmesh.replica.kv_events import KVEvent, KVEventLog
 from kvmesh.replica.kv_exchange import KVExchange
 from kvmesh.replica.kv_transfer import BlockBytes
 from kvmesh.replica.live_requests import LiveRequests
+from kvmesh.replica.lora import LoRAAdapter, LoRARegistry
+from kvmesh.replica.lora_weights import LoRAError
 from kvmesh.replica.model_loader import load_model
 from kvmesh.replica.model_runner import ModelRunner, kv_bytes_per_block
 from kvmesh.replica.outputs import LogprobRow, RequestOutput, token_logprob
@@ -98,6 +100,8 @@ class LLMEngine:
         """Called with each step's KV events (the index publisher); they must not block."""
         self.rates = StepRates()
         self._build_kv(device)
+        self.loras = self._lora_registry(device, model_dtype)
+        """The LoRA adapters served beside the model (``replica/lora.py``); None without ``enable_lora``."""
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, sorted(self.eos_token_ids))
         self.penalties = PenaltyCounts(self.runner.device)
@@ -177,6 +181,27 @@ class LLMEngine:
             disk=disk,
         )
 
+    def _lora_registry(self, device: torch.device, dtype: torch.dtype) -> LoRARegistry | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        shapes = self.loaded.model.lora_shapes()
+        loras = LoRARegistry(shapes, config.max_cpu_loras, config.max_lora_rank, dtype, device)
+        for name, path in (config.lora_modules or {}).items():
+            loras.load(name, path)
+        return loras
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as model ``name`` from the next request on; ``LoRAError`` (a
+        ValueError) if it cannot be served, with nothing changed."""
+        if self.loras is None:
+            raise LoRAError("this engine was started without enable_lora")
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (requests running on it finish on it); False if it was not served."""
+        return self.loras is not None and self.loras.unload(name)
+
     def _eos_token_ids(self) -> set[int]:
         eos = self.loaded.config.eos_token_id
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -203,11 +228,14 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Queue a request; raises ``InvalidRequest`` (a ValueError naming the field) for parameters out of
-        bounds, an empty prompt or one that cannot fit the context."""
+        """Queue a request (on the adapter ``lora_name``, or the base model); raises ``InvalidRequest`` (a
+        ValueError naming the field) for parameters out of bounds, an unknown adapter, an empty prompt or one
+        that cannot fit the context."""
         params = params or SamplingParams()
         check_request_fields(cache_salt=cache_salt, request_id=request_id)
+        lora = self._adapter(lora_name)
         ids = self.tokenize(prompt)
         self._check(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -227,9 +255,17 @@ class LLMEngine:
             hash_seed=self.hash_seed,
             cache_salt=cache_salt,
             block_hashes=block_hashes,
+            lora=lora,
         )
         self.live.admit(request)
         return request_id
+
+    def _adapter(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequest(f"this engine serves no LoRA adapters (asked for {name!r})", "model")
+        return self.loras.get(name)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         """What only this engine can check: token ids within its vocabulary, a prompt that fits, ``n``."""

@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvmesh.replica.context import get_context
+from kvmesh.replica.lora_weights import ProjectionShapes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -98,15 +99,17 @@ class Attention(nn.Module):
         self.window = layer_windows(config)[layer_idx]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        n, ctx = x.shape[0], get_context()
+        qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer_idx, "qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        ctx = get_context()
         kv = ctx.kv_caches[self.layer_idx]
         if kv.rotation is not None:  # an int4 cache holds V rotated: the output is rotated back
             v = v @ kv.rotation
@@ -117,12 +120,17 @@ class Attention(nn.Module):
         )
         if kv.rotation is not None:
             o = o @ kv.rotation.T
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = o.reshape(n, self.q_size)
+        out = self.o_proj(o)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.layer_idx, "o", o, out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
@@ -130,14 +138,22 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported activation {config.hidden_act!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(get_context().kernels.silu_and_mul(self.gate_up_proj(x)))
+        ctx = get_context()
+        if ctx.lora is None:
+            return self.down_proj(ctx.kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        ctx.lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        h = ctx.kernels.silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        ctx.lora.apply(self.layer_idx, "down", h, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, rotary)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -178,6 +194,15 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual)
         x, _ = self.norm.add(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
+
+    def lora_shapes(self) -> ProjectionShapes:
+        """Each LoRA-targetable module's (in, out) widths, as PEFT names them: what an adapter must match."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        hidden, inter = self.config.hidden_size, mlp.down_proj.in_features
+        shapes = {"q_proj": (hidden, attn.q_size), "k_proj": (hidden, attn.kv_size), "v_proj": (hidden, attn.kv_size)}
+        shapes |= {"o_proj": (attn.q_size, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+        shapes["down_proj"] = (inter, hidden)
+        return ProjectionShapes(shapes, len(self.layers))
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict, fusing q/k/v and gate/up into our combined projections."""

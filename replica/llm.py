@@ -44,11 +44,13 @@ class LLM:
         self,
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Final outputs in the order of ``prompts`` (a single prompt may be passed bare); a prompt whose
         params ask for ``n`` sequences contributes ``n`` outputs in a row, by ``index``. With ``logprobs``,
         each output carries one per generated token; with ``prompt_logprobs``, one per prompt token after the
-        first. Raises ``ValueError`` once closed."""
+        first. ``lora``: the adapter each prompt runs on (one name for all; None: the base model). Raises
+        ``ValueError`` once closed."""
         if self.closed:
             raise ValueError("generate on a closed LLM")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -56,7 +58,10 @@ class LLM:
         param_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} adapters")
+        ids = [self.engine.add_request(p, sp, lora_name=a) for p, sp, a in zip(prompts, param_list, loras, strict=True)]
         wanted = [(rid, i) for rid, sp in zip(ids, param_list, strict=True) for i in range(sp.n)]
         final: dict[tuple[str, int], RequestOutput] = {}
         logprobs: dict[tuple[str, int], list] = {}

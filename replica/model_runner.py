@@ -25,6 +25,7 @@ from kvmesh.kernels.quant import (
 )
 from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
 from kvmesh.replica.cuda_graphs import DecodeGraphs, default_sizes
+from kvmesh.replica.lora import LoRAStep
 from kvmesh.replica.model_loader import LoadedModel
 from kvmesh.replica.scheduler import ScheduledRequest
 from kvmesh.replica.step_inputs import PreparedStep, StepInputs
@@ -54,6 +55,8 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kernels = model_kernels(self.device)
+        self.lora_enabled = config.enable_lora
+        """Steps look up their sequences' adapters (``replica/lora.py``); off, they never look."""
         storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -245,12 +248,13 @@ class ModelRunner:
         rows_buf[: len(logits_rows)] = logits_rows
         if extra:
             rows_buf[len(logits_rows) :] = extra_rows
-        return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill)
+        lora = LoRAStep.build([r.lora for r in reqs], qlens, self.device) if self.lora_enabled else None
+        return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill, lora)
 
     def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prepared step on the device; ``last_tokens``: the tokens of the step before, for the
         placeholders of ``step.fill``. Returns fp32 logits for the sampling rows."""
-        if self.graphs is not None and (logits := self.graphs.run(step, last_tokens)) is not None:
+        if step.lora is None and self.graphs is not None and (logits := self.graphs.run(step, last_tokens)) is not None:
             return logits
         inp, n, total = step.inputs, step.n, step.total
         meta = AttentionMetadata(
@@ -267,7 +271,7 @@ class ModelRunner:
             ids[dst] = last_tokens[src]
         positions = inp.device("positions", total)
         tails = None if self.key_tails is None else self.key_tails.plan(meta.slot_mapping, self.block_size)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels, tails)):
+        with forward_context(ForwardContext(meta, self.kv_caches, self.kernels, tails, step.lora)):
             return self.model(ids, positions, inp.device("logits_rows", step.num_logits))
 
 

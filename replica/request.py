@@ -10,6 +10,7 @@ from kvmesh.core.hashing import BlockHash, first_block_extra, hash_blocks
 from kvmesh.core.messages import TokenLogprob
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.replica.detokenizer import IncrementalDetokenizer
+from kvmesh.replica.lora import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -43,12 +44,15 @@ class Request:
         hash_seed: BlockHash,
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         """``max_total_tokens``: prompt + output at most; ``block_size``, ``hash_seed`` and ``cache_salt`` (mixed
-        into block 0's hash) chain ``block_hashes``, unless the ingress passed the prompt's already."""
+        into block 0's hash, with ``lora``'s name: an adapter's KV is its own) chain ``block_hashes``, unless the
+        ingress passed the prompt's already. ``lora``: the adapter the request runs on (None: the base model)."""
         self.request_id = request_id
         self.cache_salt = cache_salt
         """The tenant salt mixed into block 0's hash: block 0's KV event names it (``extra_keys`` on the wire)."""
+        self.lora = lora
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
@@ -82,7 +86,7 @@ class Request:
         """Where the pending token sits in its step's sampled tokens: the next step reads it there."""
         self._block_size = block_size
         self._hash_seed = hash_seed
-        self._hash_extra = first_block_extra(cache_salt)
+        self._hash_extra = first_block_extra(cache_salt, lora.name if lora is not None else None)
         # The ingress may pass precomputed prompt hashes so a prompt is hashed once per cluster.
         self.block_hashes = block_hashes if block_hashes is not None else []
         self._extend_hashes()

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.replica.lora import LoRAStep
+
 
 @dataclass
 class PreparedStep:
@@ -22,6 +24,8 @@ class PreparedStep:
     width: int
     fill: tuple[torch.Tensor, torch.Tensor] | None
     """(token index in the batch, row of the previous step's tokens) of each placeholder input."""
+    lora: LoRAStep | None = None
+    """The adapters the step's sequences use (``replica/lora.py``); None: all on the base model."""
 
 
 class StepInputs:

@@ -196,6 +196,7 @@ class EngineReplica:
             request_id=call.request_id,
             cache_salt=call.cache_salt,
             block_hashes=hashes,
+            lora_name=call.lora_name,
         ):
             completion_tokens += len(out.delta_token_ids)
             unfinished -= out.finished
@@ -226,7 +227,7 @@ class EngineReplica:
         the first that was computed for this request (cache hits here or at the prefiller)."""
         ids, size = call.prompt_token_ids, self.engine.block_size
         if hashes is None:
-            hashes = hash_blocks(ids, size, self.engine.hash_seed, first_block_extra(call.cache_salt))
+            hashes = hash_blocks(ids, size, self.engine.hash_seed, first_block_extra(call.cache_salt, call.lora_name))
         recompute_s = plan.num_blocks * size / max(self.engine.rates.prefill_tok_s, 1.0)
         timeout_s = FETCH_GRACE_S + 2 * max(recompute_s, plan.expected_s)
         if not plan.prefill:
@@ -245,7 +246,7 @@ class EngineReplica:
         hashes, ids, size = call.block_hashes, call.prompt_token_ids, self.engine.block_size
         if not hashes or call.block_size != size or len(hashes) != len(ids) // size:
             return None
-        extra = first_block_extra(call.cache_salt)
+        extra = first_block_extra(call.cache_salt, call.lora_name)
         first = hash_block(self.engine.hash_seed, ids[:size], extra)
         last_parent = hashes[-2] if len(hashes) > 1 else None
         last = hash_block(last_parent, ids[(len(hashes) - 1) * size : len(hashes) * size]) if last_parent else first

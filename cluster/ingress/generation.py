@@ -194,6 +194,9 @@ class Generation:
         self.seed = model_seed(model)
         self.limits = limits
         self.share_prefix_cache = share_prefix_cache
+        self.adapters: dict[str, str] = {}
+        """LoRA adapters a request's ``model`` may name, with their directories (kept by the server that loads
+        them)."""
         self.tool_syntax = template_syntax(getattr(tokenizer, "chat_template", None))
         """The tool-call syntax the model's chat template teaches; None: it renders no tools (kvmesh does)."""
 
@@ -221,9 +224,16 @@ class Generation:
             offered = [{"type": "function", "function": f} for f in tools.functions]
         return template_messages(messages, tools, self.tool_syntax), offered
 
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 if it names neither."""
+        if model in self.adapters:
+            return model
+        self.check_model(model)
+        return None
+
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` (empty: the served one) is a name this server serves."""
-        if model and model not in self.limits.names:
+        if model and model not in self.limits.names and model not in self.adapters:
             raise APIError(
                 f"The model `{model}` does not exist; this server serves `{self.limits.served_name}`",
                 status=404,
@@ -313,7 +323,7 @@ class Generation:
         """Validate, tokenize and hash one request into its ``GenerateCall``; ``APIError`` if it is refused.
         ``tools``: OpenAI's tool entries, for a chat template that renders them."""
         lim = self.limits
-        self.check_model(model)
+        lora = self.adapter_of(model)
         try:
             check_request_fields(cache_salt=cache_salt, session_id=session_id)
             check_for_model(params, lim.vocab_size)
@@ -337,7 +347,7 @@ class Generation:
                 code="context_length_exceeded",
             )
         salt = self.cache_salt(tenant, cache_salt)
-        hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt))
+        hashes = hash_blocks(ids, self.block_size, self.seed, first_block_extra(salt, lora))
         call = GenerateCall(
             request_id=new_request_id(chat=messages is not None),
             prompt_token_ids=ids,
@@ -346,6 +356,7 @@ class Generation:
             params=params,
             session_id=session_id,
             cache_salt=salt,
+            lora_name=lora,
         )
         return Prepared(call, params, messages is not None, api)
 

@@ -270,7 +270,11 @@ class HttpApi:
             "root": self.settings.model,
             "max_model_len": limits.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            card | {"id": name, "root": path, "parent": limits.served_name}
+            for name, path in self.generation.adapters.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     no_replica_reason = "no live engine replica"
 

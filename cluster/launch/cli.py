@@ -100,7 +100,22 @@ def _policy_kwargs(args: argparse.Namespace) -> dict | None:
 def _engine(args: argparse.Namespace) -> int:
     from kvmesh.cluster.engines.engine_server import run_engine_server
 
-    return run_engine_server(args, EngineConfig(model=args.model, **_engine_settings(args)), _kv_events(args))
+    settings = _engine_settings(args) | _lora_settings(args)
+    return run_engine_server(args, EngineConfig(model=args.model, **settings), _kv_events(args))
+
+
+def _lora_settings(args: argparse.Namespace) -> dict:
+    """The LoRA flags of ``kvmesh engine`` as ``EngineConfig`` fields (vLLM's flags and meanings)."""
+    modules = {}
+    for item in args.lora_modules or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {item!r}")
+        modules[name] = path
+    enable = args.enable_lora or bool(modules) or bool(args.lora_root)
+    lora = {"enable_lora": enable, "lora_modules": modules or None}
+    lora |= {"max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras}
+    return {k: v for k, v in lora.items() if v is not None}
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -381,7 +396,21 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
         help="where peers fetch this engine's KV blocks, on --host (default 0: any free port; GET /load names it)",
     )
     _add_engine_args(eng)
+    _add_lora_args(eng)
     eng.set_defaults(func=_engine)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters beside the model, as ``vllm serve`` takes them."""
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by the flags below)")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="PEFT adapters to load at start")
+    parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, help="adapters kept in memory (default 8)")
+    parser.add_argument(
+        "--lora-root",
+        action="append",
+        help="a directory POST /v1/load_lora_adapter may load from (repeatable; without it the endpoint loads nothing)",
+    )
 
 
 def _add_router_command(sub: argparse._SubParsersAction) -> None:

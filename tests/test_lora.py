@@ -1,0 +1,215 @@
+"""LoRA adapters on the real SmolLM2: greedy tokens equal to PEFT's merged model, alone and in a batch that
+mixes the base model and three adapters; each adapter's KV kept apart; bad adapters refused clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import httpx
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvmesh.bench.harness.peer_fleet import Child
+from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.core.errors import InvalidRequest
+from kvmesh.replica import LLM, SamplingParams
+from kvmesh.replica.lora_weights import LoRAError
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a land far away, there lived"]
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name: (rank, target modules, seed)
+    "r8-all": (8, ALL_MODULES, 1),
+    "r16-attn": (16, ["q_proj", "v_proj", "o_proj"], 2),
+    "r16-mlp": (16, ["gate_proj", "up_proj", "down_proj"], 3),
+}
+
+
+def _base(smollm_dir):
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+def _make_adapter(smollm_dir, path, rank: int, modules: list[str], seed: int) -> None:
+    """A PEFT adapter with random A and non-zero random B, small enough that the model stays fluent-ish."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, init_lora_weights=False)
+    model = peft.get_peft_model(_base(smollm_dir), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+
+
+def _merged_greedy(smollm_dir, adapter_dir, prompt_ids) -> list[list[int]]:
+    return _greedy(peft.PeftModel.from_pretrained(_base(smollm_dir), adapter_dir).merge_and_unload().eval(), prompt_ids)
+
+
+def _greedy(model, prompt_ids) -> list[list[int]]:
+    outs = []
+    for ids in prompt_ids:
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm_dir, tmp_path_factory):
+    """Each adapter's directory and PEFT's merged-model greedy tokens per prompt; the base model's too."""
+    root = tmp_path_factory.mktemp("loras")
+    ids = [AutoTokenizer.from_pretrained(smollm_dir).encode(p) for p in PROMPTS]
+    expected, dirs = {}, {}
+    for name, (rank, modules, seed) in ADAPTERS.items():
+        dirs[name] = root / name
+        _make_adapter(smollm_dir, dirs[name], rank, modules, seed)
+        expected[name] = _merged_greedy(smollm_dir, dirs[name], ids)
+    base = _base(smollm_dir)
+    expected[None] = [
+        base.generate(torch.tensor([i]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
+            0, len(i) :
+        ].tolist()
+        for i in ids
+    ]
+    return ids, dirs, expected
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_dir, adapters):
+    _, dirs, _ = adapters
+    modules = {name: str(path) for name, path in dirs.items()}
+    with LLM(str(smollm_dir), dtype="float32", enable_lora=True, lora_modules=modules) as llm:
+        yield llm
+
+
+def test_each_adapter_alone_gives_peft_merged_tokens(llm, adapters):
+    ids, _, expected = adapters
+    assert all(expected[name] != expected[None] for name in ADAPTERS)  # the adapters change the output
+    for name in [*ADAPTERS, None]:
+        outs = llm.generate(ids, GREEDY, lora=name)
+        assert [o.token_ids for o in outs] == expected[name], name
+
+
+def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters):
+    ids, _, expected = adapters
+    names = [None, *ADAPTERS]
+    prompts = [i for i in ids for _ in names]
+    loras = [n for _ in ids for n in names]
+    outs = llm.generate(prompts, GREEDY, lora=loras)
+    for out, prompt, name in zip(outs, prompts, loras, strict=True):
+        assert out.token_ids == expected[name][ids.index(prompt)], name
+
+
+def test_an_adapters_kv_is_its_own(llm, adapters):
+    """A prompt cached under the base model is not reused under an adapter, nor under another adapter;
+    repeated under the same adapter it is."""
+    ids, _, _ = adapters
+    prompt = ids[2] * 3  # several full blocks
+    llm.engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    def cached(name):
+        return llm.generate(prompt, params, lora=name)[0].num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached("r8-all") == 0
+    assert cached("r16-attn") == 0
+    assert cached("r8-all") > 0 and cached(None) > 0
+
+
+def test_unknown_adapters_and_bad_files_are_refused(llm, adapters, smollm_dir, tmp_path, tiny_llama_dir):
+    ids, dirs, _ = adapters
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'nope'"):
+        llm.generate(ids[0], GREEDY, lora="nope")
+    with pytest.raises(LoRAError, match=r"adapter_config\.json"):
+        llm.engine.load_lora("empty", str(tmp_path))
+    big = tmp_path / "r32"
+    _make_adapter(smollm_dir, big, 32, ["q_proj"], 4)
+    with pytest.raises(LoRAError, match="rank 32, over this engine's max_lora_rank 16"):
+        llm.engine.load_lora("big", str(big))
+    other = tmp_path / "other-model"
+    config = peft.LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    peft.get_peft_model(base, config).save_pretrained(other)
+    with pytest.raises(LoRAError, match="another model"):
+        llm.engine.load_lora("other", str(other))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((dirs["r8-all"] / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file" * 4)
+    with pytest.raises(LoRAError, match="cannot be read"):
+        llm.engine.load_lora("broken", str(broken))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((dirs["r8-all"] / "adapter_config.json").read_text()) | {"use_dora": True}
+    (dora / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match="use_dora"):
+        llm.engine.load_lora("dora", str(dora))
+    assert sorted(llm.engine.loras.names()) == sorted(ADAPTERS)  # nothing half-loaded
+    assert llm.generate(ids[0], GREEDY, lora="r8-all")[0].token_ids == adapters[2]["r8-all"][0]
+
+
+def test_unloaded_adapter_is_refused_and_reloads(llm, adapters):
+    ids, dirs, expected = adapters
+    assert llm.engine.unload_lora("r16-mlp")
+    with pytest.raises(InvalidRequest):
+        llm.generate(ids[0], GREEDY, lora="r16-mlp")
+    llm.engine.load_lora("r16-mlp", str(dirs["r16-mlp"]))
+    assert llm.generate(ids[0], GREEDY, lora="r16-mlp")[0].token_ids == expected["r16-mlp"][0]
+
+
+@pytest.mark.timeout(600)
+def test_kvmesh_engine_serves_loads_and_unloads_adapters_over_http(smollm_dir, adapters, tmp_path):
+    """``kvmesh engine --lora-modules``: the adapter is a model in ``/v1/models`` and answers as PEFT's merged
+    model; ``/v1/load_lora_adapter`` loads only from ``--lora-root`` and refuses bad files with a 400 (the
+    engine serves on); unloaded, the name gets OpenAI's 404; every route wants the API key."""
+    ids, dirs, expected = adapters
+    decode = AutoTokenizer.from_pretrained(smollm_dir).decode
+    port, key = free_port(), "sk-lora-test"
+    cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "engine", "--model", str(smollm_dir), "--port", str(port)]
+    cmd += ["--lora-modules", f"r8-all={dirs['r8-all']}", "--lora-root", str(dirs["r16-attn"].parent)]
+    cmd += ["--api-key", key, "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_REDIS_URL"}
+    server = Child("lora-engine", cmd, f"http://127.0.0.1:{port}", "/health", env)
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def complete(model, prompt=ids[0]):
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        return httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
+
+    def load(name, path):
+        body = {"lora_name": name, "lora_path": str(path)}
+        return httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=auth, timeout=60)
+
+    try:
+        server.wait_ready()
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=10).json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(str(smollm_dir), None), ("r8-all", str(smollm_dir))]
+        assert _text(complete("r8-all")) == decode(expected["r8-all"][0])
+        assert _text(complete(str(smollm_dir))) == decode(expected[None][0])
+        missing = complete("r16-attn")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        outside = load("x", tmp_path)
+        assert outside.status_code == 400 and "--lora-root" in outside.json()["error"]["message"]
+        (dirs["r16-attn"].parent / "junk").mkdir(exist_ok=True)
+        bad = load("junk", dirs["r16-attn"].parent / "junk")
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        assert load("r16-attn", dirs["r16-attn"]).status_code == 200
+        assert _text(complete("r16-attn")) == decode(expected["r16-attn"][0])
+        body = {"lora_name": "r16-attn"}
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, headers=auth).status_code == 200
+        assert complete("r16-attn").status_code == 404
+        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, headers=auth).status_code == 404
+        assert _text(complete("r8-all")) == decode(expected["r8-all"][0])  # still serving
+    finally:
+        server.stop()
+
+
+def _text(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
