@@ -25,7 +25,7 @@ from kvmesh.kernels.quant import (
 )
 from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
 from kvmesh.replica.cuda_graphs import DecodeGraphs, default_sizes
-from kvmesh.replica.lora import LoRAStep
+from kvmesh.replica.lora import LoRAStacks, LoRAStep
 from kvmesh.replica.model_loader import LoadedModel
 from kvmesh.replica.scheduler import ScheduledRequest
 from kvmesh.replica.step_inputs import PreparedStep, StepInputs
@@ -55,8 +55,8 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kernels = model_kernels(self.device)
-        self.lora_enabled = config.enable_lora
-        """Steps look up their sequences' adapters (``replica/lora.py``); off, they never look."""
+        self.lora_stacks = LoRAStacks() if config.enable_lora else None
+        """Steps look up their sequences' adapters (``replica/lora.py``) when LoRA is on; off, they never look."""
         storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -248,7 +248,9 @@ class ModelRunner:
         rows_buf[: len(logits_rows)] = logits_rows
         if extra:
             rows_buf[len(logits_rows) :] = extra_rows
-        lora = LoRAStep.build([r.lora for r in reqs], qlens, self.device) if self.lora_enabled else None
+        lora = (
+            LoRAStep.build([r.lora for r in reqs], qlens, self.device, self.lora_stacks) if self.lora_stacks else None
+        )
         return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill, lora)
 
     def forward(self, step: PreparedStep, last_tokens: torch.Tensor | None = None) -> torch.Tensor:

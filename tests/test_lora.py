@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvmesh.bench.harness.peer_fleet import Child
 from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.errors import InvalidRequest
-from kvmesh.replica import LLM, SamplingParams
+from kvmesh.replica import LLM, SamplingParams, lora
 from kvmesh.replica.lora_weights import LoRAError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a land far away, there lived"]
@@ -94,7 +94,11 @@ def test_each_adapter_alone_gives_peft_merged_tokens(llm, adapters):
         assert [o.token_ids for o in outs] == expected[name], name
 
 
-def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters):
+@pytest.mark.parametrize("padding", [0.0, 1e9], ids=["per-adapter", "grouped"])
+def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters, monkeypatch, padding):
+    """Both ways a step applies several adapters (each over its own rows, or all as one padded batch) give
+    every request its own adapter's tokens."""
+    monkeypatch.setattr(lora, "GROUPED_PADDING", padding)
     ids, _, expected = adapters
     names = [None, *ADAPTERS]
     prompts = [i for i in ids for _ in names]
