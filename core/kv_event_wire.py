@@ -153,9 +153,10 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 def _event_map(event: WireEvent) -> dict:
     if isinstance(event, StoredBlocks):
-        extra: list[Any] = [None] * len(event.block_hashes)
+        lora = [event.lora_name] if event.lora_name is not None else []  # vLLM: the adapter in every block's keys
+        extra: list[Any] = [lora or None for _ in event.block_hashes]
         if event.cache_salt is not None and event.parent_block_hash is None:
-            extra[0] = [event.cache_salt]
+            extra[0] = [*lora, event.cache_salt]
         return {
             "type": "BlockStored",
             "block_hashes": event.block_hashes,

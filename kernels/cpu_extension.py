@@ -24,7 +24,10 @@ torch's extension builder compiles them on first use (about 30 s on two cores) i
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and later processes load the cached
 library; concurrent replicas wait on the builder's lock instead of compiling twice. It is built for the
 CPU it runs on (``-march=native``), so the build folder is named after the CPU's feature flags: a cache
-copied to another machine is rebuilt, never executed with missing instructions.
+copied to another machine is rebuilt, never executed with missing instructions. The name also covers the
+sources' folder: two checkouts on one machine would otherwise rebuild one folder in turn (its build file
+names the sources' paths). A builder killed mid-build leaves its lock behind, on which every later process
+would wait forever: a lock older than ``STALE_LOCK_S`` is removed with a warning.
 
 Without a C++ compiler or ninja, or with ``KVMESH_CPU_KERNELS=0``, the torch paths serve instead (the
 gather path of ``torch_attention.py``, the torch sampler): slower, same results; the reason is logged once.
@@ -52,6 +55,8 @@ SOURCES = [
 ]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"
+STALE_LOCK_S = 900.0
+"""A build lock this old is a dead builder's (a build takes well under a minute to a few minutes)."""
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -81,8 +86,9 @@ def _load() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:8]
-    name = f"kvmesh_cpu_{_cpu_fingerprint()}_{digest}"
+    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + str(CSRC.resolve()).encode()
+    name = f"kvmesh_cpu_{_cpu_fingerprint()}_{hashlib.sha256(sources).hexdigest()[:8]}"
+    _drop_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
     cflags, ldflags = _flags()
     start = time.perf_counter()
     try:
@@ -98,6 +104,16 @@ def _load() -> bool:
         return False
     log.info("CPU kernels %s ready in %.1f s", name, time.perf_counter() - start)
     return True
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def build_cpu_kernels() -> bool:

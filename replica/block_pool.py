@@ -151,9 +151,10 @@ class BlockPool:
         parent_hash: BlockHash | None,
         token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Publish a full, computed block under its hash so later requests can reuse it; ``token_ids`` and
-        ``cache_salt`` (block 0's) only travel in its KV event."""
+        """Publish a full, computed block under its hash so later requests can reuse it; ``token_ids``,
+        ``cache_salt`` (block 0's) and ``lora_name`` (its adapter's) only travel in its KV event."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
@@ -161,7 +162,9 @@ class BlockPool:
         if not copies:
             if self._host_tier is not None:
                 self._host_tier.drop(block_hash)
-            self._emit(BlockStored(block_hash, parent_hash, token_ids=token_ids, cache_salt=cache_salt))
+            self._emit(
+                BlockStored(block_hash, parent_hash, token_ids=token_ids, cache_salt=cache_salt, lora_name=lora_name)
+            )
         copies[block.block_id] = block
 
     def _drop_hash(self, block: Block) -> None:

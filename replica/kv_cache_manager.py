@@ -223,7 +223,8 @@ class KVCacheManager:
         self._num_cached_blocks[request] = max(start, end)
 
     def _cache(self, request: Request, block: Block, i: int) -> None:
-        """Publish ``request``'s block ``i`` under its hash, with what its KV event names: parent, tokens, salt."""
+        """Publish ``request``'s block ``i`` under its hash, with what its KV event names: parent, tokens, salt,
+        adapter."""
         size = self.block_size
         self.pool.cache_block(
             block,
@@ -231,6 +232,7 @@ class KVCacheManager:
             request.block_hashes[i - 1] if i else None,
             request.all_token_ids[i * size : (i + 1) * size],
             None if i else request.cache_salt,
+            request.lora.name if request.lora is not None else None,
         )
 
     def is_swapped(self, request: Request) -> bool:

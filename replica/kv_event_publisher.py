@@ -71,12 +71,12 @@ class WireEncoder:
 
     def _stored(self, e: BlockStored, out: list[WireEvent]) -> None:
         if e.medium == DEVICE:
-            self._known[e.block_hash] = (e.parent_block_hash, list(e.token_ids), e.cache_salt)
+            self._known[e.block_hash] = (e.parent_block_hash, list(e.token_ids), e.cache_salt, e.lora_name)
         known = self._known.get(e.block_hash)
         if known is None:  # a host store of a hash never stored on the device: nothing to name it by
             return
         self._media[e.block_hash] = self._media.get(e.block_hash, 0) + 1
-        parent, tokens, salt = known
+        parent, tokens, salt, lora = known
         medium = _MEDIUM[e.medium]
         last = out[-1] if out else None
         if (
@@ -96,6 +96,7 @@ class WireEncoder:
                 block_size=self.block_size,
                 medium=medium,
                 cache_salt=salt,
+                lora_name=lora,
             )
         )
 

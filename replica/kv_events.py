@@ -36,6 +36,8 @@ class BlockStored:
     """The block's tokens (device events; vLLM's wire format carries them, ``replica/kv_event_publisher.py``)."""
     cache_salt: str | None = None
     """Block 0's tenant salt, if its chain has one."""
+    lora_name: str | None = None
+    """The LoRA adapter whose KV the block holds (device events; None: the base model)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,6 +178,7 @@ class KVExchange:
         token_ids: list[list[int]] | None = None,
         cache_salt: str | None = None,
         chained: bool = True,
+        lora_name: str | None = None,
     ) -> int:
         """Publish the filled blocks ``reservation.committed:end`` (``hashes`` are the reservation's) as cached
         prefix blocks continuing the chain after ``parent`` (between steps); how many of the leading ``hashes``
@@ -191,7 +192,8 @@ class KVExchange:
                 continue
             prev = (hashes[i - 1] if i else parent) if chained else None
             tokens = token_ids[i] if token_ids is not None else ()
-            self.pool.cache_block(block, hashes[i], prev, tokens, cache_salt if chained and prev is None else None)
+            salt = cache_salt if chained and prev is None else None
+            self.pool.cache_block(block, hashes[i], prev, tokens, salt, lora_name)
             reservation.slots[i] = None
             done.append(block)
         reservation.committed = end

@@ -201,7 +201,10 @@ class KVPeer:
                 await link.send(json.dumps({"took": took}).encode())
             else:
                 if "prefill" in ask:  # conditional disaggregation: compute the prompt here first
-                    computed = await self._prefill(ask["prefill"]["tokens"], ask["prefill"].get("cache_salt"))
+                    prefill = ask["prefill"]
+                    computed = await self._prefill(
+                        prefill["tokens"], prefill.get("cache_salt"), prefill.get("lora_name")
+                    )
                     await link.send(prefilled_frame(self.fingerprint, computed))
                 parent = bytes.fromhex(ask["parent"]) if ask.get("parent") else None
                 await self._stream(link, [bytes.fromhex(h) for h in ask["hashes"]], parent)
@@ -210,13 +213,12 @@ class KVPeer:
         finally:
             link.close()
 
-    async def _prefill(self, tokens: list[int], cache_salt: str | None) -> int:
-        """Compute ``tokens``' KV into this engine's prefix cache (one greedy token, dropped) for a peer that
-        decodes the request; counted in ``prefills``. How many of them it computed (the rest were cached)."""
-        params, cached = SamplingParams(max_tokens=1, temperature=0), 0
-        async for out in self.llm.generate(
-            tokens, params, request_id=f"prefill-{uuid.uuid4().hex}", cache_salt=cache_salt
-        ):
+    async def _prefill(self, tokens: list[int], cache_salt: str | None, lora_name: str | None) -> int:
+        """Compute ``tokens``' KV (on adapter ``lora_name``) into this engine's prefix cache (one greedy token,
+        dropped) for a peer that decodes the request; counted in ``prefills``. How many of them it computed
+        (the rest were cached)."""
+        params, cached, rid = SamplingParams(max_tokens=1, temperature=0), 0, f"prefill-{uuid.uuid4().hex}"
+        async for out in self.llm.generate(tokens, params, request_id=rid, cache_salt=cache_salt, lora_name=lora_name):
             cached = out.num_cached_tokens
         self.stats.prefills += 1
         return len(tokens) - cached
@@ -275,23 +277,32 @@ class KVPeer:
         *,
         token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
         timeout_s: float = 5.0,
         chained: bool = True,
     ) -> int:
         """Pull the blocks of ``hashes[:plan.num_blocks]`` this engine lacks from ``plan``'s holder and adopt
         them, for at most ``timeout_s``; how many leading blocks this engine then holds. Never raises for the
         transfer: a failure is counted under its reason and the rest is recomputed by the request.
-        ``chained`` False: separate hot blocks, not a prompt's chain (``take``)."""
-        adoption = Adoption(token_ids, cache_salt, chained)
+        ``chained`` False: separate hot blocks, not a prompt's chain (``take``). ``lora_name``: the adapter whose KV
+        the blocks are (their events name it)."""
+        adoption = Adoption(token_ids, cache_salt, chained, lora_name=lora_name)
         return (await self._fetch(plan, hashes, adoption, timeout_s))[0]
 
     async def fetch_prefilled(
-        self, plan: KVFetch, hashes: list[BlockHash], token_ids: list[int], cache_salt: str | None, timeout_s: float
+        self,
+        plan: KVFetch,
+        hashes: list[BlockHash],
+        token_ids: list[int],
+        cache_salt: str | None,
+        timeout_s: float,
+        lora_name: str | None = None,
     ) -> int:
         """``fetch`` with the holder computing the prompt ``token_ids`` first (conditional disaggregation): how
         many prompt tokens the holder computed for it (its cache hits excluded: the request's usage counts
         those as cached; 0 if the prefill did not complete)."""
-        return (await self._fetch(plan, hashes, Adoption(token_ids, cache_salt, True, prefill=True), timeout_s))[1]
+        adoption = Adoption(token_ids, cache_salt, True, prefill=True, lora_name=lora_name)
+        return (await self._fetch(plan, hashes, adoption, timeout_s))[1]
 
     async def _fetch(
         self, plan: KVFetch, hashes: list[BlockHash], adoption: Adoption, timeout_s: float

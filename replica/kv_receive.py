@@ -36,14 +36,15 @@ from kvmesh.replica.kv_transfer import (
 
 @dataclass
 class Adoption:
-    """What a fetch's blocks are adopted with: the prompt's tokens and salt (for the KV events), whether they
-    form one chain."""
+    """What a fetch's blocks are adopted with: the prompt's tokens, salt and adapter (for the KV events), whether
+    they form one chain."""
 
     token_ids: list[int] | None
     cache_salt: str | None
     chained: bool
     prefill: bool = False
-    """The holder computes the prompt (``token_ids``) first."""
+    """The holder computes the prompt (``token_ids``) first (on the adapter ``lora_name``)."""
+    lora_name: str | None = None
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Receiver:
             ask["parent"] = landing.parent.hex() if landing.parent else None
             if adoption.prefill:
                 ask["prefill"] = {"tokens": adoption.token_ids, "cache_salt": adoption.cache_salt}
+                ask["prefill"]["lora_name"] = adoption.lora_name
             await link.send(json.dumps(ask).encode())
             first = 0
             while True:
@@ -153,6 +155,7 @@ class Receiver:
                 token_ids=landing.tokens,
                 cache_salt=adoption.cache_salt,
                 chained=adoption.chained,
+                lora_name=adoption.lora_name,
             )
         )
         if failure is None and held < end:

@@ -16,8 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvmesh.bench.harness.peer_fleet import Child
 from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.errors import InvalidRequest
+from kvmesh.core.kv_event_wire import EventBatch, decode_batch, encode_batch
 from kvmesh.replica import LLM, SamplingParams, lora
+from kvmesh.replica.kv_event_publisher import WireEncoder
 from kvmesh.replica.lora_weights import LoRAError
+from kvmesh.router.worker_blocks import WorkerBlocks
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a land far away, there lived"]
 NEW_TOKENS = 12
@@ -194,7 +197,8 @@ def test_kvmesh_engine_serves_loads_and_unloads_adapters_over_http(smollm_dir, a
         assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
         models = httpx.get(f"{server.url}/v1/models", headers=auth, timeout=10).json()["data"]
         assert [(m["id"], m.get("parent")) for m in models] == [(str(smollm_dir), None), ("r8-all", str(smollm_dir))]
-        assert _text(complete("r8-all")) == decode(expected["r8-all"][0])
+        answer = complete("r8-all")
+        assert _text(answer) == decode(expected["r8-all"][0]) and answer.json()["model"] == "r8-all"
         assert _text(complete(str(smollm_dir))) == decode(expected[None][0])
         missing = complete("r16-attn")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
@@ -217,3 +221,23 @@ def test_kvmesh_engine_serves_loads_and_unloads_adapters_over_http(smollm_dir, a
 def _text(response) -> str:
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
+
+
+def test_kv_events_name_the_adapter_so_a_router_rebuilds_its_hashes(llm, adapters):
+    """An adapter request's KV events carry ``lora_name`` (and vLLM's extra keys); a router following them
+    over the wire (``WorkerBlocks``) derives exactly the block hashes the engine cached, base and adapter alike."""
+    ids, _, _ = adapters
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    events: list = []
+    engine.kv_event_sinks.append(events.extend)
+    try:
+        llm.generate([ids[2] * 3, ids[2] * 3], SamplingParams(max_tokens=1, temperature=0), lora=["r8-all", None])
+    finally:
+        engine.kv_event_sinks.remove(events.extend)
+    assert {e.lora_name for e in events if e.kind == "stored"} == {"r8-all", None}
+    wire = decode_batch(encode_batch(EventBatch(ts=0.0, events=WireEncoder(engine.block_size).encode(events))))
+    assert any(e.lora_name == "r8-all" for e in wire.events)
+    blocks = WorkerBlocks(engine.hash_seed, engine.block_size)
+    blocks.apply(wire)
+    assert set(blocks.snapshot()) == set(engine.pool.cached_hashes()) and blocks.unlinked == 0

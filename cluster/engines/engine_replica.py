@@ -231,10 +231,11 @@ class EngineReplica:
         recompute_s = plan.num_blocks * size / max(self.engine.rates.prefill_tok_s, 1.0)
         timeout_s = FETCH_GRACE_S + 2 * max(recompute_s, plan.expected_s)
         if not plan.prefill:
-            await self.peer.fetch(plan, hashes, token_ids=ids, cache_salt=call.cache_salt, timeout_s=timeout_s)
+            salt, lora = call.cache_salt, call.lora_name
+            await self.peer.fetch(plan, hashes, token_ids=ids, cache_salt=salt, lora_name=lora, timeout_s=timeout_s)
             return len(ids)
         local = self.peer.exchange.local_depth(hashes[: plan.num_blocks])
-        computed = await self.peer.fetch_prefilled(plan, hashes, ids, call.cache_salt, timeout_s)
+        computed = await self.peer.fetch_prefilled(plan, hashes, ids, call.cache_salt, timeout_s, call.lora_name)
         return max(local * size, len(ids) - computed)  # the prefiller had the prompt's first tokens cached
 
     def _checked_hashes(self, call: GenerateCall) -> list[bytes] | None:

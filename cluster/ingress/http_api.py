@@ -179,7 +179,7 @@ class HttpApi:
         shape = ResponseShape(
             prep.call.request_id,
             chat=prep.chat,
-            model=self.generation.limits.served_name,
+            model=prep.call.lora_name or self.generation.limits.served_name,
             n=prep.params.n,
             token_text=self.generation.token_text,
         )
