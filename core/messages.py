@@ -47,6 +47,9 @@ class GenerateCall:
     lora_name: str | None = None
     """The LoRA adapter the request runs on (the ``model`` it named); None: the base model. Part of its
     block hashes, as the cache salt is."""
+    lora_path: str | None = None
+    """Where the adapter's PEFT files lie, as the server that named it recorded them: a replica that has not
+    loaded the adapter yet reads it from there, so an adapter is loaded where the router sends its requests."""
     fetches: dict[str, KVFetch] | None = None
     """Per candidate replica (index id), the prefix blocks it should pull from a peer before prefilling, as
     the router priced them; written by the router on the handle, read by the replica that runs the call."""
@@ -157,6 +160,13 @@ class EngineLoad:
     slot_free_steps: float | None = None
     """Decode steps until the first running sequence ends (when the batch is full, a newcomer's wait for a
     slot): the least expected remaining output among them; None when none runs."""
+    loras: list[str] = field(default_factory=list)
+    """LoRA adapters whose weights the engine holds ready, least recently used first: a request on any other
+    first waits for its adapter to be read (``lora_load_s``)."""
+    lora_slots: int = 0
+    """How many adapters it holds ready at most (0: it serves none): one more read evicts the first of ``loras``."""
+    lora_load_s: float | None = None
+    """Seconds the engine took to read and place an adapter, measured (a moving average); None until it has."""
 
 
 class MalformedReport(ValueError):

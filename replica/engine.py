@@ -198,6 +198,12 @@ class LLMEngine:
             raise LoRAError("this engine was started without enable_lora")
         self.loras.load(name, path)
 
+    def ensure_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as ``name`` unless it already is: a cluster's replica loads an adapter
+        when the first request naming it arrives (``GenerateCall.lora_path``). ``LoRAError`` as ``load_lora``."""
+        if self.loras is None or self.loras.path_of(name) != path:
+            self.load_lora(name, path)
+
     def unload_lora(self, name: str) -> bool:
         """Stop serving adapter ``name`` (requests running on it finish on it); False if it was not served."""
         return self.loras is not None and self.loras.unload(name)
@@ -523,6 +529,9 @@ class LLMEngine:
             mean_output_tokens=rates.mean_output_tokens,
             max_num_seqs=s.max_num_seqs,
             slot_free_steps=_slot_free_steps(running, rates.mean_output_tokens),
+            loras=self.loras.resident() if self.loras is not None else [],
+            lora_slots=self.loras.max_cpu_loras if self.loras is not None else 0,
+            lora_load_s=self.loras.load_s if self.loras is not None else None,
             waiting_blocks=waiting_blocks,
             num_free_blocks=pool.num_free,
             num_cached_blocks=pool.num_cached_free,

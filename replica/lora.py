@@ -10,6 +10,7 @@ single adapter covers it. The torch reference of a segmented LoRA op (vLLM's pun
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ class LoRARegistry:
         self._paths: dict[str, tuple[int, str]] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._ids = itertools.count(1)
+        self.load_s: float | None = None
+        """Seconds reading and placing an adapter took, a moving average over reads (None before the first)."""
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         """Serve the adapter at ``path`` as ``name``; ``LoRAError`` if it cannot be served, and then nothing
@@ -72,11 +75,23 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return list(self._paths)
 
+    def path_of(self, name: str) -> str | None:
+        """The directory ``name`` is served from; None if no adapter has that name."""
+        entry = self._paths.get(name)
+        return entry[1] if entry is not None else None
+
+    def resident(self) -> list[str]:
+        """The adapters whose weights are in memory, least recently used first."""
+        return list(self._loaded)
+
     def _read(self, name: str, adapter_id: int, path: str) -> LoRAAdapter:
+        start = time.perf_counter()
         weights = load_peft(name, path, self.shapes, self.max_rank, self.dtype)
         weights.layers = [
             {k: (a.to(self.device), b.to(self.device)) for k, (a, b) in w.items()} for w in weights.layers
         ]
+        took = time.perf_counter() - start
+        self.load_s = took if self.load_s is None else 0.8 * self.load_s + 0.2 * took
         self._loaded.pop(name, None)
         while len(self._loaded) >= self.max_cpu_loras:
             self._loaded.popitem(last=False)

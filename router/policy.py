@@ -31,6 +31,8 @@ FULL_PRESSURE_BUSY = 0.8
 """Prefill utilisation from which churn is priced at the full ``miss_weight`` (the load it was tuned at);
 below it, less (``KVAwarePolicy._pressure``). Above it no higher: a saturated fleet is no reason never to
 move (its queues are priced already)."""
+DEFAULT_LORA_LOAD_S = 0.05
+"""Seconds a replica that has not measured it is assumed to take to read a LoRA adapter."""
 _NO_FETCH: tuple[None, int, float] = (None, 0, 0.0)
 """``KVAwarePolicy._fetch``'s answer where a replica would recompute: no plan, no tokens, no seconds."""
 
@@ -41,6 +43,8 @@ class RouteRequest:
     num_tokens: int
     block_size: int = DEFAULT_BLOCK_SIZE
     session_id: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter the request runs on; None: the base model."""
 
 
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(LoadReport))
@@ -206,6 +210,10 @@ class KVAwarePolicy:
     term, off by default, charges a newcomer the decode speed it would take from the sequences already
     there.
 
+    A request on a LoRA adapter pays, where a replica does not hold the adapter (``loras``), the time it takes
+    to read one (``lora_load_s``, x ``adapter_weight``; 0: adapter-blind), twice where the read evicts another
+    adapter: a cold adapter stays where it is held, a hot one spreads once its holder's queue costs more.
+
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
     conversations on a shared prefix are placed with bounded loads (``session_balance`` x the fair share of
@@ -245,11 +253,15 @@ class KVAwarePolicy:
         peer_fetch: bool = True,
         disaggregate_tokens: int = 1024,
         decode_protect: float = 1.0,
+        adapter_weight: float = 1.0,
     ) -> None:
-        if min(miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight) < 0:
+        weights = (miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight)
+        if min(*weights, adapter_weight) < 0:
             raise ValueError(
-                "miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight and history_weight must be >= 0"
+                "miss_weight, decode_weight, override_margin_s, tie_margin, busy_weight, history_weight and "
+                "adapter_weight must be >= 0"
             )
+        self.adapter_weight = adapter_weight
         if history_min_replicas < 1:
             raise ValueError("history_min_replicas must be >= 1")
         self.history_weight = history_weight
@@ -273,6 +285,10 @@ class KVAwarePolicy:
         self.predict_ttl_s = predict_ttl_s
         self._recent = _RecentOwners(memory_size, clock)
         self._rng = random.Random(seed)  # seeded only to make simulations reproducible
+        self._clock, self._memory_size = clock, memory_size
+        self._adapters_sent: OrderedDict[tuple[str, str], float] = OrderedDict()
+        """When this router last sent a request on each (adapter, replica): the replica holds the adapter from
+        then on, before its next report says so."""
         self._chosen: dict[str, int] = {}
         """When this router last sent a request to each replica (a decision count): equal costs go to the
         one it used least recently, so idle replicas take new work in turn instead of by chance."""
@@ -341,7 +357,10 @@ class KVAwarePolicy:
             reason = "host_hit"  # served in part from its host tier
         if ranked[0] in fetches:
             reason = "disaggregated" if fetches[ranked[0]].prefill else "fetch"  # a peer prefills / holds it
-        tied = self._ties(ranked, capped, depth, costs, own_prefill_s, replicas)
+        # Where the first holds the request's adapter, none that must read it first is a tie.
+        reads = {r.index_id for r in replicas if self._adapter_s(req, r)[0]} if req.lora_name else set()
+        untied = capped if ranked[0] in reads else capped | reads
+        tied = self._ties(ranked, untied, depth, costs, own_prefill_s, replicas)
         home = self.sessions.home(req.session_id)
         if home in costs and home != ranked[0] and costs[home] - costs[ranked[0]] <= self.override_margin_s:
             ranked, tied, reason_prefix = [home, *(rid for rid in ranked if rid != home)], 1, ""
@@ -421,13 +440,27 @@ class KVAwarePolicy:
             if plan is not None:
                 fetches[rid] = plan
             recomputed = uncached - fetched
-            own_prefill_s[rid] = recomputed / rates[rid] + load_s + fetch_s
+            read_s, evict_s = self._adapter_s(req, r)
+            own_prefill_s[rid] = recomputed / rates[rid] + load_s + fetch_s + read_s
             prefill_s = own_weight * own_prefill_s[rid] + churn * recomputed / median_rate
             decode_s = self.decode_weight * r.mean_output_tokens * r.num_requests * (r.decode_s_per_seq or 0.0)
             kv_wait = r.kv_wait_s(uncached + hosted + 1, req.block_size)  # fetched blocks need room too
-            costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s
+            costs[rid] = queues[rid] + kv_wait + prefill_s + decode_s + evict_s
             own_s[rid] = queues[rid] + kv_wait + own_prefill_s[rid]
         return costs, own_prefill_s, own_s, churns, fetches
+
+    def _adapter_s(self, req: RouteRequest, r: ReplicaLoad) -> tuple[float, float]:
+        """Seconds ``r`` spends reading the request's adapter before it can start (none where it holds it, or
+        this router sent it a request on it within ``predict_ttl_s``), and what the read costs others: where
+        ``r``'s adapter slots are full it evicts one, which its next request reads again."""
+        name = req.lora_name
+        if name is None or not self.adapter_weight or name in r.loras:
+            return 0.0, 0.0
+        sent = self._adapters_sent.get((name, r.index_id))
+        if sent is not None and self._clock() - sent < self.predict_ttl_s:
+            return 0.0, 0.0
+        read_s = self.adapter_weight * (r.lora_load_s or DEFAULT_LORA_LOAD_S)
+        return read_s, read_s if r.lora_slots and len(r.loras) >= r.lora_slots else 0.0
 
     def _disaggregate(
         self,
@@ -631,6 +664,12 @@ class KVAwarePolicy:
         self._decisions += 1
         self._chosen[index_id] = self._decisions
         self._recent.record(req.block_hashes, index_id)
+        if req.lora_name is not None:
+            sent = self._adapters_sent
+            sent[(req.lora_name, index_id)] = self._clock()
+            sent.move_to_end((req.lora_name, index_id))
+            while len(sent) > self._memory_size:
+                sent.popitem(last=False)
         conversation, continued = self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
         blocks = len(req.block_hashes)
         self.sessions.routed(req.session_id, index_id, decision.opens_session, conversation, continued, blocks)

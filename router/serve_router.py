@@ -47,7 +47,7 @@ def route_request(pending: PendingRequest | None) -> RouteRequest | None:
     if pending is None or not pending.args or not isinstance(call := pending.args[0], GenerateCall):
         return None
     session = call.session_id or getattr(pending.metadata, "session_id", None) or None
-    return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session)
+    return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session, call.lora_name)
 
 
 def _priced_hits(decision: Decision, device_hits: dict[str, int] | None) -> dict[str, int]:

@@ -3,9 +3,11 @@ mixes the base model and three adapters; each adapter's KV kept apart; bad adapt
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import uuid
 
 import httpx
 import peft
@@ -14,18 +16,21 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvmesh.bench.harness.peer_fleet import Child
+from kvmesh.cluster.engines.engine_replica import EngineReplica
 from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import InvalidRequest
 from kvmesh.core.kv_event_wire import EventBatch, decode_batch, encode_batch
+from kvmesh.core.messages import GenerateCall
 from kvmesh.replica import LLM, SamplingParams, lora
 from kvmesh.replica.kv_event_publisher import WireEncoder
 from kvmesh.replica.lora_weights import LoRAError
 from kvmesh.router.worker_blocks import WorkerBlocks
+from tests.lora_helpers import ALL_MODULES, make_adapter, merged_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a land far away, there lived"]
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: (rank, target modules, seed)
     "r8-all": (8, ALL_MODULES, 1),
     "r16-attn": (16, ["q_proj", "v_proj", "o_proj"], 2),
@@ -33,51 +38,16 @@ ADAPTERS = {  # name: (rank, target modules, seed)
 }
 
 
-def _base(smollm_dir):
-    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
-
-
-def _make_adapter(smollm_dir, path, rank: int, modules: list[str], seed: int) -> None:
-    """A PEFT adapter with random A and non-zero random B, small enough that the model stays fluent-ish."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, init_lora_weights=False)
-    model = peft.get_peft_model(_base(smollm_dir), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(path)
-
-
-def _merged_greedy(smollm_dir, adapter_dir, prompt_ids) -> list[list[int]]:
-    return _greedy(peft.PeftModel.from_pretrained(_base(smollm_dir), adapter_dir).merge_and_unload().eval(), prompt_ids)
-
-
-def _greedy(model, prompt_ids) -> list[list[int]]:
-    outs = []
-    for ids in prompt_ids:
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(ids) :].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def adapters(smollm_dir, tmp_path_factory):
     """Each adapter's directory and PEFT's merged-model greedy tokens per prompt; the base model's too."""
     root = tmp_path_factory.mktemp("loras")
     ids = [AutoTokenizer.from_pretrained(smollm_dir).encode(p) for p in PROMPTS]
-    expected, dirs = {}, {}
+    expected, dirs = {None: merged_greedy(smollm_dir, None, ids, NEW_TOKENS)}, {}
     for name, (rank, modules, seed) in ADAPTERS.items():
         dirs[name] = root / name
-        _make_adapter(smollm_dir, dirs[name], rank, modules, seed)
-        expected[name] = _merged_greedy(smollm_dir, dirs[name], ids)
-    base = _base(smollm_dir)
-    expected[None] = [
-        base.generate(torch.tensor([i]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[
-            0, len(i) :
-        ].tolist()
-        for i in ids
-    ]
+        make_adapter(smollm_dir, dirs[name], rank, modules, seed)
+        expected[name] = merged_greedy(smollm_dir, dirs[name], ids, NEW_TOKENS)
     return ids, dirs, expected
 
 
@@ -135,7 +105,7 @@ def test_unknown_adapters_and_bad_files_are_refused(llm, adapters, smollm_dir, t
     with pytest.raises(LoRAError, match=r"adapter_config\.json"):
         llm.engine.load_lora("empty", str(tmp_path))
     big = tmp_path / "r32"
-    _make_adapter(smollm_dir, big, 32, ["q_proj"], 4)
+    make_adapter(smollm_dir, big, 32, ["q_proj"], 4)
     with pytest.raises(LoRAError, match="rank 32, over this engine's max_lora_rank 16"):
         llm.engine.load_lora("big", str(big))
     other = tmp_path / "other-model"
@@ -241,3 +211,39 @@ def test_kv_events_name_the_adapter_so_a_router_rebuilds_its_hashes(llm, adapter
     blocks = WorkerBlocks(engine.hash_seed, engine.block_size)
     blocks.apply(wire)
     assert set(blocks.snapshot()) == set(engine.pool.cached_hashes()) and blocks.unlinked == 0
+
+
+def test_a_replica_reads_the_adapter_a_call_names_from_where_it_lies(smollm_dir, adapters, tmp_path):
+    """In a cluster the ingress records where each adapter lies and every call carries it: a replica that has
+    not read the adapter reads it on its first call and answers as PEFT's merged model, then reports holding
+    it (what routers price); one it cannot read is a 400 on ``model``, the replica serving on."""
+    ids, dirs, expected = adapters
+    replica = EngineReplica(EngineConfig(model=str(smollm_dir), dtype="float32", enable_lora=True, torch_threads=1))
+
+    def call(name, path, prompt):
+        return GenerateCall(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            block_hashes=[],
+            block_size=16,
+            params=GREEDY,
+            lora_name=name,
+            lora_path=str(path) if path else None,
+        )
+
+    async def tokens(name, path, prompt):
+        return [t async for chunk in replica.generate(call(name, path, prompt)) for t in chunk.token_ids]
+
+    async def run():
+        adapted = await tokens("r16-mlp", dirs["r16-mlp"], ids[1])
+        with pytest.raises(InvalidRequest, match=r"'junk' cannot be served.*adapter_config") as bad:
+            await tokens("junk", tmp_path, ids[0])
+        return adapted, bad.value.param, await tokens(None, None, ids[0])
+
+    try:
+        tokens, param, base = asyncio.run(run())
+        report = replica.stats()
+    finally:
+        replica.close()
+    assert tokens == expected["r16-mlp"][1] and base == expected[None][0] and param == "model"
+    assert report.loras == ["r16-mlp"] and report.lora_slots == 8 and report.lora_load_s > 0

@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.bench.harness.serve_process import ServeProcess
 from kvmesh.cluster.ingress.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from tests.lora_helpers import ALL_MODULES, make_adapter, merged_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -26,11 +27,22 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KEY, OTHER_KEY = "e2e-secret-key", "e2e-other-tenant-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {KEY}"),)
+ADAPTERS = ("tone", "style")
+"""Served from the start; each replica holds one adapter's weights at a time (``--max-cpu-loras 1``)."""
 LONG_PROMPT = " ".join(f"Fact {i}: the router keeps prefix {i} warm on one replica." for i in range(40))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def lora_root(tiny_llama_dir, tmp_path_factory) -> Path:
+    """PEFT adapters of the tiny model: ``tone`` and ``style`` served from the start, ``extra`` loaded later."""
+    root = tmp_path_factory.mktemp("tiny-loras")
+    for seed, name in enumerate((*ADAPTERS, "extra")):
+        make_adapter(tiny_llama_dir, root / name, 8, ALL_MODULES, seed, scale=0.5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, lora_root):
     args = [
         "--model",
         str(tiny_llama_dir),
@@ -46,6 +58,12 @@ def server(tiny_llama_dir, tmp_path_factory):
         OTHER_KEY,
         "--max-request-bytes",
         str(1 << 20),
+        "--lora-modules",
+        *(f"{name}={lora_root / name}" for name in ADAPTERS),
+        "--max-cpu-loras",
+        "1",
+        "--lora-root",
+        str(lora_root),
     ]
     with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
@@ -640,6 +658,62 @@ def test_client_hanging_up_aborts_the_generation(server):
         if line.startswith("kvmesh_requests_total{") and 'api="completions"' in line and 'outcome="aborted"' in line
     ]
     assert aborted and float(aborted[0].split()[-1]) == 1.0  # cancelled, not run to its 900 tokens
+
+
+def test_adapters_answer_as_peft_and_go_where_they_are_held(server, lora_root):
+    """Adapters named as the model answer as PEFT's merged model, over HTTP and gRPC. Each replica holds one
+    adapter at a time: once a request on ``tone`` went to one replica, later ``tone`` requests (new prompts, no
+    cached prefix) go to it and ``style`` requests to the other, which still holds ``style``. An adapter loaded
+    at run time (only from under ``--lora-root``) is read by the replica the router sends it to; unloaded, 404."""
+    prompts = [[100 + 37 * i + j for j in range(24)] for i in range(10)]
+    names = (*ADAPTERS, "extra", None)
+    expected = {name: merged_greedy(server.model, name and lora_root / name, prompts, 6) for name in names}
+    assert expected["tone"] != expected[None] and expected["style"] != expected[None]  # the adapters matter
+
+    def complete(model, prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"], reply.headers["x-kvmesh-replica"]
+
+    def text(name, i):
+        return httpx.post(
+            server.url + "/detokenize", json={"tokens": expected[name][i]}, headers=AUTH, timeout=30
+        ).json()["prompt"]
+
+    models = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    assert {(m["id"], m.get("parent")) for m in models[1:]} == {(name, models[0]["id"]) for name in ADAPTERS}
+    first, tone_home = complete("tone", prompts[0])
+    assert first == text("tone", 0)
+    served = {"tone": [complete("tone", prompts[i]) for i in range(1, 5)]}
+    time.sleep(2.0)  # the replicas' load reports (each second) now say which holds which adapter
+    served["style"] = [complete("style", prompts[i]) for i in range(1, 5)]
+    for name, replies in served.items():
+        assert [t for t, _ in replies] == [text(name, i) for i in range(1, 5)]
+    assert {r for _, r in served["tone"]} == {tone_home}
+    assert len({r for _, r in served["style"]}) == 1 and served["style"][0][1] != tone_home
+
+    def load(name, path):
+        body = {"lora_name": name, "lora_path": str(path)}
+        return httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=AUTH, timeout=60)
+
+    outside = load("x", lora_root.parent)
+    assert outside.status_code == 400 and "--lora-root" in outside.json()["error"]["message"]
+    assert load("bad", lora_root).status_code == 400  # no adapter_config.json there
+    assert load("extra", lora_root / "extra").status_code == 200
+    assert load("extra", lora_root / "extra").status_code == 400  # already served
+    assert complete("extra", prompts[5])[0] == text("extra", 5)
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as channel:
+        stub = kvmesh_pb2_grpc.KVMeshStub(channel)
+        request = kvmesh_pb2.GenerateRequest(model="style", prompt="Tell me", max_tokens=6, temperature=0)
+        over_grpc = stub.Complete(request, timeout=60, metadata=GRPC_AUTH).text
+    body = {"model": "style", "prompt": "Tell me", "max_tokens": 6, "temperature": 0}
+    over_http = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert over_grpc == over_http.json()["choices"][0]["text"]
+    unload = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "extra"}, headers=AUTH, timeout=30)
+    assert unload.status_code == 200
+    gone = httpx.post(server.url + "/v1/completions", json={"model": "extra", "prompt": "x"}, headers=AUTH, timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
 def test_grpc_streams_a_generation(server):

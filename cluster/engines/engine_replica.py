@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 
 from kvmesh.cluster.hosting.nodes import available_cpus, claimed_cpus, node_address, replica_rank, replica_threads
 from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.errors import InvalidRequest
 from kvmesh.core.hashing import first_block_extra, hash_block, hash_blocks
 from kvmesh.core.kv_event_wire import KVEventsConfig
 from kvmesh.core.messages import EngineStats, GenerateCall, GenerateChunk, KVFetch, LoadReport, ReplicaStatus, Usage
@@ -36,6 +37,7 @@ from kvmesh.replica import AsyncLLM
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
 from kvmesh.replica.kv_peer import KVPeer
 from kvmesh.replica.kv_scaling import hand_off, warm_up
+from kvmesh.replica.lora_weights import LoRAError
 from kvmesh.router.index_publisher import KVIndexPublisher
 from kvmesh.router.index_schema import index_redis_url, redacted
 from kvmesh.router.prefix_index import PrefixIndex
@@ -187,6 +189,7 @@ class EngineReplica:
         unfinished, completion_tokens = params.n, 0
         if self._peer_start is not None and not self._peer_start.done():  # starting warm: the first requests wait
             await asyncio.wait({self._peer_start}, timeout=WARM_UP_S + HAND_OFF_S)
+        await self._ensure_adapter(call)
         hashes = self._checked_hashes(call)
         plan = (call.fetches or {}).get(self.index_id)
         cached_at_most = await self._fetch(plan, call, hashes) if plan is not None else call.num_tokens
@@ -218,6 +221,27 @@ class EngineReplica:
                 logprobs=out.logprobs,
                 prompt_logprobs=out.prompt_logprobs,
             )
+
+    async def _ensure_adapter(self, call: GenerateCall) -> None:
+        """Read the call's adapter from where the ingress recorded it if this engine does not serve it from
+        there yet; ``InvalidRequest`` on ``model`` (a 400) if it cannot be served."""
+        name, path, loras = call.lora_name, call.lora_path, self.engine.loras
+        if name is None or path is None or (loras is not None and loras.path_of(name) == path):
+            return
+        try:
+            await self.llm.between_steps(lambda: self.engine.ensure_lora(name, path))
+        except LoRAError as exc:
+            raise InvalidRequest(f"the adapter {name!r} cannot be served: {exc}", "model") from exc
+
+    async def load_lora(self, name: str, path: str) -> str | None:
+        """Read the PEFT adapter at ``path`` and serve it as ``name`` (a cluster's ``POST /v1/load_lora_adapter``
+        loads it on the replica its router picks; the others read it on their first request for it). Why it
+        cannot be served, or None."""
+        try:
+            await self.llm.between_steps(lambda: self.engine.load_lora(name, path))
+        except LoRAError as exc:
+            return str(exc)
+        return None
 
     async def _fetch(self, plan: KVFetch, call: GenerateCall, hashes: list[bytes] | None) -> int:
         """Pull the prefix blocks the router planned from their holder (prefilled there first for a

@@ -40,6 +40,7 @@ class Ingress(HttpApi, GrpcApi):
         # replica import this module; the routes bind to the class (serve.ingress above) only when it does.
         importlib.import_module(__name__)
         self.settings = s = settings
+        self.engines = engine_handle
         self.generation, self.admission = front_door(s, engine_handle, RAY_HANDLE_ERRORS)
         set_admission(self.admission)
         redis_url = index_redis_url(s.redis_url)

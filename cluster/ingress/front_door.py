@@ -45,6 +45,12 @@ class IngressSettings:
     enable_docs: bool = False
     no_replica_timeout_s: float = 5.0
     """How long a request waits while no engine replica is alive before its 503."""
+    enable_lora: bool = False
+    """The engines serve LoRA adapters: a request's ``model`` may name one, and the load and unload routes work."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """Adapters served from the start, name -> PEFT directory (the engines were given the same)."""
+    lora_roots: list[str] = field(default_factory=list)
+    """The directories ``POST /v1/load_lora_adapter`` may load adapters from (none given: it loads nothing)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -74,6 +80,7 @@ def front_door(
     generation = Generation(
         engine_handle, tokenizer, s.model, s.block_size, limits, s.share_prefix_cache, s.no_replica_timeout_s, errors
     )
+    generation.adapters.update(s.lora_modules)
     admission = Admission(
         s.api_key_digests,
         s.max_inflight_requests,

@@ -357,6 +357,7 @@ class Generation:
             session_id=session_id,
             cache_salt=salt,
             lora_name=lora,
+            lora_path=self.adapters[lora] if lora is not None else None,
         )
         return Prepared(call, params, messages is not None, api)
 

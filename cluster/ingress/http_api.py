@@ -13,6 +13,7 @@ classes on the methods that Ray Serve rebinds, or it takes the bodies for query 
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +31,9 @@ from kvmesh.cluster.protocol.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
 )
 from kvmesh.cluster.protocol.openai_responses import ResponseShape, usage_dict
 from kvmesh.cluster.protocol.tool_calls import ToolReplies, check_tools
@@ -275,6 +278,50 @@ class HttpApi:
             for name, path in self.generation.adapters.items()
         ]
         return {"object": "list", "data": [card, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRARequest) -> JSONResponse:
+        """vLLM's route: serve the PEFT adapter at ``lora_path`` (under a LoRA root) as model ``lora_name``; 400
+        with the reason if it cannot be served (the engines serve on unchanged)."""
+        name, path = body.lora_name, self._lora_path(body.lora_path)
+        if name in self.generation.limits.names or name in self.generation.adapters:
+            raise APIError(f"the model {name!r} is already served: unload it first", param="lora_name")
+        reason = await self._load_adapter(name, path)
+        if reason is not None:
+            raise APIError(reason, param="lora_path")
+        self.generation.adapters[name] = path
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRARequest) -> JSONResponse:
+        """vLLM's route: stop serving ``lora_name`` (requests running on it finish on it); 404 if no adapter has
+        that name."""
+        self._lora_path(None)
+        if self.generation.adapters.pop(body.lora_name, None) is None:
+            raise APIError(f"no LoRA adapter named {body.lora_name!r} is loaded", status=404, param="lora_name")
+        await self._unload_adapter(body.lora_name)
+        return JSONResponse({"status": "ok", "lora_name": body.lora_name})
+
+    def _lora_path(self, given: str | None) -> str:
+        """``given`` resolved, if it lies under a LoRA root; 404 where this server serves no adapters."""
+        if not self.settings.enable_lora:
+            raise APIError("this server serves no LoRA adapters (start it with --enable-lora)", 404, code="not_found")
+        if given is None:
+            return ""
+        path, roots = Path(given).resolve(), [Path(root).resolve() for root in self.settings.lora_roots]
+        if not any(path.is_relative_to(root) for root in roots):
+            where = ", ".join(map(str, roots)) or "none: start the server with --lora-root DIR"
+            raise APIError(f"lora_path must lie under a --lora-root directory ({where})", param="lora_path")
+        return str(path)
+
+    async def _load_adapter(self, name: str, path: str) -> str | None:
+        """Read the adapter on an engine (the cluster's ingress: the replica its router picks; the others read it
+        on their first request for it); why it cannot be served, or None."""
+        return await self.engines.options(method_name="load_lora").remote(name, path)
+
+    async def _unload_adapter(self, name: str) -> None:
+        """What the engines do when an adapter stops being served: in a cluster, nothing (no call names it
+        any more; its weights leave each replica's memory as other adapters are read)."""
 
     no_replica_reason = "no live engine replica"
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -69,6 +70,9 @@ def ingress_settings(config: ClusterConfig, serve_grpc: bool) -> IngressSettings
         share_prefix_cache=config.share_prefix_cache,
         enable_docs=config.enable_docs,
         no_replica_timeout_s=config.no_replica_timeout_s,
+        enable_lora=config.engine.enable_lora,
+        lora_modules=dict(config.engine.lora_modules or {}),
+        lora_roots=[str(Path(root).resolve()) for root in config.lora_roots],
     )
 
 

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from kvmesh.core.engine_config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
 from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
@@ -105,15 +106,16 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _lora_settings(args: argparse.Namespace) -> dict:
-    """The LoRA flags of ``kvmesh engine`` as ``EngineConfig`` fields (vLLM's flags and meanings)."""
+    """The LoRA flags as ``EngineConfig`` fields (vLLM's flags and meanings); adapter paths made absolute, as
+    every process of a cluster reads them from its own working directory."""
     modules = {}
     for item in args.lora_modules or []:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules takes name=path, got {item!r}")
-        modules[name] = path
+        modules[name] = str(Path(path).resolve())
     enable = args.enable_lora or bool(modules) or bool(args.lora_root)
-    lora = {"enable_lora": enable, "lora_modules": modules or None}
+    lora = {"enable_lora": enable or None, "lora_modules": modules or None}
     lora |= {"max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras}
     return {k: v for k, v in lora.items() if v is not None}
 
@@ -159,7 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
         "keep_kv": args.keep_kv,
         "no_replica_timeout_s": args.no_replica_timeout_s,
         "kv_events_config": _kv_events(args),
-        "engine": _engine_settings(args),
+        "engine": _engine_settings(args) | _lora_settings(args),
+        "lora_roots": args.lora_root,
         "autoscaling": {k: v for k, v in autoscaling.items() if v is not None},
     }
     return run_until_signalled(build_config(args.config, overrides))
@@ -309,6 +312,7 @@ def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--grpc-port", type=int, help="gRPC port on --host (default 9000; 0: no gRPC)")
     _add_admission_args(srv)
     _add_engine_args(srv)
+    _add_lora_args(srv)
     srv.set_defaults(func=_serve)
 
 

@@ -118,6 +118,9 @@ class ClusterConfig:
     kv_events_config: KVEventsConfig = field(default_factory=dict)
     """vLLM's ``--kv-events-config`` (same keys): each engine replica also publishes its KV events on ZMQ, ports
     offset by its replica rank, for routers that read vLLM's events (``docs/kv_events.md``)."""
+    lora_roots: list[str] = field(default_factory=list)
+    """Directories ``POST /v1/load_lora_adapter`` may load adapters from (engine ``enable_lora`` on); none: the
+    route loads nothing. Adapters served from the start are the engine's ``lora_modules``."""
     stats_period_s: float = 1.0
     num_cpus: int | None = None
     """CPUs of a locally started Ray (default: this machine's)."""
@@ -127,6 +130,8 @@ class ClusterConfig:
         if self.ingress_replicas < 1:
             raise ValueError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
         self.engine = _engine_config(self.model, self.engine)  # raises ValueError on bad engine settings
+        if self.lora_roots and not self.engine.enable_lora:
+            raise ValueError("lora_roots needs engine.enable_lora (or --enable-lora)")
         self.workers = distinct([w if isinstance(w, WorkerSpec) else WorkerSpec(**w) for w in self.workers])
         if not isinstance(self.kv_events_config, KVEventsConfig):
             self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

@@ -291,4 +291,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRARequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 _Request.model_rebuild()

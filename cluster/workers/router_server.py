@@ -53,7 +53,7 @@ class LocalRouter:
 
     def choose(self, call: GenerateCall) -> tuple[str, int]:
         """The worker for ``call`` and the leading blocks it holds."""
-        req = RouteRequest(call.block_hashes, call.num_tokens, call.block_size, call.session_id)
+        req = RouteRequest(call.block_hashes, call.num_tokens, call.block_size, call.session_id, call.lora_name)
         live = list(self.curr_replicas) or list(self.workers)
         device = {url: self.workers[url].blocks.leading(req.block_hashes) for url in live}
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}

@@ -89,11 +89,11 @@ def wait_for_worker(url: str, headers: dict[str, str], timeout_s: float = START_
 
 
 def completion_body(call: GenerateCall, model: str) -> dict:
-    """The worker's ``/v1/completions`` request for ``call``: its token ids and every sampling setting the
-    OpenAI API (and vLLM's extensions) can say."""
+    """The worker's ``/v1/completions`` request for ``call``: its token ids, its adapter as the model (where it
+    names one, as vLLM serves adapters) and every sampling setting the OpenAI API (and vLLM's extensions) can say."""
     p: SamplingParams = call.params
     body = {
-        "model": model,
+        "model": call.lora_name or model,
         "prompt": call.prompt_token_ids,
         "stream": True,
         "stream_options": {"include_usage": True},
