@@ -11,7 +11,10 @@ blocks land and for ``--predict-ttl`` trace seconds. Runs are judged against bou
 ones per decision, for fleets of a thousand replicas. ``--peer-fetch TOK_S``: every replica can pull a
 prefix's KV from a peer at TOK_S prompt tokens per second (and serves its own), which the router prices
 (``docs/routing.md``, "Fetching a prefix from a peer"); hits are then counted by source: local (device and host
-tier) and fetched, both in the hit rate.
+tier) and fetched, both in the hit rate. ``--adapters N``: a trace of many fine-tunes, each prefix family on one
+of N LoRA adapters with Zipf popularity (``--adapter-zipf``); each replica holds ``--adapter-slots`` adapters ready
+and reads another in ``--lora-load-s``; ``--adapter-blind`` adds kv_aware routing blind to adapters, and the table
+counts adapter loads per simulated minute.
 
 Cost constants, by default a GPU-class replica documented here (not measured on a GPU): prefill 20,000
 tokens/s, a decode step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per
@@ -24,6 +27,7 @@ same factor, so the measured balance between prefill and decode is kept).
         --replicas 16 --capacity-blocks 3000 --routers kv_aware,pow2,round_robin,session_hash,approx_tree
     kvmesh bench simulate ... --routers kv_aware --miss-weights 1,2,4,8   # tune the miss weight
     kvmesh bench simulate ... --routers kv_aware --peer-fetch 100000       # replicas fetch prefixes from peers
+    kvmesh bench simulate ... --replicas 64 --adapters 500 --adapter-blind --routers kv_aware,round_robin
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from kvmesh.bench.harness.fleet_sim import BOUND_IMBALANCE, PREDICT_TTL_S, Costs, compare_routers, load_trace
+from kvmesh.bench.harness.fleet_sim import (
+    BOUND_IMBALANCE,
+    PREDICT_TTL_S,
+    Costs,
+    compare_routers,
+    load_trace,
+    zipf_adapters,
+)
 from kvmesh.bench.harness.report import print_table, write_json
 
 
@@ -67,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="TOK_S",
         help="replicas pull prefixes from peers at TOK_S prompt tokens/s (0: off)",
     )
+    ap.add_argument("--adapters", type=int, default=0, help="LoRA adapters the trace's prefix families run on")
+    ap.add_argument("--adapter-zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
+    ap.add_argument("--adapter-slots", type=int, default=4, help="adapters a replica holds ready at once")
+    ap.add_argument("--lora-load-s", type=float, default=0.05, help="seconds a replica takes to read an adapter")
+    ap.add_argument("--adapter-blind", action="store_true", help="also run kv_aware blind to adapters")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
@@ -79,6 +95,8 @@ def runs_of(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         for w in args.miss_weights.split(",")
         if w
     ]
+    if args.adapter_blind:
+        runs.append(("kv_aware(adapter-blind)", "kv_aware", {"adapter_weight": 0.0}))
     return runs
 
 
@@ -96,6 +114,7 @@ def report(args: argparse.Namespace, rows: list, bounds: dict, results: dict) ->
             res["ttft_mean_s"],
             res["ttft_p99_s"],
             res["imbalance"],
+            *([res["adapter_loads_per_min"]] if args.adapters else []),
         ]
         for label, res in results.items()
     ]
@@ -105,7 +124,7 @@ def report(args: argparse.Namespace, rows: list, bounds: dict, results: dict) ->
         f"{args.bound_imbalance:g} {bounds['replicated_placed']:.1%}-{replicated:.1%} (placed-ceiling)"
     )
     headers = ["router", "hit rate", "fetched", "of pooled", "of replicated", "TTFT mean s", "TTFT p99 s", "imbalance"]
-    print_table(headers, table)
+    print_table(headers + (["adapter loads/min"] if args.adapters else []), table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,8 +139,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--bound-imbalance must be >= 1 (the busiest replica serves at least the mean)")
     if args.peer_fetch < 0:
         ap.error("--peer-fetch must be >= 0 (0: off)")
-    costs = dataclasses.replace(costs, fetch_tok_s=args.peer_fetch)
+    if args.adapters < 0 or args.adapter_slots < 1 or args.lora_load_s < 0:
+        ap.error("--adapters and --lora-load-s must be >= 0, --adapter-slots >= 1")
+    costs = dataclasses.replace(
+        costs, fetch_tok_s=args.peer_fetch, adapter_slots=args.adapter_slots, lora_load_s=args.lora_load_s
+    )
     rows = load_trace(args.trace, args.limit)
+    adapters = zipf_adapters(rows, args.adapters, args.adapter_zipf) if args.adapters else None
     bounds, results = compare_routers(
         rows,
         args.replicas,
@@ -135,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         imbalance=args.bound_imbalance,
         shortlist=args.shortlist,
         progress=lambda label, n: print(f"{label}: {n:,} of {len(rows):,} requests routed", flush=True),
+        adapters=adapters,
     )
     report(args, rows, bounds, results)
     payload = {
@@ -148,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         "speedup": speedup,
         "bound_imbalance": args.bound_imbalance,
         "shortlist": args.shortlist,
+        "adapters": args.adapters,
+        "adapter_zipf": args.adapter_zipf,
         "bounds": bounds,
         "routers": results,
     }

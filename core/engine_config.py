@@ -81,6 +81,9 @@ class EngineConfig:
     """Largest adapter rank accepted."""
     max_cpu_loras: int = 8
     """Adapters whose weights are kept in memory (the least recently used are read again when next used)."""
+    max_loras: int | None = None
+    """Most distinct adapters one step runs (waiting requests on others wait for a running adapter's requests
+    to finish; the base model does not count); None: no cap. Fewer adapters per step, faster steps."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -108,8 +111,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive (or unset for the default), got {value}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.max_lora_rank < 1 or self.max_cpu_loras < 1:
-            raise ValueError("max_lora_rank and max_cpu_loras must be positive")
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 1 or (self.max_loras is not None and self.max_loras < 1):
+            raise ValueError("max_lora_rank, max_cpu_loras and max_loras must be positive")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         if self.cuda_graph_sizes is not None and not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):

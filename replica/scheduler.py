@@ -41,6 +41,7 @@ class Scheduler:
         self.preemption_mode = config.preemption_mode
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,8 +94,15 @@ class Scheduler:
         if preempted:
             return out
         seats = sum(r.num_seqs for r in self.running)
+        adapters = self._running_adapters()
+        passed: list[Request] = []  # waiting on an adapter beyond max_loras: kept in order, for a later step
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seqs <= self.max_num_seqs:
             req = self.waiting[0]
+            if adapters is not None and req.lora is not None and req.lora.id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    passed.append(self.waiting.popleft())
+                    continue
+                adapters.add(req.lora.id)
             swapped = self.kv.is_swapped(req)
             hits = [] if swapped else self.kv.computed_blocks(req)
             loads = [] if swapped else self.kv.host_hits(req, len(hits))
@@ -118,7 +126,14 @@ class Scheduler:
             seats += req.num_seqs
             out.append(ScheduledRequest(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))
         return out
+
+    def _running_adapters(self) -> set[int] | None:
+        """The adapters running requests use, where a step's adapters are capped (``max_loras``); else None."""
+        if self.max_loras is None:
+            return None
+        return {r.lora.id for r in self.running if r.lora is not None}
 
     def fork(self, parent: Request) -> list[Request]:
         """Split ``parent``, whose prompt is now computed, into its ``n`` sequences (``parent`` is sequence 0).

@@ -81,6 +81,32 @@ def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters
         assert out.token_ids == expected[name][ids.index(prompt)], name
 
 
+def test_max_loras_caps_the_adapters_one_step_runs(llm, adapters, monkeypatch):
+    """With ``max_loras`` 2, no step runs more than two adapters (the base model is not one); requests on the
+    third wait their turn and every request still gets its own adapter's tokens."""
+    ids, _, expected = adapters
+    scheduler = llm.engine.scheduler
+    monkeypatch.setattr(scheduler, "max_loras", 2)
+    per_step, schedule = [], scheduler.schedule
+
+    def recording():
+        scheduled = schedule()
+        per_step.append({s.request.lora.name for s in scheduled if s.request.lora is not None})
+        return scheduled
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    names = [None, *ADAPTERS]
+    prompts = [i for i in ids for _ in names]
+    loras = [n for _ in ids for n in names]
+    outs = llm.generate(prompts, GREEDY, lora=loras)
+    for out, prompt, name in zip(outs, prompts, loras, strict=True):
+        assert out.token_ids == expected[name][ids.index(prompt)], name
+    assert max(len(step) for step in per_step) == 2
+    assert set().union(*per_step) == set(ADAPTERS)
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=0)
+
+
 def test_an_adapters_kv_is_its_own(llm, adapters):
     """A prompt cached under the base model is not reused under an adapter, nor under another adapter;
     repeated under the same adapter it is."""
@@ -142,8 +168,9 @@ def test_unloaded_adapter_is_refused_and_reloads(llm, adapters):
 @pytest.mark.timeout(600)
 def test_kvmesh_engine_serves_loads_and_unloads_adapters_over_http(smollm_dir, adapters, tmp_path):
     """``kvmesh engine --lora-modules``: the adapter is a model in ``/v1/models`` and answers as PEFT's merged
-    model; ``/v1/load_lora_adapter`` loads only from ``--lora-root`` and refuses bad files with a 400 (the
-    engine serves on); unloaded, the name gets OpenAI's 404; every route wants the API key."""
+    model; ``/v1/load_lora_adapter`` loads only from ``--lora-root``, refuses bad files and a name already
+    served with a 400 (the engine serves on); unloaded while a request on it streams, that request finishes
+    on it and the name then gets OpenAI's 404; every route wants the API key."""
     ids, dirs, expected = adapters
     decode = AutoTokenizer.from_pretrained(smollm_dir).decode
     port, key = free_port(), "sk-lora-test"
@@ -178,9 +205,18 @@ def test_kvmesh_engine_serves_loads_and_unloads_adapters_over_http(smollm_dir, a
         bad = load("junk", dirs["r16-attn"].parent / "junk")
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
         assert load("r16-attn", dirs["r16-attn"]).status_code == 200
+        assert load("r16-attn", dirs["r16-mlp"]).status_code == 400  # the name is taken: unload it first
         assert _text(complete("r16-attn")) == decode(expected["r16-attn"][0])
         body = {"lora_name": "r16-attn"}
-        assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, headers=auth).status_code == 200
+        stream = {"model": "r16-attn", "prompt": ids[1], "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=stream | {"stream": True}, headers=auth) as s:
+            events = s.iter_lines()
+            streamed = [next(line for line in events if line.startswith("data: "))]  # in flight now
+            unloaded = httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, headers=auth)
+            streamed += [line for line in events if line.startswith("data: {")]
+        text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in streamed if json.loads(e[6:])["choices"])
+        assert unloaded.status_code == 200  # and the request in flight finished on the adapter it started with:
+        assert len(streamed) > 2 and text.startswith(decode(expected["r16-attn"][1]))
         assert complete("r16-attn").status_code == 404
         assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json=body, headers=auth).status_code == 404
         assert _text(complete("r8-all")) == decode(expected["r8-all"][0])  # still serving

@@ -19,7 +19,9 @@ alone (``benchmarks/harness/cache_bounds.py``): the pooled LRU and the replicati
 decision, for fleets of a thousand replicas. ``Costs.fetch_tok_s`` > 0: every replica can pull a prefix's blocks
 from a peer at that rate (and serves its own); where the router's decision plans a fetch, the chosen replica's
 prefill first waits for those blocks, as far as the holder still holds them, then recomputes the rest. Hits are
-reported by source: local (device and host tier), fetched, recomputed.
+reported by source: local (device and host tier), fetched, recomputed. With LoRA adapters (``zipf_adapters``)
+each replica holds ``Costs.adapter_slots`` adapters ready (LRU) and reports them; a request's prefill on a
+replica without its adapter first waits ``Costs.lora_load_s`` to read it, counted as an adapter load.
 
 ``Costs()``, a GPU-class replica documented here (not measured on a GPU): prefill 20,000 tokens/s, a decode
 step takes 15 ms plus 0.25 ms per running sequence, 64 batch slots, 16 tokens per block.
@@ -36,7 +38,7 @@ import random
 import statistics
 import struct
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +76,10 @@ class Costs:
     token of an 8B Llama): 10x the prefill rate. Used only by replicas with a host tier."""
     fetch_tok_s: float = 0.0
     """Tokens per second of KV a replica pulls from a peer (0: replicas neither pull nor serve blocks)."""
+    adapter_slots: int = 4
+    """LoRA adapters a replica holds ready at once (least recently used out), for traces with adapters."""
+    lora_load_s: float = 0.05
+    """Seconds a replica takes to read an adapter it does not hold, before the request's prefill."""
 
     @classmethod
     def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
@@ -103,6 +109,8 @@ class Req:
     """Leading blocks another replica held (as the index answered) beyond the chosen one's: left for load."""
     opened: bool = False
     """The router took it for a new conversation (placed with bounded loads)."""
+    adapter: int | None = None
+    """The LoRA adapter it runs on (None: the base model)."""
 
     @property
     def tokens(self) -> int:
@@ -158,10 +166,25 @@ class Replica:
     """How busy its prefill has been, as the engine measures it (``replica/telemetry.py``)."""
     mean_output_steps: float = 1.0
     """What the engine reports as ``mean_output_tokens`` (one simulated decode step per output row unit)."""
+    adapters: OrderedDict = field(default_factory=OrderedDict)
+    """The LoRA adapters it holds ready, least recently used first."""
+    adapter_loads: int = 0
 
     def __post_init__(self) -> None:
         self.cache = PrefixLRU(self.capacity)
         self.host = PrefixLRU(self.host_capacity)
+
+    def use_adapter(self, adapter: int) -> float:
+        """Seconds before a request on ``adapter`` can start here: 0 where it is held, else its read (which
+        evicts the least recently used adapter once the slots are full)."""
+        if adapter in self.adapters:
+            self.adapters.move_to_end(adapter)
+            return 0.0
+        self.adapters[adapter] = None
+        if len(self.adapters) > self.costs.adapter_slots:
+            self.adapters.popitem(last=False)
+        self.adapter_loads += 1
+        return self.costs.lora_load_s
 
     def leading_hits(self, chain: list[bytes]) -> int:
         return self.cache.leading(chain)
@@ -201,6 +224,9 @@ class Replica:
             host_load_tok_s=self.costs.host_load_tok_s if self.host_capacity else None,
             fetch_tok_s=self.costs.fetch_tok_s or None,
             kv_address=self.rid if self.costs.fetch_tok_s else None,
+            loras=[f"a{a}" for a in self.adapters],
+            lora_slots=self.costs.adapter_slots,
+            lora_load_s=self.costs.lora_load_s,
         )
 
 
@@ -210,6 +236,31 @@ def trace_rows(records) -> list[tuple[float, list[bytes], int]]:
         (r["timestamp"] / 1000.0, [struct.pack("<q", h) for h in r["hash_ids"]], max(1, r["output_length"] // 32))
         for r in records
     ]
+
+
+def zipf_adapters(rows, adapters: int, exponent: float, seed: int = 0) -> list[int]:
+    """An adapter per row for a trace of many fine-tunes: each prefix family (rows sharing their first block past
+    the prefix the whole trace shares: a conversation and its turns, a task's prompts) runs on one adapter,
+    drawn with Zipf popularity (adapter k, from 0, with weight ``1 / (k + 1) ** exponent``)."""
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** exponent for k in range(adapters)]
+    first = rows[0][1] if rows else []
+    shared = min((_common(first, chain) for _, chain, _ in rows), default=0)
+    family: dict[tuple, int] = {}
+    out = []
+    for _, chain, _ in rows:
+        root = tuple(chain[: shared + 1])
+        if root not in family:
+            family[root] = rng.choices(range(adapters), weights)[0]
+        out.append(family[root])
+    return out
+
+
+def _common(a: list[bytes], b: list[bytes]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def load_trace(path: Path, limit: int | None) -> list[tuple[float, list[bytes], int]]:
@@ -241,7 +292,8 @@ class FleetSim:
     ``ttl``: how long a routing decision is remembered as a prediction, in trace seconds (the router's own
     ``predict_ttl_s`` too, unless ``policy_kwargs`` set it): compressing arrivals compresses conversations'
     think times, and a TTL left in simulated seconds would outlast them, telling the router where every history
-    went. ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
+    went. ``adapters``: per row, the LoRA adapter it runs on (``zipf_adapters``; None: the base model's trace).
+    ``shortlist`` k > 0: each decision prices only the k replicas holding the prompt deepest, k drawn at
     random and those a prediction names (a router's cost at a thousand replicas); a policy that hashes
     (``preferred``) shortlists its own k top choices instead; 0: every replica. Events are arrivals, prefills
     ending and requests finishing, taken in time order from one heap."""
@@ -259,6 +311,7 @@ class FleetSim:
         costs: Costs = Costs(),
         host_capacity: int = 0,
         shortlist: int = 0,
+        adapters: list[int] | None = None,
     ) -> None:
         self.costs, self.shortlist, self.host_capacity = costs, shortlist, host_capacity
         self.ttl_s = ttl * scale
@@ -287,6 +340,9 @@ class FleetSim:
         decay_s = getattr(self.routers[0], "session_decay_s", SESSION_DECAY_S)
         self.starts = DecayingCounts(decay_s, clock=lambda: self.clock)
         self.reqs = [Req(t * scale, chain, out) for t, chain, out in rows]
+        for r, adapter in zip(self.reqs, adapters or (), strict=False):
+            r.adapter = adapter
+        self.span_s = max(rows[-1][0] - rows[0][0], 1e-9) * scale
         self.seq = itertools.count()
         self.events = [(r.arrival, next(self.seq), "arrive", i) for i, r in enumerate(self.reqs)]
         heapq.heapify(self.events)
@@ -344,7 +400,8 @@ class FleetSim:
         """Route request ``i`` as its router process would, then queue it on the chosen replica."""
         r = self.reqs[i]
         policy = self.routers[i % len(self.routers)]
-        req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS)
+        lora = f"a{r.adapter}" if r.adapter is not None else None
+        req = RouteRequest(r.chain, r.tokens, BLOCK_TOKENS, lora_name=lora)
         forecast = predicted_hits(self.predicted, r.chain, now, self.ttl_s, self.landed) if self.uses_index else {}
         asked = self._asked(policy, req, forecast)
         device_hits, host = self._hits(r.chain, asked, forecast) if self.uses_index else (None, {})
@@ -395,6 +452,8 @@ class FleetSim:
         done = now + uncached / self.costs.prefill_tok_s + r.host_hits * BLOCK_TOKENS / self.costs.host_load_tok_s
         if r.fetched_blocks:
             done += r.fetched_blocks * BLOCK_TOKENS / self.costs.fetch_tok_s
+        if r.adapter is not None:
+            done += rep.use_adapter(r.adapter)
         rep.busy.add(now, done - now)
         self._push(done, "prefilled", i)
 
@@ -448,6 +507,7 @@ class FleetSim:
             "imbalance": max(served) / statistics.fmean(served),
             "passed_over": sum(r.passed_over for r in reqs) / blocks,
             "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
+            "adapter_loads_per_min": sum(rep.adapter_loads for rep in self.replicas) / (self.span_s / 60),
         }
 
 
@@ -474,20 +534,23 @@ def compare_routers(
     imbalance: float = BOUND_IMBALANCE,
     shortlist: int = 0,
     progress: Callable[[str, int], None] | None = None,
+    adapters: list[int] | None = None,
 ) -> tuple[dict[str, float], dict[str, dict]]:
     """The cache bounds of ``rows`` (``benchmarks/harness/cache_bounds.py``: infinite, pooled LRU of ``replicas x
     capacity`` blocks, replication-aware at ``imbalance``, its ceiling and its placed floor) and, per run
     ``(label, policy name, policy kwargs)``, the simulated result with time scaled so that prefill (the
     contended resource) is ``target_load`` busy on the pooled bound. ``on_result`` sees each run as it ends.
     ``host_capacity``: blocks of each replica's host tier (0: none); the bounds and load ignore it.
-    ``shortlist``: as ``FleetSim``'s; ``progress(label, routed)`` hears from long runs."""
+    ``shortlist``, ``adapters``: as ``FleetSim``'s; ``progress(label, routed)`` hears from long runs."""
     scale, pooled, infinite = offered_scale(rows, replicas, capacity, target_load, costs)
     replicated = replicated_bound(rows, replicas, capacity, imbalance, pooled)
     results = {}
     for label, name, kw in runs:
         t0 = time.perf_counter()
         report = None if progress is None else lambda n, label=label: progress(label, n)
-        sim = FleetSim(rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist)
+        sim = FleetSim(
+            rows, replicas, capacity, name, kw, processes, scale, ttl, costs, host_capacity, shortlist, adapters
+        )
         res = sim.run(report)
         res["sim_seconds"] = time.perf_counter() - t0
         results[label] = res

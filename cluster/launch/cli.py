@@ -116,7 +116,7 @@ def _lora_settings(args: argparse.Namespace) -> dict:
         modules[name] = str(Path(path).resolve())
     enable = args.enable_lora or bool(modules) or bool(args.lora_root)
     lora = {"enable_lora": enable or None, "lora_modules": modules or None}
-    lora |= {"max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras}
+    lora |= {"max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras, "max_loras": args.max_loras}
     return {k: v for k, v in lora.items() if v is not None}
 
 
@@ -410,6 +410,7 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="PEFT adapters to load at start")
     parser.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 16)")
     parser.add_argument("--max-cpu-loras", type=int, help="adapters kept in memory (default 8)")
+    parser.add_argument("--max-loras", type=int, help="most adapters one step runs (default: no cap)")
     parser.add_argument(
         "--lora-root",
         action="append",
