@@ -13,37 +13,18 @@ mixed adapters >= 0.8x base-only.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
+from kvmesh.bench.harness.lora_files import write_adapter
 from kvmesh.bench.harness.report import print_table, spread, spread_text, write_json
 from kvmesh.replica import LLM, SamplingParams
-from kvmesh.replica.lora_weights import ProjectionShapes
 
 GOAL = 0.8
 PROMPT_TOKENS = 32
-
-
-def write_adapter(path: Path, shapes: ProjectionShapes, rank: int, seed: int) -> None:
-    """A PEFT LoRA adapter of ``rank`` over every projection, random A and B (scaled small), at ``path``."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module, (width_in, width_out) in shapes.shapes.items():
-            part = "self_attn" if module[0] in "qkvo" else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, width_in, generator=gen) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(width_out, rank, generator=gen) * 0.05
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes.shapes)}
-    (path / "adapter_config.json").write_text(json.dumps(config))
 
 
 def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], max_tokens: int) -> dict:

@@ -12,6 +12,14 @@ of a different seed (excluded), run the workload open loop (its own arrival time
 prefix hit rate by tokens and the requests per replica are what the engines saw. The pooled bound is the
 hit rate one LRU cache as large as all replicas together would reach on the same requests (prompts and
 replies as sent and received, in send order): no router can beat it.
+
+``--adapters N``: every replica serves N LoRA adapters (random weights in PEFT's format, rank ``--lora-rank``)
+and holds ``--max-cpu-loras`` of them ready; each session runs on one, drawn with Zipf popularity
+(``--adapter-zipf``), and the table adds the adapters the replicas read per minute (their ``lora_reads``).
+The pooled bound then ignores adapters (a prefix shared across adapters counts as shared): still a bound.
+
+    kvmesh bench run --workload multi_turn --adapters 32 --routers kv_aware,round_robin \
+        --kv-variants adapter_weight=0     # adapter-aware against adapter-blind against round robin
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import yaml
 
 from kvmesh.bench.harness.cache_bounds import pooled_bound
 from kvmesh.bench.harness.load_client import Result, run_sessions
+from kvmesh.bench.harness.lora_files import shapes_of, write_adapter, zipf_choices
 from kvmesh.bench.harness.report import print_table, pyplot, save_figure, write_json
 from kvmesh.bench.harness.serve_process import ServeProcess
 from kvmesh.bench.harness.trace_workloads import WORKLOADS as TRACE_WORKLOADS
@@ -68,6 +77,7 @@ def sent_token_ids(model: str, sessions: list[Session], results: list[Result]) -
 
 
 def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -> dict:
+    """Latency percentiles, throughput, the replicas' hit rate and adapter reads, and requests per replica."""
     ok = [r for r in results if r.error is None]
     ttft = np.array([r.ttft_s for r in ok if r.ttft_s is not None])
     itl = np.array([g for r in ok for g in r.itl_s])
@@ -95,15 +105,24 @@ def summarize(results: list[Result], wall_s: float, before: dict, after: dict) -
         "hit_rate": cached / prompt if prompt else 0.0,
         "hit_rate_client": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
         "requests_per_replica": admitted,
+        "adapter_reads_per_min": sum(_delta(before, after, "lora_reads").values()) * 60 / wall_s if wall_s else 0.0,
         "imbalance": max(counts) / statistics.mean(counts) if counts and statistics.mean(counts) else None,
         "ttft_all_s": ttft.tolist(),
     }
 
 
 def run_router(
-    args: argparse.Namespace, router: str, sessions: list[Session], warmup: list[Session], policy_kwargs: dict
+    args: argparse.Namespace,
+    router: str,
+    sessions: list[Session],
+    warmup: list[Session],
+    policy_kwargs: dict,
+    adapters: dict[str, Path],
 ) -> dict:
     engine = ["--max-num-seqs", str(args.max_num_seqs)] + (["--threads", str(args.threads)] if args.threads else [])
+    if adapters:
+        engine += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+        engine += ["--max-cpu-loras", str(args.max_cpu_loras), "--max-lora-rank", str(args.lora_rank)]
     if args.kv_cache_gib:
         engine += ["--kv-cache-gib", str(args.kv_cache_gib)]
     if args.host_cache_gib is not None:
@@ -195,6 +214,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-cache-gib", type=float, default=None, help="host prefix tier per replica (0: off)")
     ap.add_argument("--think-s", type=float, default=1.0, help="multi_turn: pause before each later turn")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    ap.add_argument("--adapters", type=int, default=0, help="LoRA adapters served; each session runs on one")
+    ap.add_argument("--adapter-zipf", type=float, default=1.0, help="Zipf exponent of the adapters' popularity")
+    ap.add_argument("--max-cpu-loras", type=int, default=4, help="adapters a replica holds ready")
+    ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--json", type=Path, default=None, help="results file (default: benchmarks/results/)")
     ap.add_argument("--png", type=Path, default=None, help="plot path (default: beside the JSON)")
     return ap
@@ -207,6 +230,20 @@ def router_plan(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         kwargs = {k: yaml.safe_load(v) for k, v in (kv.split("=") for kv in variant.split(","))}
         plan.append((f"kv_aware({variant})", "kv_aware", kwargs))
     return plan
+
+
+def on_adapters(args: argparse.Namespace, root: Path, sessions: list[Session]) -> dict[str, Path]:
+    """``--adapters`` written under ``root`` (name -> directory), each session given one by Zipf popularity."""
+    if not args.adapters:
+        return {}
+    shapes = shapes_of(args.model)
+    adapters = {f"lora{k}": root / f"lora{k}" for k in range(args.adapters)}
+    for seed, path in enumerate(adapters.values()):
+        write_adapter(path, shapes, args.lora_rank, seed)
+    names, drawn = list(adapters), zipf_choices(len(sessions), args.adapters, args.adapter_zipf, args.seed)
+    for session, k in zip(sessions, drawn, strict=True):
+        session.model = names[k]
+    return adapters
 
 
 def print_runs(args: argparse.Namespace, sessions: list[Session], runs: dict[str, dict], bound: float) -> None:
@@ -227,6 +264,7 @@ def print_runs(args: argparse.Namespace, sessions: list[Session], runs: dict[str
             f"{100 * s['hit_rate']:.1f}%",
             f"{s['imbalance']:.2f}" if s["imbalance"] else "-",
             s["errors"],
+            *([s["adapter_reads_per_min"]] if args.adapters else []),
         ]
         for name, s in runs.items()
     ]
@@ -245,6 +283,7 @@ def print_runs(args: argparse.Namespace, sessions: list[Session], runs: dict[str
             "hit rate",
             "imbalance",
             "errors",
+            *(["adapter reads/min"] if args.adapters else []),
         ],
         rows,
     )
@@ -256,8 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     sessions = build_workload(args, args.seed)
     warmup = build_workload(args, args.seed + 1000, warmup=True) if args.warmup else []
     runs: dict[str, dict] = {}
-    for label, router, kwargs in router_plan(args):
-        runs[label] = run_router(args, router, sessions, warmup, kwargs)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-loras-") as tmp:
+        adapters = on_adapters(args, Path(tmp), [*sessions, *warmup])
+        for label, router, kwargs in router_plan(args):
+            runs[label] = run_router(args, router, sessions, warmup, kwargs, adapters)
     first = next(iter(runs.values()))
     warm_sent = sent_token_ids(args.model, warmup, first["warmup_results"])
     sent = sent_token_ids(args.model, sessions, first["results"])
@@ -268,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     print_runs(args, sessions, runs, bound)
     payload = {
         "workload": args.workload,
+        "adapter_sessions": {s.session_id: s.model for s in sessions} if args.adapters else None,
         "args": {k: str(v) for k, v in vars(args).items()},
         "pooled_bound": bound,
         "routers": runs,

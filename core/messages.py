@@ -324,6 +324,8 @@ class EngineStats(EngineLoad):
     """Computed tokens thrown away by preemptions that recompute."""
     requests_admitted: int = 0
     """Requests admitted since start (each counted once, however often it was preempted)."""
+    lora_reads: int = 0
+    """LoRA adapters read from their files since start (loaded, or read again after leaving memory)."""
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     """Prompt tokens of admitted requests, and those served from the prefix cache: a hit rate by tokens

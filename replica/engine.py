@@ -539,6 +539,7 @@ class LLMEngine:
             num_swapped_out=s.num_swapped_out,
             num_recomputed_tokens=s.num_recomputed_tokens,
             requests_admitted=s.requests_admitted,
+            lora_reads=self.loras.reads if self.loras is not None else 0,
             prompt_tokens=s.prompt_tokens_queried,
             cached_prompt_tokens=s.prompt_tokens_hit,
             cached_prompt_tokens_host=s.prompt_tokens_hit_host,

@@ -46,6 +46,8 @@ class LoRARegistry:
         self._ids = itertools.count(1)
         self.load_s: float | None = None
         """Seconds reading and placing an adapter took, a moving average over reads (None before the first)."""
+        self.reads = 0
+        """Adapters read from their files so far."""
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         """Serve the adapter at ``path`` as ``name``; ``LoRAError`` if it cannot be served, and then nothing
@@ -91,6 +93,7 @@ class LoRARegistry:
             {k: (a.to(self.device), b.to(self.device)) for k, (a, b) in w.items()} for w in weights.layers
         ]
         took = time.perf_counter() - start
+        self.reads += 1
         self.load_s = took if self.load_s is None else 0.8 * self.load_s + 0.2 * took
         self._loaded.pop(name, None)
         while len(self._loaded) >= self.max_cpu_loras:

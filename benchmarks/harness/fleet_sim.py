@@ -507,6 +507,7 @@ class FleetSim:
             "imbalance": max(served) / statistics.fmean(served),
             "passed_over": sum(r.passed_over for r in reqs) / blocks,
             "passed_over_opening": sum(r.passed_over for r in reqs if r.opened) / blocks,
+            "adapter_loads_per_request": sum(rep.adapter_loads for rep in self.replicas) / len(reqs),
             "adapter_loads_per_min": sum(rep.adapter_loads for rep in self.replicas) / (self.span_s / 60),
         }
 

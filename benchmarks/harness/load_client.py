@@ -47,7 +47,7 @@ async def _send(client: httpx.AsyncClient, model: str, session: Session, history
         path = "/v1/completions"
         body = {"prompt": step.token_ids if step.token_ids is not None else step.text}
     body |= {
-        "model": model,
+        "model": session.model or model,
         "max_tokens": step.max_tokens,
         "temperature": 0,
         "stream": True,

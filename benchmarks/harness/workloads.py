@@ -63,6 +63,8 @@ class Session:
     system: str | None = None
     chat: bool = True
     """Chat sessions use /v1/chat/completions with the growing history; others /v1/completions."""
+    model: str | None = None
+    """The model its requests name (a LoRA adapter); None: the served model."""
     labels: dict = field(default_factory=dict)
 
 
