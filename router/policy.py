@@ -33,6 +33,8 @@ below it, less (``KVAwarePolicy._pressure``). Above it no higher: a saturated fl
 move (its queues are priced already)."""
 DEFAULT_LORA_LOAD_S = 0.05
 """Seconds a replica that has not measured it is assumed to take to read a LoRA adapter."""
+ADAPTERS_REMEMBERED = 64
+"""Per replica, the adapters a router remembers sending it requests on (the most recent)."""
 _NO_FETCH: tuple[None, int, float] = (None, 0, 0.0)
 """``KVAwarePolicy._fetch``'s answer where a replica would recompute: no plan, no tokens, no seconds."""
 
@@ -285,10 +287,10 @@ class KVAwarePolicy:
         self.predict_ttl_s = predict_ttl_s
         self._recent = _RecentOwners(memory_size, clock)
         self._rng = random.Random(seed)  # seeded only to make simulations reproducible
-        self._clock, self._memory_size = clock, memory_size
-        self._adapters_sent: OrderedDict[tuple[str, str], float] = OrderedDict()
-        """When this router last sent a request on each (adapter, replica): the replica holds the adapter from
-        then on, before its next report says so."""
+        self._clock = clock
+        self._adapters_sent: dict[str, OrderedDict[str, float]] = {}
+        """Per replica, the adapters this router last sent it requests on and when (oldest first): what it
+        reads and evicts before its next report says so."""
         self._chosen: dict[str, int] = {}
         """When this router last sent a request to each replica (a decision count): equal costs go to the
         one it used least recently, so idle replicas take new work in turn instead of by chance."""
@@ -450,17 +452,47 @@ class KVAwarePolicy:
         return costs, own_prefill_s, own_s, churns, fetches
 
     def _adapter_s(self, req: RouteRequest, r: ReplicaLoad) -> tuple[float, float]:
-        """Seconds ``r`` spends reading the request's adapter before it can start (none where it holds it, or
-        this router sent it a request on it within ``predict_ttl_s``), and what the read costs others: where
-        ``r``'s adapter slots are full it evicts one, which its next request reads again."""
+        """Seconds ``r`` spends reading the request's adapter before it can start (none where it holds it, as
+        far as this router knows: ``_ready``), and what the read costs others: where ``r``'s adapter slots are
+        full it evicts the least recently used adapter, and if that one is live (this router sent it a request
+        within a conversation's live time) the next turn on it reads it again. Evicting an idle adapter costs
+        nothing now: charged alike, it would only pull new conversations onto the replicas already busiest
+        with live ones, where their adapters take turns evicting each other."""
         name = req.lora_name
-        if name is None or not self.adapter_weight or name in r.loras:
+        if name is None or not self.adapter_weight:
             return 0.0, 0.0
-        sent = self._adapters_sent.get((name, r.index_id))
-        if sent is not None and self._clock() - sent < self.predict_ttl_s:
+        held = self._ready(r)
+        if name in held:
             return 0.0, 0.0
         read_s = self.adapter_weight * (r.lora_load_s or DEFAULT_LORA_LOAD_S)
-        return read_s, read_s if r.lora_slots and len(r.loras) >= r.lora_slots else 0.0
+        full = r.lora_slots and len(held) >= r.lora_slots
+        return read_s, read_s if full and self._live(r.index_id, held[0]) else 0.0
+
+    def _live(self, index_id: str, adapter: str) -> bool:
+        """Whether this router sent ``index_id`` a request on ``adapter`` within a conversation's live time."""
+        at = self._adapters_sent.get(index_id, {}).get(adapter)
+        return at is not None and self._clock() - at <= self.sessions.live.live_s
+
+    def _ready(self, r: ReplicaLoad) -> list[str]:
+        """The adapters ``r`` holds as this router expects, least recently used first: its report's, then each
+        adapter this router sent it a request on since (within ``predict_ttl_s`` before the report too, for
+        requests still on their way), the least recently used out once its slots are full. Without the
+        evictions a burst would send requests to replicas whose report still names an adapter a read just
+        evicted, and every such request reads it again."""
+        sent = self._adapters_sent.get(r.index_id)
+        if not sent:
+            return r.loras
+        horizon = self._clock() - r.report_age_s - self.predict_ttl_s
+        held = list(r.loras)
+        for name, at in sent.items():
+            if at < horizon:
+                continue
+            if name in held:
+                held.remove(name)
+            held.append(name)
+            if r.lora_slots and len(held) > r.lora_slots:
+                held.pop(0)
+        return held
 
     def _disaggregate(
         self,
@@ -665,10 +697,10 @@ class KVAwarePolicy:
         self._chosen[index_id] = self._decisions
         self._recent.record(req.block_hashes, index_id)
         if req.lora_name is not None:
-            sent = self._adapters_sent
-            sent[(req.lora_name, index_id)] = self._clock()
-            sent.move_to_end((req.lora_name, index_id))
-            while len(sent) > self._memory_size:
+            sent = self._adapters_sent.setdefault(index_id, OrderedDict())
+            sent[req.lora_name] = self._clock()
+            sent.move_to_end(req.lora_name)
+            while len(sent) > ADAPTERS_REMEMBERED:
                 sent.popitem(last=False)
         conversation, continued = self.sessions.branches.routed(req.block_hashes, decision.known_blocks)
         blocks = len(req.block_hashes)

@@ -56,9 +56,16 @@ def test_the_measured_read_time_prices_the_move():
     assert d.costs["r1"] - d.costs["r0"] == pytest.approx(DEFAULT_LORA_LOAD_S)
 
 
-def test_a_read_that_evicts_another_adapter_costs_more():
-    reps = fleet(["x", "y"], ["z"], slots=2)  # r0's slots are full: reading "a" there evicts "x"
-    d = KVAwarePolicy().rank(on("a", 0), reps, {})
+def test_a_read_that_evicts_a_live_adapter_costs_more():
+    """Reading ``a`` on r0 (both slots full) evicts its least recently used adapter; r1 has a free slot. While
+    that adapter is idle, evicting it costs nothing; once this router sends r0 requests on both its adapters
+    (live conversations), the eviction is charged a read (the next turn reads it again) and ``a`` goes to r1."""
+    policy, reps = KVAwarePolicy(), fleet(["x", "y"], ["z"], slots=2)
+    d = policy.rank(on("a", 0), reps, {})
+    assert d.costs["r0"] == pytest.approx(d.costs["r1"])
+    for first, adapter in ((1000, "x"), (2000, "y")):
+        policy.on_routed(on(adapter, first), "r0", policy.rank(on(adapter, first), reps, {}))
+    d = policy.rank(on("a", 3000), reps, {})
     assert d.ranked[0] == "r1" and d.costs["r0"] - d.costs["r1"] == pytest.approx(0.05)
 
 
@@ -78,3 +85,14 @@ def test_load_reports_carry_the_adapters_a_replica_holds():
     assert again.loras == ["a", "b"] and again.lora_slots == 4 and again.lora_load_s == 0.02
     assert ReplicaLoad.from_report(again).loras == ["a", "b"]
     assert LoadReport.from_dict({**report.as_dict(), "loras": "a"}) is None  # malformed: refused
+
+
+def test_a_read_this_router_caused_evicts_before_the_report_says_so():
+    """r0 holds x and y in its two slots; sending it a request on a (a read) evicts x, the least recently used.
+    Before r0 reports again, a request on x goes to r1, which holds it, instead of reading x back on r0."""
+    policy, reps = KVAwarePolicy(), fleet(["x", "y"], ["x"], slots=2)
+    reps[1].pending_prefill_tokens = 60  # 30 ms queued on r1: without the eviction r0 would look cheaper
+    assert policy.rank(on("x", 0), reps, {}).ranked[0] == "r0"
+    first = policy.rank(on("a", 1000), reps, {})
+    policy.on_routed(on("a", 1000), "r0", first)
+    assert policy.rank(on("x", 2000), reps, {}).ranked[0] == "r1"
