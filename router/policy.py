@@ -212,9 +212,10 @@ class KVAwarePolicy:
     term, off by default, charges a newcomer the decode speed it would take from the sequences already
     there.
 
-    A request on a LoRA adapter pays, where a replica does not hold the adapter (``loras``), the time it takes
-    to read one (``lora_load_s``, x ``adapter_weight``; 0: adapter-blind), twice where the read evicts another
-    adapter: a cold adapter stays where it is held, a hot one spreads once its holder's queue costs more.
+    A request on a LoRA adapter pays, where a replica does not hold the adapter (``loras``, with this router's
+    own sends since), the time it takes to read one (``lora_load_s``, x ``adapter_weight``; 0: adapter-blind),
+    twice where the read evicts a live adapter: a cold adapter stays where it is held, a hot one spreads once
+    its holder's queue costs more.
 
     Around the cost: a replica holding most of the request (its conversation history), or the one its
     session last went to, keeps it unless another is cheaper by more than ``override_margin_s``; new
