@@ -318,7 +318,7 @@ def test_bad_requests_get_openai_errors(client, server):
     assert missing.value.body["code"] == "model_not_found"
     raw = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=AUTH, timeout=10)
     assert raw.status_code == 400 and "error" in raw.json()
-    assert [m.id for m in client.models.list().data] == [server.model]
+    assert [m.id for m in client.models.list().data] == [server.model, *ADAPTERS]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
