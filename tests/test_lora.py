@@ -67,18 +67,23 @@ def test_each_adapter_alone_gives_peft_merged_tokens(llm, adapters):
         assert [o.token_ids for o in outs] == expected[name], name
 
 
-@pytest.mark.parametrize("padding", [0.0, 1e9], ids=["per-adapter", "grouped"])
-def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters, monkeypatch, padding):
-    """Both ways a step applies several adapters (each over its own rows, or all as one padded batch) give
-    every request its own adapter's tokens."""
-    monkeypatch.setattr(lora, "GROUPED_PADDING", padding)
-    ids, _, expected = adapters
+def _each_gets_its_own(llm, ids, expected) -> None:
+    """Every prompt under the base model and each adapter, in one batch: each gets PEFT's tokens for its own."""
     names = [None, *ADAPTERS]
     prompts = [i for i in ids for _ in names]
     loras = [n for _ in ids for n in names]
     outs = llm.generate(prompts, GREEDY, lora=loras)
     for out, prompt, name in zip(outs, prompts, loras, strict=True):
         assert out.token_ids == expected[name][ids.index(prompt)], name
+
+
+@pytest.mark.parametrize("padding", [0.0, 1e9], ids=["per-adapter", "grouped"])
+def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters, monkeypatch, padding):
+    """Both ways a step applies several adapters (each over its own rows, or all as one padded batch) give
+    every request its own adapter's tokens."""
+    monkeypatch.setattr(lora, "GROUPED_PADDING", padding)
+    ids, _, expected = adapters
+    _each_gets_its_own(llm, ids, expected)
 
 
 def test_max_loras_caps_the_adapters_one_step_runs(llm, adapters, monkeypatch):
@@ -95,12 +100,7 @@ def test_max_loras_caps_the_adapters_one_step_runs(llm, adapters, monkeypatch):
         return scheduled
 
     monkeypatch.setattr(scheduler, "schedule", recording)
-    names = [None, *ADAPTERS]
-    prompts = [i for i in ids for _ in names]
-    loras = [n for _ in ids for n in names]
-    outs = llm.generate(prompts, GREEDY, lora=loras)
-    for out, prompt, name in zip(outs, prompts, loras, strict=True):
-        assert out.token_ids == expected[name][ids.index(prompt)], name
+    _each_gets_its_own(llm, ids, expected)
     assert max(len(step) for step in per_step) == 2
     assert set().union(*per_step) == set(ADAPTERS)
     with pytest.raises(ValueError, match="max_loras"):
