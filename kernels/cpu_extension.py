@@ -16,6 +16,8 @@
 - ``pack_panels`` and ``linear_panels`` (``csrc/panel_linear_cpu.cpp``): float32 linear layers for decode-sized
   batches on weights packed in 32-column panels, the next panel prefetched while one computes: a decode
   step streams every weight from memory, which oneDNN's GEMM leaves unhidden.
+- ``lora_update`` (``csrc/lora_cpu.cpp``): a step's LoRA updates of one projection, every adapter's tokens
+  in one call (``kernels/lora.py``).
 
 All of them compute in float and widen and round half-precision values through ``csrc/convert.h`` (c10's
 rounding, in a form the compiler vectorizes: with c10's own operators bf16 SiLU-and-mul ran 8x slower).
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / f"{name}_cpu.cpp"
-    for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear", "int4_quant")
+    for name in ("paged_decode", "paged_prefill", "sample", "layers", "linear", "panel_linear", "int4_quant", "lora")
 ]
 HEADERS = [CSRC / "paged_cache.h", CSRC / "convert.h"]
 ENV_SWITCH = "KVMESH_CPU_KERNELS"

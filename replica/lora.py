@@ -1,10 +1,9 @@
 """LoRA adapters beside the base model: which are loaded (``LoRARegistry``), and one step's use of them
 (``LoRAStep``), applied after each projection the adapters target.
 
-A step mixes the base model and any number of loaded adapters. The batch's tokens are grouped by adapter
-once per step (numpy over the batch, no per-token Python); each layer then adds, per adapter present, the
-low-rank update to its rows: two small matmuls and an ``index_add_``, the whole batch in one matmul when a
-single adapter covers it. The torch reference of a segmented LoRA op (vLLM's punica, S-LoRA's SGMV).
+A step mixes the base model and any number of loaded adapters. The batch's tokens are sorted by adapter once
+per step (numpy over the batch, no per-token Python); each projection then adds every adapter's low-rank
+update to its tokens in one segmented op (``kernels/lora.py``: compiled on the CPU, torch elsewhere).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from kvmesh.core.errors import InvalidRequest
+from kvmesh.kernels.lora import lora_update
 from kvmesh.replica.lora_weights import LoRAError, LoRAWeights, ProjectionShapes, load_peft
 
 
@@ -102,78 +102,19 @@ class LoRARegistry:
         return adapter
 
 
-GROUPED_PADDING = 2.0
-"""A step runs its adapters as one padded batch (``LoRAStacks``) while padding the adapters' token groups to the
-largest one at most doubles the rows; past that (a long prefill beside short ones) each adapter runs alone."""
-
-
-@dataclass
-class Stacked:
-    """Several adapters' pairs for one layer and projection, as batches: ``a`` [adapters, in, rank] and ``b``
-    [adapters, rank, out], ranks zero-padded to the largest (an adapter without the projection: all zero)."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-
-
-class LoRAStacks:
-    """Stacked pairs of the last few sets of adapters that stepped together (a mix stays for many steps)."""
-
-    def __init__(self, keep: int = 4) -> None:
-        self.keep = keep
-        self._sets: OrderedDict[tuple[int, ...], list[dict[str, Stacked]]] = OrderedDict()
-
-    def get(self, adapters: list[LoRAAdapter]) -> list[dict[str, Stacked]]:
-        """Per layer, per projection any of ``adapters`` targets, their pairs stacked in this order."""
-        key = tuple(a.id for a in adapters)
-        if key not in self._sets:
-            self._sets[key] = [
-                _stack(per_layer) for per_layer in zip(*(a.weights.layers for a in adapters), strict=True)
-            ]
-            while len(self._sets) > self.keep:
-                self._sets.popitem(last=False)
-        self._sets.move_to_end(key)
-        return self._sets[key]
-
-
-def _stack(per_adapter: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]) -> dict[str, Stacked]:
-    stacked = {}
-    for target in {t for pairs in per_adapter for t in pairs}:
-        some_a, some_b = next(pairs[target] for pairs in per_adapter if target in pairs)
-        rank = max(pairs[target][0].shape[0] for pairs in per_adapter if target in pairs)
-        a = some_a.new_zeros(len(per_adapter), some_a.shape[1], rank)
-        b = some_b.new_zeros(len(per_adapter), rank, some_b.shape[0])
-        for j, pairs in enumerate(per_adapter):
-            if target in pairs:
-                pa, pb = pairs[target]
-                a[j, :, : pa.shape[0]] = pa.T
-                b[j, : pb.shape[1]] = pb.T
-        stacked[target] = Stacked(a, b)
-    return stacked
-
-
-@dataclass
-class Grouped:
-    """A step's adapter tokens as a padded batch: ``rows`` [adapters * group] (each adapter's tokens, then
-    padding pointing at row 0), ``valid`` (1 for a token, 0 for padding; None without padding)."""
-
-    stacked: list[dict[str, Stacked]]
-    rows: torch.Tensor
-    valid: torch.Tensor | None
-    shape: tuple[int, int]
-
-
 @dataclass
 class LoRAStep:
-    """One step's adapters: per adapter present, its weights and the batch rows (token indices) it covers
-    (None: every row); or all of them as one padded batch (``grouped``)."""
+    """One step's adapters in order, the batch rows (token indices) that use them sorted by adapter, where each
+    adapter's rows start (``seg``, on the CPU) and each fused projection's part bounds: ``kernels/lora.py``."""
 
-    segments: list[tuple[LoRAWeights, torch.Tensor | None]]
-    grouped: Grouped | None = None
+    weights: list[LoRAWeights]
+    rows: torch.Tensor
+    seg: torch.Tensor
+    bounds: dict[str, list[int]]
 
     @classmethod
     def build(
-        cls, adapters: list[LoRAAdapter | None], qlens: np.ndarray, device: torch.device, stacks: LoRAStacks
+        cls, adapters: list[LoRAAdapter | None], qlens: np.ndarray, device: torch.device, bounds: dict[str, list[int]]
     ) -> LoRAStep | None:
         """Group a batch's tokens by adapter: ``adapters`` per sequence (None: the base model), ``qlens`` its
         tokens this step. None when no sequence uses an adapter."""
@@ -181,56 +122,20 @@ class LoRAStep:
         used = np.unique(ids[ids > 0])
         if not len(used):
             return None
-        by_id = {a.id: a for a in adapters if a is not None}
-        if len(used) == 1 and (ids > 0).all():
-            return cls([(by_id[int(used[0])].weights, None)])
+        by_id = {a.id: a.weights for a in adapters if a is not None}
         per_token = np.repeat(ids, qlens)
         tokens = np.flatnonzero(per_token)
-        position = np.searchsorted(used, per_token[tokens])
-        counts = np.bincount(position, minlength=len(used))
-        group = int(counts.max())
-        if len(used) * group > GROUPED_PADDING * len(tokens):
-            return cls([(by_id[i].weights, _rows(per_token, i, device)) for i in used.tolist()])
-        order = np.argsort(position, kind="stable")
-        within = np.arange(len(tokens)) - np.repeat(np.cumsum(counts) - counts, counts)
-        slots = position[order] * group + within
-        rows = np.zeros(len(used) * group, np.int64)
-        rows[slots] = tokens[order]
-        valid = None
-        if len(slots) < len(rows):
-            mask = np.zeros((len(rows), 1), np.float32)
-            mask[slots] = 1.0
-            valid = torch.from_numpy(mask).to(device)
-        shape = (len(used), group)
-        stacked = stacks.get([by_id[i] for i in used.tolist()])
-        return cls([], Grouped(stacked, torch.from_numpy(rows).to(device), valid, shape))
+        rows = tokens[np.argsort(per_token[tokens], kind="stable")]
+        counts = np.bincount(np.searchsorted(used, per_token[tokens]), minlength=len(used))
+        seg = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))))
+        return cls([by_id[i] for i in used.tolist()], torch.from_numpy(rows).to(device), seg, bounds)
 
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add each adapter's update of projection ``target`` (input ``x``, output ``y``) to its rows of ``y``."""
-        if self.grouped is not None:
-            self._apply_grouped(self.grouped, layer, target, x, y)
+        pairs = [w.layers[layer].get(target) for w in self.weights]
+        if not any(pairs):
             return
-        for weights, rows in self.segments:
-            pair = weights.layers[layer].get(target)
-            if pair is None:
-                continue
-            a, b = pair
-            if rows is None:
-                y.add_((x @ a.T) @ b.T)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
-
-    @staticmethod
-    def _apply_grouped(grouped: Grouped, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        stacked = grouped.stacked[layer].get(target)
-        if stacked is None:
-            return
-        xs = x.index_select(0, grouped.rows)
-        if grouped.valid is not None:
-            xs.mul_(grouped.valid.to(xs.dtype))
-        update = torch.bmm(torch.bmm(xs.view(*grouped.shape, -1), stacked.a), stacked.b)
-        y.index_add_(0, grouped.rows, update.view(len(grouped.rows), -1))
-
-
-def _rows(per_token: np.ndarray, adapter_id: int, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.flatnonzero(per_token == adapter_id)).to(device)
+        none = x.new_empty(0)
+        a = [p[0] if p else none for p in pairs]
+        b = [p[1] if p else none for p in pairs]
+        lora_update(y, x, a, b, self.rows, self.seg, self.bounds[target])

@@ -3,7 +3,7 @@
 PEFT saves ``adapter_config.json`` and ``adapter_model.safetensors`` with, per targeted module, ``lora_A``
 ([rank, in]) and ``lora_B`` ([out, rank]). Our model fuses q/k/v and gate/up into one matmul each
 (``replica/llama.py``), so an adapter's q, k and v become one pair for ``qkv``: their A matrices stacked, their
-B matrices placed block-diagonally at each one's output columns, the scaling folded into B. Anything we
+B matrices transposed side by side at each one's output columns, the scaling folded into B. Anything we
 cannot serve exactly (DoRA, per-module ranks, biases, shapes of another base model) is refused with a
 ``LoRAError`` naming what is wrong, before the adapter is used.
 """
@@ -41,7 +41,8 @@ class ProjectionShapes:
 
 @dataclass
 class LoRAWeights:
-    """One adapter: per layer and fused projection, ``(A, B)`` with ``delta = (x @ A.T) @ B.T`` (scaling in B)."""
+    """One adapter: per layer and fused projection, ``(A, B)`` as ``kernels/lora.py`` takes them: A [parts * r,
+    in], B [r, out] (scaling in B); part ``p`` adds ``(x @ A[p*r:(p+1)*r].T) @ B[:, its columns]``."""
 
     name: str
     rank: int
@@ -123,21 +124,33 @@ def _read_pairs(
 def _fuse(
     modules: dict[str, dict[str, torch.Tensor]], model: ProjectionShapes, scaling: float, dtype: torch.dtype
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """One layer's pairs as ours: per fused projection, stacked A and block-diagonal, scaled B."""
+    """One layer's pairs as ours: per fused projection, each part's A stacked ([parts * r, in]; zeros for a
+    part the adapter does not target) and each part's scaled B transposed, side by side ([r, out])."""
     fused = {}
     for target, names in FUSED_ORDER.items():
         present = [n for n in names if n in modules]
         if not present:
             continue
-        a = torch.cat([modules[n]["A"] for n in present]).to(dtype)
-        widths = [model.shapes[n][1] for n in names]
-        b = torch.zeros(sum(widths), a.shape[0], dtype=dtype)
-        col, row = 0, 0
-        for n, width in zip(names, widths, strict=True):
+        rank, width_in = modules[present[0]]["A"].shape
+        a = torch.zeros(len(names) * rank, width_in, dtype=dtype)
+        b = torch.zeros(rank, sum(model.shapes[n][1] for n in names), dtype=dtype)
+        col = 0
+        for part, n in enumerate(names):
+            width = model.shapes[n][1]
             if n in modules:
-                rank = modules[n]["B"].shape[1]
-                b[row : row + width, col : col + rank] = modules[n]["B"].to(dtype) * scaling
-                col += rank
-            row += width
-        fused[target] = (a.contiguous(), b)
+                a[part * rank : (part + 1) * rank] = modules[n]["A"]
+                b[:, col : col + width] = modules[n]["B"].T * scaling
+            col += width
+        fused[target] = (a, b)
     return fused
+
+
+def column_bounds(model: ProjectionShapes) -> dict[str, list[int]]:
+    """Per fused projection, where each part's output columns start and end (``kernels/lora.py``'s ``bounds``)."""
+    bounds = {}
+    for target, names in FUSED_ORDER.items():
+        edges = [0]
+        for n in names:
+            edges.append(edges[-1] + model.shapes[n][1])
+        bounds[target] = edges
+    return bounds

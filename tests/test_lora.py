@@ -22,7 +22,8 @@ from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import InvalidRequest
 from kvmesh.core.kv_event_wire import EventBatch, decode_batch, encode_batch
 from kvmesh.core.messages import GenerateCall
-from kvmesh.replica import LLM, SamplingParams, lora
+from kvmesh.kernels import lora as kernels_lora
+from kvmesh.replica import LLM, SamplingParams
 from kvmesh.replica.kv_event_publisher import WireEncoder
 from kvmesh.replica.lora_weights import LoRAError
 from kvmesh.router.worker_blocks import WorkerBlocks
@@ -77,11 +78,12 @@ def _each_gets_its_own(llm, ids, expected) -> None:
         assert out.token_ids == expected[name][ids.index(prompt)], name
 
 
-@pytest.mark.parametrize("padding", [0.0, 1e9], ids=["per-adapter", "grouped"])
-def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters, monkeypatch, padding):
-    """Both ways a step applies several adapters (each over its own rows, or all as one padded batch) give
-    every request its own adapter's tokens."""
-    monkeypatch.setattr(lora, "GROUPED_PADDING", padding)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_a_batch_mixing_base_and_three_adapters_gives_each_its_own(llm, adapters, monkeypatch, compiled):
+    """Both versions of the segmented LoRA op (the CPU kernel and the torch definition) give every request
+    its own adapter's tokens."""
+    if not compiled:
+        monkeypatch.setattr(kernels_lora, "cpu_op", lambda name: None)
     ids, _, expected = adapters
     _each_gets_its_own(llm, ids, expected)
 
