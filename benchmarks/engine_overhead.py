@@ -20,8 +20,6 @@ the ceiling it puts on any model on any GPU. One torch thread. Measured:
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +30,11 @@ import torch
 from kvmesh.bench.harness.engine_workload import workload as smollm_workload
 from kvmesh.bench.harness.model_shapes import tiny_model
 from kvmesh.bench.harness.report import median, print_table, write_json
+from kvmesh.bench.harness.vllm_offline import vllm_tok_s
 from kvmesh.core.model_files import resolve_model_dir
 from kvmesh.replica import LLM, EngineConfig, LLMEngine, SamplingParams
 
 PROMPT_TOKENS = 32
-VLLM_SIDE = Path(__file__).parent / "harness" / "vllm_side.py"
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -99,20 +97,6 @@ def ours_tok_s(llm: LLM, work: list[list[int]], params: list[SamplingParams]) ->
     outs = llm.generate(work, params)
     dt = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / dt
-
-
-def vllm_tok_s(
-    python: str, model: Path, work: list[list[int]], olens: list[int], sampling: bool, threads: int, dtype: str
-) -> float:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": work, "output_lens": olens, "sampled": sampling, "threads": threads, "dtype": dtype}, f)
-    out = subprocess.run(
-        [python, str(VLLM_SIDE), str(model), f.name], capture_output=True, text=True, timeout=3600, cwd="/tmp"
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"vLLM run failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    result = next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"tok_per_s"'))
-    return json.loads(result)["tok_per_s"]
 
 
 def measure_steps(args: argparse.Namespace, small: Path, big: Path) -> tuple[dict, dict, list[float]]:
