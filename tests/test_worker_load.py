@@ -221,3 +221,57 @@ def test_a_new_prompt_among_near_tied_workers_goes_to_the_smallest_cache():
         )
         url, hits = router.choose(call)
         assert url == "http://b:1" and hits == 0, p
+
+
+VLLM_LORA_INFO = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="tone",waiting_lora_adapters="style,tone"} 1.8e9
+"""
+
+
+def models_page(*adapters: str) -> str:
+    """A vLLM ``/v1/models`` answer: the base model and each adapter with its ``parent``."""
+    data = [{"id": MODEL, "object": "model", "root": MODEL, "parent": None}]
+    data += [{"id": a, "object": "model", "root": f"/loras/{a}", "parent": MODEL} for a in adapters]
+    return json.dumps({"object": "list", "data": data})
+
+
+def test_adapter_requests_go_to_the_vllm_workers_that_serve_them_and_their_ready_adapters_are_priced():
+    """A vLLM worker's ``/v1/models`` says which adapters it serves and its ``lora_requests_info`` gauge (the
+    current sample: the latest time) which it holds ready; a request on an adapter goes only to a worker that
+    serves it, however busy; one on an adapter nobody lists, or on the base model, may go anywhere."""
+    with_adapters = Pages(
+        {"/metrics": (200, VLLM_METRICS + VLLM_LORA_INFO), "/v1/models": (200, models_page("tone", "style"))}
+    )
+    base_only = Pages({"/metrics": (200, VLLM_METRICS), "/v1/models": (200, models_page())})
+
+    async def main():
+        async with with_adapters as a, base_only as b:
+            for w in (a, b):
+                assert await w._read_load()
+                await w._read_models()
+            return a, b
+
+    a, b = asyncio.run(main())
+    assert a.served == {"tone", "style"} and b.served == frozenset()
+    assert a.measured() == {"loras": ["tone", "style"], "lora_slots": 2}
+    assert b.measured() == {} and not b.serves("tone") and b.serves(MODEL) is False
+    router = LocalRouter([a, b])
+    a.in_flight = 50  # far busier: a base-model request would go to b
+
+    def call(lora: str | None) -> GenerateCall:
+        tokens = list(range(len(lora or ""), 320))  # a prompt of its own each: nothing sent before is a hit
+        return GenerateCall(
+            request_id=f"r-{lora}",
+            prompt_token_ids=tokens,
+            block_hashes=hash_blocks(tokens, 16, model_seed(MODEL)),
+            block_size=16,
+            params=SamplingParams(max_tokens=4),
+            lora_name=lora,
+        )
+
+    assert router.choose(call("tone"))[0] == a.spec.url
+    assert router.choose(call("style"))[0] == a.spec.url
+    assert router.choose(call(None))[0] == b.spec.url
+    assert router.choose(call("nobody-lists-it"))[0] == b.spec.url  # no worker lists it: load decides; it 404s

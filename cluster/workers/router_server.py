@@ -55,6 +55,8 @@ class LocalRouter:
         """The worker for ``call`` and the leading blocks it holds."""
         req = RouteRequest(call.block_hashes, call.num_tokens, call.block_size, call.session_id, call.lora_name)
         live = list(self.curr_replicas) or list(self.workers)
+        if call.lora_name:  # only workers that serve the adapter, where any does
+            live = [url for url in live if self.workers[url].serves(call.lora_name)] or live
         device = {url: self.workers[url].blocks.leading(req.block_hashes) for url in live}
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
         decision = self.policy.rank(req, [self._load(url) for url in live], device, None, host)

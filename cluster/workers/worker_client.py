@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.cluster.workers.worker_adapters import ReadyAdapters, ready_adapters, served_adapters
 from kvmesh.cluster.workers.worker_spec import WorkerSpec
 from kvmesh.core.errors import InvalidRequest, RequestFailed
 from kvmesh.core.hashing import model_seed
@@ -38,6 +39,8 @@ from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
 log = logging.getLogger(__name__)
 
 METRICS_PERIOD_S = 1.0
+MODELS_EVERY = 5
+"""Every how many load reads the worker's ``/v1/models`` (the adapters it serves) is read again."""
 DOWN_AFTER = 2
 """Consecutive unanswered polls (one a second) after which a worker counts as down."""
 START_TIMEOUT_S = 10.0
@@ -60,6 +63,9 @@ MEASURED_FIELDS = (
     "kv_total_blocks",
     "host_load_tok_s",
     "disk_load_tok_s",
+    "loras",
+    "lora_slots",
+    "lora_load_s",
 )
 """What a router takes from a worker's own ``LoadReport``: its speed and room. Request counts it takes from what
 it sent itself (fresher than a poll) and from the gauges. Cache fill and prefill busy stay at the defaults (full,
@@ -199,6 +205,10 @@ class Worker:
         self.report: LoadReport | None = None
         """The worker's last ``GET /load`` (``kvmesh engine`` serves one; None: not offered, or not yet read)."""
         self._offers_load = True
+        self.served: frozenset[str] | None = None
+        """The LoRA adapters the worker lists in ``/v1/models`` (None: not read yet)."""
+        self.ready: ReadyAdapters | None = None
+        """The adapters in a vLLM worker's batch slots, from its ``/metrics`` (None: it publishes none)."""
         self.prompt_tokens = self.cached_tokens = 0
         self.subscriber: KVEventSubscriber | None = None
         self._poller: asyncio.Task | None = None
@@ -332,9 +342,12 @@ class Worker:
         """Read the worker's load every second; after ``DOWN_AFTER`` unanswered polls it is down: its cache view
         goes at once and routers rank it last, until it answers again (its cache is then rebuilt from its event
         stream)."""
-        failures = 0
+        failures, polls = 0, 0
         while True:
             answered = await self._read_load()
+            if answered and polls % MODELS_EVERY == 0:
+                await self._read_models()
+            polls += 1
             failures = 0 if answered else failures + 1
             if failures == DOWN_AFTER:
                 log.warning("worker %s stopped answering: its index entries are removed", self.spec.url)
@@ -366,7 +379,19 @@ class Worker:
             return False  # the last figures stand until the worker counts as down
         if status == 200:
             self.gauges = prometheus_gauges(text)
+            self.ready = ready_adapters(text)
         return status < 500
+
+    async def _read_models(self) -> None:
+        """The adapters the worker serves, from its ``/v1/models`` (kept as they were if it does not answer)."""
+        with contextlib.suppress(OSError):
+            status, text = await self.get("/v1/models")
+            if status == 200 and (served := served_adapters(text)) is not None:
+                self.served = served
+
+    def serves(self, adapter: str) -> bool:
+        """Whether the worker lists ``adapter`` (True until its list is read)."""
+        return self.served is None or adapter in self.served
 
     def _report_in(self, text: str) -> LoadReport | None:
         """The ``LoadReport`` a ``/load`` answer holds; None (with a log line) if it holds none."""
@@ -379,9 +404,13 @@ class Worker:
         return report
 
     def measured(self) -> dict:
-        """The worker's measured speed and capacity (``MEASURED_FIELDS`` of its last report; empty without one)."""
+        """The worker's measured speed and capacity (``MEASURED_FIELDS`` of its last report; without one, the
+        adapters a vLLM worker has ready, if it says)."""
         report = self.report
-        return {} if report is None else {name: getattr(report, name) for name in MEASURED_FIELDS}
+        if report is not None:
+            return {name: getattr(report, name) for name in MEASURED_FIELDS}
+        ready = self.ready
+        return {} if ready is None else {"loras": ready.names, "lora_slots": ready.slots}
 
     def status(self, node: str = "") -> ReplicaStatus:
         """What ``kvmesh status`` shows of the worker: its gauges, the prefix hits of what this proxy sent and
