@@ -1,7 +1,8 @@
 """Faults and overload end to end: ``kvmesh serve`` (2 replicas of the tiny model, one running sequence each,
-tight queue limits) on a Redis this test owns, so it can stop and restart it; a replica process is killed by
-its pid mid-stream. What users rely on: nothing but the requests that truly could not be served is lost,
-each refused or failed request is told so clearly, and the cluster heals by itself."""
+tight queue limits, a LoRA adapter) on a Redis this test owns, so it can stop and restart it; a replica
+process is killed by its pid mid-stream. What users rely on: nothing but the requests that truly could not be
+served is lost, each refused or failed request is told so clearly, and the cluster heals by itself, adapters
+included."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import redis
 from kvmesh.bench.harness.serve_process import ServeProcess
 from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis
 from kvmesh.router.index_schema import index_prefix
+from tests.lora_helpers import ALL_MODULES, make_adapter, merged_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -41,7 +43,16 @@ def redis_for_faults():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory, redis_for_faults):
+def lora_root(tiny_llama_dir, tmp_path_factory):
+    """``tone``, served from the start, and ``extra``, loaded at run time."""
+    root = tmp_path_factory.mktemp("fault-loras")
+    for seed, name in enumerate(("tone", "extra")):
+        make_adapter(tiny_llama_dir, root / name, 8, ALL_MODULES, seed, scale=0.5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, redis_for_faults, lora_root):
     args = [
         "--model",
         str(tiny_llama_dir),
@@ -52,6 +63,10 @@ def server(tiny_llama_dir, tmp_path_factory, redis_for_faults):
         "--redis-url",
         redis_for_faults.url,
         *LIMITS,
+        "--lora-modules",
+        f"tone={lora_root / 'tone'}",
+        "--lora-root",
+        str(lora_root),
     ]
     with ServeProcess(args, tmp_path_factory.mktemp("faults") / "serve.log") as srv:
         srv.model = str(tiny_llama_dir)
@@ -201,3 +216,36 @@ def test_overload_is_refused_with_retry_after_never_a_hang(server):
             assert retry_after == "1" and body_["error"]["type"] in ("rate_limit_error", "service_unavailable")
             assert elapsed < 5, "a refusal must be immediate"
     assert complete(server, "Calm again").status_code == 200
+
+
+def test_restarted_replicas_serve_the_adapters_they_served(server, lora_root, tiny_llama_dir):
+    """An adapter served from the start (``--lora-modules``) and one loaded at run time: after every replica
+    has been killed and replaced, both answer as PEFT's merged model (the new replicas load the first from
+    their configuration and read the second from the directory each call names)."""
+    body = {"lora_name": "extra", "lora_path": str(lora_root / "extra")}
+    assert server.http_client.post("/v1/load_lora_adapter", json=body).status_code == 200
+    prompts = [[200 + 41 * i + j for j in range(20)] for i in range(3)]
+    expected = {name: merged_greedy(tiny_llama_dir, lora_root / name, prompts, 6) for name in ("tone", "extra")}
+
+    def answers(name: str) -> list[str]:
+        out = []
+        for prompt in prompts:
+            body = {"model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            reply = server.http_client.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            out.append(reply.json()["choices"][0]["text"])
+        return out
+
+    def detokenized(name: str) -> list[str]:
+        return [server.http_client.post("/detokenize", json={"tokens": t}).json()["prompt"] for t in expected[name]]
+
+    assert answers("extra") == detokenized("extra")  # read by a replica before the restarts too
+    before = wait_for(lambda: (p := replica_pids(server)) and len(p) == 2 and p, 30)
+    assert before, "two replicas should report"
+    for victim, pid in before.items():
+        os.kill(pid, signal.SIGKILL)
+        replaced = wait_for(lambda v=victim: (p := replica_pids(server)) and len(p) == 2 and v not in p and p, 120, 1.0)
+        assert replaced, f"Serve did not replace {victim}"
+    assert not set(replica_pids(server)) & set(before)  # every replica is a new one
+    for name in ("tone", "extra"):
+        assert answers(name) == detokenized(name), name
