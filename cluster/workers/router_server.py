@@ -16,7 +16,7 @@ import argparse
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 from kvmesh.cluster.hosting.listen import listen, serve
 from kvmesh.cluster.ingress.admission import key_digests
@@ -93,6 +93,27 @@ class LocalRouter:
             waiting.pop(call.request_id, None)
 
 
+class WorkerAdapters(Mapping[str, str | None]):
+    """The LoRA adapters any worker lists in its ``/v1/models``: what a request's ``model`` may name here (each
+    worker reads its adapters from its own files, so no path is kept)."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+
+    def __contains__(self, name: object) -> bool:
+        return any(w.served and name in w.served for w in self.workers)
+
+    def __getitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(set().union(*(w.served or () for w in self.workers))))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class RouterServer(HttpApi):
     """The HTTP routes over the local router; status and metrics report its workers."""
 
@@ -101,6 +122,7 @@ class RouterServer(HttpApi):
         self.settings = settings
         self.index = None
         self.generation, self.admission = front_door(settings, LocalHandle(router.generate))
+        self.generation.adapters = WorkerAdapters(list(router.workers.values()))
         set_admission(self.admission)
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
