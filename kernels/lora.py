@@ -6,8 +6,9 @@ transposed, side by side); output slice ``s`` owns columns ``bounds[s]:bounds[s+
 ``s*r:(s+1)*r``. A fused projection (q/k/v, gate/up) is one call with one slice per part, so no zero block
 of a block-diagonal B is ever multiplied. An adapter without the projection has empty ``a[i]``/``b[i]``.
 
-The torch version is the definition and serves where the compiled one cannot; on the CPU
-``csrc/lora_cpu.cpp`` does every adapter in one call, instead of a handful of torch ops per adapter.
+The torch version is the definition and serves where the compiled ones cannot; on the CPU
+``csrc/lora_cpu.cpp`` does every adapter in one call, instead of a handful of torch ops per adapter; with
+the Triton kernels (CUDA) ``triton_lora.py`` runs the step's adapters stacked (``replica/lora.py`` picks).
 """
 
 from __future__ import annotations

@@ -102,22 +102,58 @@ class LoRARegistry:
         return adapter
 
 
+class LoRAStacks:
+    """For the Triton kernel (``kernels/triton_lora.py``): the stacked pairs of the last few sets of adapters
+    that stepped together, per layer and projection (a set of adapters stays together for many steps)."""
+
+    def __init__(self, bounds: dict[str, list[int]], keep: int = 4) -> None:
+        self.bounds, self.keep = bounds, keep
+        self._sets: OrderedDict[tuple[int, ...], list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+
+    def get(
+        self, ids: tuple[int, ...], weights: list[LoRAWeights]
+    ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        if ids not in self._sets:
+            from kvmesh.kernels.triton_lora import stack_pairs
+
+            self._sets[ids] = [
+                {
+                    target: stack_pairs([w.layers[layer].get(target) for w in weights], len(edges) - 1)
+                    for target, edges in self.bounds.items()
+                    if any(target in w.layers[layer] for w in weights)
+                }
+                for layer in range(len(weights[0].layers))
+            ]
+            while len(self._sets) > self.keep:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(ids)
+        return self._sets[ids]
+
+
 @dataclass
 class LoRAStep:
     """One step's adapters in order, the batch rows (token indices) that use them sorted by adapter, where each
-    adapter's rows start (``seg``, on the CPU) and each fused projection's part bounds: ``kernels/lora.py``."""
+    adapter's rows start (``seg``, on the CPU) and each fused projection's part bounds: ``kernels/lora.py``.
+    With the Triton kernel: the adapters' pairs stacked (``stacked``) and the rows cut into ``tiles``."""
 
     weights: list[LoRAWeights]
     rows: torch.Tensor
     seg: torch.Tensor
     bounds: dict[str, list[int]]
+    stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    tiles: torch.Tensor | None = None
 
     @classmethod
     def build(
-        cls, adapters: list[LoRAAdapter | None], qlens: np.ndarray, device: torch.device, bounds: dict[str, list[int]]
+        cls,
+        adapters: list[LoRAAdapter | None],
+        qlens: np.ndarray,
+        device: torch.device,
+        bounds: dict[str, list[int]],
+        stacks: LoRAStacks | None = None,
     ) -> LoRAStep | None:
         """Group a batch's tokens by adapter: ``adapters`` per sequence (None: the base model), ``qlens`` its
-        tokens this step. None when no sequence uses an adapter."""
+        tokens this step; ``stacks`` for the Triton kernel. None when no sequence uses an adapter."""
         ids = np.fromiter((a.id if a is not None else 0 for a in adapters), np.int64, len(adapters))
         used = np.unique(ids[ids > 0])
         if not len(used):
@@ -128,10 +164,23 @@ class LoRAStep:
         rows = tokens[np.argsort(per_token[tokens], kind="stable")]
         counts = np.bincount(np.searchsorted(used, per_token[tokens]), minlength=len(used))
         seg = torch.from_numpy(np.concatenate(([0], np.cumsum(counts))))
-        return cls([by_id[i] for i in used.tolist()], torch.from_numpy(rows).to(device), seg, bounds)
+        weights = [by_id[i] for i in used.tolist()]
+        step = cls(weights, torch.from_numpy(rows).to(device), seg, bounds)
+        if stacks is not None:
+            from kvmesh.kernels.triton_lora import lora_tiles
+
+            step.stacked = stacks.get(tuple(used.tolist()), weights)
+            step.tiles = lora_tiles(seg.tolist(), device)
+        return step
 
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add each adapter's update of projection ``target`` (input ``x``, output ``y``) to its rows of ``y``."""
+        if self.stacked is not None:
+            if (pair := self.stacked[layer].get(target)) is not None:
+                from kvmesh.kernels.triton_lora import lora_update_triton
+
+                lora_update_triton(y, x, *pair, self.rows, self.tiles, self.bounds[target])
+            return
         pairs = [w.layers[layer].get(target) for w in self.weights]
         if not any(pairs):
             return

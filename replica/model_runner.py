@@ -25,7 +25,7 @@ from kvmesh.kernels.quant import (
 )
 from kvmesh.replica.context import ForwardContext, LayerCache, forward_context
 from kvmesh.replica.cuda_graphs import DecodeGraphs, default_sizes
-from kvmesh.replica.lora import LoRAStep
+from kvmesh.replica.lora import LoRAStacks, LoRAStep
 from kvmesh.replica.lora_weights import column_bounds
 from kvmesh.replica.model_loader import LoadedModel
 from kvmesh.replica.scheduler import ScheduledRequest
@@ -58,6 +58,10 @@ class ModelRunner:
         self.kernels = model_kernels(self.device)
         self.lora_bounds = column_bounds(self.model.lora_shapes()) if config.enable_lora else None
         """Steps look up their sequences' adapters (``replica/lora.py``) when LoRA is on; off, they never look."""
+        self.lora_stacks = (
+            LoRAStacks(self.lora_bounds) if self.lora_bounds and self.kernels.backend == "triton" else None
+        )
+        """With the Triton kernels, adapters run stacked (``kernels/triton_lora.py``)."""
         storage = storage_dtype(config.kv_cache_dtype, self.dtype)
         attn = self.model.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
@@ -250,7 +254,9 @@ class ModelRunner:
         if extra:
             rows_buf[len(logits_rows) :] = extra_rows
         lora = (
-            LoRAStep.build([r.lora for r in reqs], qlens, self.device, self.lora_bounds) if self.lora_bounds else None
+            LoRAStep.build([r.lora for r in reqs], qlens, self.device, self.lora_bounds, self.lora_stacks)
+            if self.lora_bounds
+            else None
         )
         return PreparedStep(inp, n, total, len(logits_rows) + extra, qlens, slens, width, fill, lora)
 

@@ -18,10 +18,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kvmesh.kernels.lora import lora_update_torch  # noqa: E402
 from kvmesh.kernels.reference import paged_attention_reference, store_kv_reference  # noqa: E402
 from kvmesh.kernels.triton_attention import paged_attention_triton, store_kv_triton  # noqa: E402
+from kvmesh.kernels.triton_lora import lora_tiles, lora_update_triton, stack_pairs  # noqa: E402
 from kvmesh.replica import LLM, SamplingParams  # noqa: E402
 from tests.kernel_cases import check_against_reference, check_quantized, random_batch, relative_error  # noqa: E402
+from tests.lora_helpers import ALL_MODULES, make_adapter  # noqa: E402
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -95,6 +98,54 @@ def test_engine_greedy_tokens_equal_with_triton_and_torch_paths(tiny_llama_dir, 
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.kernels.backend == "triton"
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_triton_lora_update_matches_the_torch_definition(dtype, tol):
+    """Adapters of ranks 4, 8 and 16 stacked and zero-padded, one without the projection, segments of 1 to 20
+    tokens (more than one tile), parts of widths off the column blocks; rows without an adapter untouched."""
+    torch.manual_seed(0)
+    width_in, bounds, counts = 69, [0, 64, 83, 99], [3, 20, 5, 1]
+    ranks = [4, 8, None, 16]
+    pairs = [(torch.randn(3 * r, width_in), torch.randn(r, 99)) if r else None for r in ranks]
+    tokens = sum(counts) + 5
+    x, y = torch.randn(tokens, width_in).to(dtype), torch.randn(tokens, 99).to(dtype)
+    rows = torch.randperm(tokens)[: sum(counts)]
+    seg = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    got = y.clone()
+    a, b = stack_pairs([p and (p[0].to(dtype), p[1].to(dtype)) for p in pairs], 3)
+    lora_update_triton(got, x, a, b, rows, lora_tiles(seg, x.device), bounds)
+    want = y.double()
+    none = torch.empty(0, dtype=torch.float64)
+    a_list = [p[0].to(dtype).double() if p else none for p in pairs]
+    lora_update_torch(
+        want, x.double(), a_list, [p[1].to(dtype).double() if p else none for p in pairs], rows, seg, bounds
+    )
+    assert relative_error(got, want) <= tol
+    untouched = torch.ones(tokens, dtype=torch.bool)
+    untouched[rows[: seg[2]]] = untouched[rows[seg[3] :]] = False
+    assert torch.equal(got[untouched], y[untouched])
+
+
+def test_engine_with_adapters_gives_the_same_tokens_on_the_triton_and_torch_paths(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """A batch mixing the base model and two adapters: the stacked Triton LoRA kernels give the tokens the
+    torch path gives."""
+    for seed, name in enumerate(("a", "b")):
+        make_adapter(tiny_llama_dir, tmp_path / name, 8 * (seed + 1), ALL_MODULES, seed, scale=0.5)
+    modules = {name: str(tmp_path / name) for name in ("a", "b")}
+    prompts = [list(range(300 + 7 * i, 300 + 7 * i + n)) for i, n in enumerate((5, 23, 17, 9))]
+    loras = [None, "a", "b", "a"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("KVMESH_ATTENTION_BACKEND", backend)
+        with LLM(str(tiny_llama_dir), num_kv_blocks=32, enable_lora=True, lora_modules=modules) as llm:
+            assert (llm.engine.runner.lora_stacks is not None) == (backend == "triton")
+            outs[backend] = [o.token_ids for o in llm.generate(prompts, params, lora=loras)]
+    assert outs["triton"] == outs["torch"]
+    assert outs["torch"][1] != outs["torch"][2]  # the adapters matter
 
 
 def test_decode_splits_fill_four_programs_per_multiprocessor_in_powers_of_two(monkeypatch):
