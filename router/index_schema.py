@@ -16,6 +16,8 @@ small enough to stay in Redis' compact listpack/ziplist encoding:
     <prefix>reg / pending  HASH  replica id -> live slot / slot being resynchronised
     <prefix>slots          counter that allocates slots
     <prefix>meta           HASH  deployment and model names, for humans and `kvmesh status`
+    <prefix>loras          HASH  LoRA adapter name -> directory, for adapters loaded at run time (every
+                           ingress replica serves what one loaded)
 
 A block key is the first 8 bytes of the block's 16-byte hash (2 bucket bytes + 6 field bytes): a collision
 among a few million blocks is a ~1e-6 event and costs one mis-routed request, never a wrong answer (the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import logging
 
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -26,6 +27,10 @@ from kvmesh.cluster.ingress.grpc_api import GrpcApi, serve_grpc
 from kvmesh.cluster.ingress.http_api import HttpApi, app, set_admission
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+ADAPTER_SYNC_S = 1.0
+"""How often an ingress reads the adapters other ingress replicas loaded or unloaded at run time."""
 
 RAY_HANDLE_ERRORS = HandleErrors(replica_failed=(RayActorError, ActorUnavailableError), overloaded=(BackPressureError,))
 """What a Serve deployment handle raises when the replica serving a call died or became unreachable, and when
@@ -47,10 +52,51 @@ class Ingress(HttpApi, GrpcApi):
         self.index = PrefixIndex(redis_url, s.deployment, s.model, timeout_s=1.0) if redis_url else None
         loop = asyncio.get_running_loop()
         self._sweeper = loop.create_task(self.index.sweep_forever()) if self.index else None
+        self._unloaded: set[str] = set()
+        """Adapters this ingress unloaded whose shared entry may still be read before it is deleted."""
+        sync = self.index is not None and s.enable_lora
+        self._adapter_sync = loop.create_task(self._sync_adapters_forever()) if sync else None
         self._grpc_server = None
         if s.grpc_port:
             self._grpc_server = serve_grpc(self, s.grpc_host or "127.0.0.1", s.grpc_port, self.admission.max_body_bytes)
             self._grpc_started = loop.create_task(self._grpc_server.start())
+
+    async def _load_adapter(self, name: str, path: str) -> str | None:
+        """Read the adapter on the replica the router picks, then share it with the other ingress replicas."""
+        reason = await super()._load_adapter(name, path)
+        if reason is None and self.index is not None:
+            self._unloaded.discard(name)
+            try:
+                await self.index.client.hset(self.index.prefix + "loras", name, path)
+            except Exception as exc:  # Redis down: this ingress serves it; the others will not know it
+                log.warning("adapter %s is served by this ingress only (Redis: %r)", name, exc)
+        return reason
+
+    async def _unload_adapter(self, name: str) -> None:
+        if self.index is not None:
+            self._unloaded.add(name)
+            with contextlib.suppress(Exception):
+                await self.index.client.hdel(self.index.prefix + "loras", name)
+
+    async def _sync_adapters_forever(self) -> None:
+        """Serve the adapters other ingress replicas loaded at run time, and stop serving those they unloaded
+        (the ``--lora-modules`` ones are served from the start by every ingress)."""
+        adapters, fixed, seen = self.generation.adapters, set(self.settings.lora_modules), set()
+        while True:
+            await asyncio.sleep(ADAPTER_SYNC_S)
+            try:
+                raw = await self.index.client.hgetall(self.index.prefix + "loras")
+            except Exception:  # Redis down: keep what is known
+                continue
+            shared = {k.decode(): v.decode() for k, v in raw.items()}
+            self._unloaded &= set(shared)
+            for name, path in shared.items():
+                if name not in self._unloaded:
+                    adapters.setdefault(name, path)
+            # Only what was shared and no longer is: one loaded here while this read was on its way stays.
+            for name in seen - set(shared) - fixed:
+                adapters.pop(name, None)
+            seen = set(shared)
 
     def node(self) -> str:
         """The address of the node this ingress runs on (its gRPC listens there): what ``kvmesh serve`` prints."""
