@@ -245,6 +245,9 @@ class LoadReport(EngineLoad):
     kv_address: str | None = None
     """Where peers pull this replica's KV blocks (``tcp://host:port``, ``replica/kv_transfer.py``); None
     when it serves none."""
+    lora_served: list[str] | None = None
+    """The only LoRA adapters this replica can serve (an external worker's ``/v1/models``); None: any adapter a
+    call names (a kvmesh engine reads it from the call's ``lora_path``)."""
 
     @classmethod
     def of(cls, load: EngineLoad, **where: Any) -> LoadReport:

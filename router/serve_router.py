@@ -50,6 +50,17 @@ def route_request(pending: PendingRequest | None) -> RouteRequest | None:
     return RouteRequest(call.block_hashes, call.num_tokens, call.block_size, session, call.lora_name)
 
 
+def _serving(
+    adapter: str, replicas: list[RunningReplica], reports: list[LoadReport | None]
+) -> tuple[list[RunningReplica], list[LoadReport | None]]:
+    """The replicas that can serve ``adapter`` (a worker lists it, or a kvmesh engine reads any), with their
+    reports; all of them where none can (the request then gets the worker's 404)."""
+    keep = [i for i, rep in enumerate(reports) if rep is None or rep.lora_served is None or adapter in rep.lora_served]
+    if not keep:
+        return replicas, reports
+    return [replicas[i] for i in keep], [reports[i] for i in keep]
+
+
 def _priced_hits(decision: Decision, device_hits: dict[str, int] | None) -> dict[str, int]:
     """The leading blocks per replica the policy priced the request with, to count what is left to prefill
     where it goes: without the index (or before it has caught up) the policy's own memory of where it sent
@@ -189,6 +200,8 @@ class KVAwareRequestRouter(RequestRouter):
             return []
         req = route_request(pending_request)
         reports = [LoadReport.from_dict(r.routing_stats) for r in candidate_replicas]
+        if req is not None and req.lora_name:
+            candidate_replicas, reports = _serving(req.lora_name, candidate_replicas, reports)
         ids = [self._index_id(r, report) for r, report in zip(candidate_replicas, reports, strict=True)]
         by_id = dict(zip(ids, candidate_replicas, strict=True))
         if req is None:

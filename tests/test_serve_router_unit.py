@@ -317,3 +317,32 @@ def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
         assert all(p.at > time.monotonic() - serve_router.PLANNED_TTL_S for p in router._planned.values())
 
     asyncio.run(main())
+
+
+def test_an_adapter_request_goes_only_to_replicas_that_can_serve_the_adapter():
+    """Behind ``kvmesh serve --worker``: a worker whose ``/v1/models`` lacks the adapter (``lora_served``) is never
+    offered a request on it, however idle; a kvmesh engine (``lora_served`` None) reads any; where no replica
+    can serve it, every one is offered (the worker's 404 then says so)."""
+    now = time.time()
+    stats = [{"lora_served": ["tone"], "num_running": 40}, {"lora_served": []}, {}]
+    reps = [
+        Replica(ReplicaID(f"u{i}", DEP), {"index_id": f"u{i}", "reported_at": now, **s}) for i, s in enumerate(stats)
+    ]
+
+    def on(adapter):
+        req = pending([7, *range(300)], 1)
+        req.args[0].lora_name = adapter
+        return req
+
+    async def main():
+        router = make_router(f"redis://127.0.0.1:{free_port()}/0")
+        offered = {r.replica_id.unique_id for group in await router.choose_replicas(reps, on("tone")) for r in group}
+        assert offered == {"u0", "u2"}
+        workers_only = reps[:2]
+        offered = {r.replica_id.unique_id for g in await router.choose_replicas(workers_only, on("style")) for r in g}
+        assert offered == {"u0", "u1"}
+        base = {r.replica_id.unique_id for group in await router.choose_replicas(reps, on(None)) for r in group}
+        assert base == {"u0", "u1", "u2"}
+        await router.index.close()
+
+    asyncio.run(main())

@@ -97,6 +97,7 @@ class WorkerProxy:
             kv_usage=w.gauges.get("kv_usage", 0.0),
             node=self.node,
             index_error=self.publisher.last_error if self.publisher is not None else None,
+            lora_served=sorted(w.served) if w.served is not None else None,
             **w.measured(),  # a kvmesh engine's rates and room; other workers are priced at the defaults
         )
         return report.as_dict()
