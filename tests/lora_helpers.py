@@ -37,9 +37,21 @@ def greedy(model, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int
     return outs
 
 
-def merged_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[list[int]], new_tokens: int):
-    """PEFT's merged model's greedy tokens per prompt (the base model's where ``adapter_dir`` is None)."""
+def merged_model(model_dir: Path, adapter_dir: Path | None):
+    """PEFT's merged model (the base model where ``adapter_dir`` is None)."""
     model = base_model(model_dir)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
-    return greedy(model, prompt_ids, new_tokens)
+    return model
+
+
+def merged_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[list[int]], new_tokens: int):
+    """PEFT's merged model's greedy tokens per prompt (the base model's where ``adapter_dir`` is None)."""
+    return greedy(merged_model(model_dir, adapter_dir), prompt_ids, new_tokens)
+
+
+def token_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """``model``'s log-probability of each of ``tokens`` following ``prompt`` (one forward pass, float32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()

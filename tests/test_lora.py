@@ -27,7 +27,7 @@ from kvmesh.replica import LLM, SamplingParams
 from kvmesh.replica.kv_event_publisher import WireEncoder
 from kvmesh.replica.lora_weights import LoRAError
 from kvmesh.router.worker_blocks import WorkerBlocks
-from tests.lora_helpers import ALL_MODULES, make_adapter, merged_greedy
+from tests.lora_helpers import ALL_MODULES, make_adapter, merged_greedy, merged_model, token_logprobs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time in a land far away, there lived"]
 NEW_TOKENS = 12
@@ -60,12 +60,18 @@ def llm(smollm_dir, adapters):
         yield llm
 
 
-def test_each_adapter_alone_gives_peft_merged_tokens(llm, adapters):
-    ids, _, expected = adapters
+def test_each_adapter_alone_gives_peft_merged_tokens_and_logprobs(llm, adapters, smollm_dir):
+    ids, dirs, expected = adapters
     assert all(expected[name] != expected[None] for name in ADAPTERS)  # the adapters change the output
+    with_logprobs = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
     for name in [*ADAPTERS, None]:
-        outs = llm.generate(ids, GREEDY, lora=name)
+        outs = llm.generate(ids, with_logprobs, lora=name)
         assert [o.token_ids for o in outs] == expected[name], name
+        merged = merged_model(smollm_dir, dirs.get(name))
+        for prompt, out in zip(ids, outs, strict=True):
+            want = token_logprobs(merged, prompt, out.token_ids)
+            got = [lp.logprob for lp in out.logprobs]
+            assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 2e-3, name
 
 
 def _each_gets_its_own(llm, ids, expected) -> None:
