@@ -202,3 +202,31 @@ def test_host_tier_on_cuda_loads_pinned_copies_that_give_the_computed_tokens(tin
     tokens, cached = run(tiered, follow_up)
     assert tokens == reference and cached == 10 * BLOCK
     assert tiered.stats().cached_prompt_tokens_host - before.cached_prompt_tokens_host == 10 * BLOCK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_lora_update_matches_the_torch_definition(dtype):
+    """The Triton LoRA kernels compiled: 32 adapters of ranks 8 to 64 over SmolLM2's fused q/k/v widths, 1 to
+    40 tokens each, one adapter without the projection."""
+    from kvmesh.kernels.lora import lora_update_torch
+    from kvmesh.kernels.triton_lora import lora_tiles, lora_update_triton, stack_pairs
+
+    torch.manual_seed(0)
+    bounds, width_in = [0, 576, 768, 960], 576
+    ranks = [None, *[(8, 16, 32, 64)[i % 4] for i in range(31)]]
+    counts = [1 + (7 * i) % 40 for i in range(len(ranks))]
+    pairs = [(torch.randn(3 * r, width_in) * 0.1, torch.randn(r, 960) * 0.1) if r else None for r in ranks]
+    tokens = sum(counts) + 9
+    x, y = torch.randn(tokens, width_in), torch.randn(tokens, 960)
+    rows = torch.randperm(tokens)[: sum(counts)]
+    seg = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    a, b = stack_pairs([p and (p[0].to(dtype).cuda(), p[1].to(dtype).cuda()) for p in pairs], 3)
+    got = y.to(dtype).cuda()
+    lora_update_triton(got, x.to(dtype).cuda(), a, b, rows.cuda(), lora_tiles(seg, torch.device("cuda")), bounds)
+    want = y.to(dtype).double()
+    none = torch.empty(0, dtype=torch.float64)
+    a_list = [p[0].to(dtype).double() if p else none for p in pairs]
+    b_list = [p[1].to(dtype).double() if p else none for p in pairs]
+    lora_update_torch(want, x.to(dtype).double(), a_list, b_list, rows, seg, bounds)
+    before = y.to(dtype).double()
+    assert relative_error(got.cpu().double() - before, want - before) <= TOLERANCE[dtype]
