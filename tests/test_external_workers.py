@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.cluster.engines.router_config import RoutingSettings
 from kvmesh.cluster.launch.config import ClusterConfig
@@ -136,7 +137,16 @@ def test_kvmesh_engine_serves_openai_clients(workers):
     stream = client.chat.completions.create(**chat, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
     assert httpx.post(url + "/tokenize", json={"model": model, "prompt": "hello world"}).json()["count"] >= 2
-    assert "kvmesh_replica_requests_running" in httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
+    assert "kvmesh_replica_requests_running" in metrics
+    # Under vLLM's names too, for routers and gateways that read vLLM's (llm-d's scorers, SGLang's router).
+    samples = {
+        s.name: s for f in text_string_to_metric_families(metrics) for s in f.samples if s.name.startswith("vllm:")
+    }
+    assert samples["vllm:num_requests_running"].labels == {"model_name": model}
+    assert samples["vllm:num_requests_waiting"].value == 0 and 0 <= samples["vllm:kv_cache_usage_perc"].value <= 1
+    queried, hits = samples["vllm:prefix_cache_queries_total"].value, samples["vllm:prefix_cache_hits_total"].value
+    assert queried >= 2 * reply.usage.prompt_tokens and 0 < hits <= queried  # the stream repeated the chat's prompt
     load = LoadReport.from_dict(httpx.get(url + "/load").json())  # what kvmesh's routers price it by
     assert load.prefill_tok_s > 0 and load.max_num_seqs == 8 and load.kv_total_blocks == 160
     assert httpx.post(url + "/reset_prefix_cache").json() == {"status": "ok"}

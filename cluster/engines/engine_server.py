@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineServer(HttpApi):
-    """The HTTP routes over one local engine; status and metrics report that engine."""
+    """The HTTP routes over one local engine; status and metrics report that engine (its metrics also under
+    vLLM's names, for routers and gateways built around vLLM)."""
+
+    vllm_metric_names = True
 
     def __init__(self, replica: EngineReplica, settings: IngressSettings) -> None:
         self.replica = replica

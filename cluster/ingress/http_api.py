@@ -356,9 +356,13 @@ class HttpApi:
             log.warning("replica reports unavailable: %r", exc)
             return {}
 
+    vllm_metric_names = False
+    """Whether ``/metrics`` also shows the engine under vLLM's metric names (a single engine's server)."""
+
     @app.get("/metrics")
     async def prometheus(self) -> Response:
-        return Response(metrics.render(await self._replica_reports()), media_type=CONTENT_TYPE_LATEST)
+        name = self.settings.served_model_name if self.vllm_metric_names else None
+        return Response(metrics.render(await self._replica_reports(), name), media_type=CONTENT_TYPE_LATEST)
 
     async def cluster_status(self) -> ClusterStatus:
         """Everything ``kvmesh status`` shows: replicas, routing decisions, index size, Redis health; the same

@@ -199,8 +199,42 @@ def _counters(specs, reports: list[tuple[str, ReplicaStatus]]) -> Iterator[Count
         yield family
 
 
-def render(replica_reports: dict[str, ReplicaStatus]) -> bytes:
-    """This process's metrics plus one gauge set per replica from their latest reports."""
+class _VLLMNamesCollector(Collector):
+    """One engine's state under the names other routers and gateways read from vLLM (llm-d's scorers, SGLang's
+    and vLLM's routers): running and waiting requests, KV usage (0-1), and prefix-cache queries and hits in
+    prompt tokens, labelled with the served model's name as vLLM labels them."""
+
+    def __init__(self, model_name: str, status: ReplicaStatus) -> None:
+        self.model_name, self.status = model_name, status
+
+    def collect(self):
+        s, labels = self.status, [self.model_name]
+        gauges = (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage),
+        )
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
+        counters = (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", s.prompt_tokens),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", s.cached_prompt_tokens),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, float(value))
+            yield family
+
+
+def render(replica_reports: dict[str, ReplicaStatus], vllm_names: str | None = None) -> bytes:
+    """This process's metrics plus one gauge set per replica from their latest reports; with ``vllm_names`` (the
+    served model's name, for a single engine's server) its state also under vLLM's metric names."""
     replicas = CollectorRegistry(auto_describe=False)
     replicas.register(_ReplicaCollector(replica_reports))
+    if vllm_names is not None and len(replica_reports) == 1:
+        (status,) = replica_reports.values()
+        if status.error is None:
+            replicas.register(_VLLMNamesCollector(vllm_names, status))
     return generate_latest(REGISTRY) + generate_latest(replicas)
