@@ -18,6 +18,11 @@ SMOLLM_DIR_ENV = "KVMESH_TEST_SMOLLM_DIR"
 # so the handles' routers in this process use what kvmesh serve gives its routers.
 os.environ.setdefault(PROBE_DEADLINE_ENV, PROBE_DEADLINE_S)
 
+# Triton decorates its kernels, its own (tl.cdiv) among them, for the interpreter only if TRITON_INTERPRET is set
+# when triton is first imported, and test modules import it early (peft does): without CUDA, set it here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
