@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmesh.core.defaults import DEFAULT_BLOCK_SIZE
 from kvmesh.core.kv_dtype import KV_CACHE_DTYPES
 from kvmesh.core.model_files import DEFAULT_MODEL
+from kvmesh.core.step_timing import StepTiming
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV budget per replica on CPU: 1 GiB is ~23k tokens of SmolLM2, enough for chat, small enough for 4 replicas."""
@@ -85,7 +86,23 @@ class EngineConfig:
     """Most distinct adapters one step runs (waiting requests on others wait for a running adapter's requests
     to finish; the base model does not count); None: no cap. Fewer adapters per step, faster steps."""
 
+    simulate: StepTiming | None = None
+    """Run no model (``replica/simulated.py``): each step sleeps for what this timing model says it costs and
+    yields deterministic tokens, over the real scheduler, KV cache manager (device pool; no host tier: preempted
+    sequences are recomputed), events and server; for routers
+    and autoscalers exercised against many engines without GPUs. A config file may give the timing's fields
+    as a mapping, or ``default``."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.simulate, str | dict):
+            self.simulate = (
+                StepTiming.parse(self.simulate) if isinstance(self.simulate, str) else StepTiming(**self.simulate)
+            )
+        if self.simulate is not None:
+            if self.enable_lora or self.disk_cache_dir is not None or self.host_cache_bytes or self.swap_space_bytes:
+                raise ValueError("a simulated engine has no host or disk tier and serves no LoRA adapters")
+            self.device, self.swap_space_bytes, self.host_cache_bytes = self.device or "cpu", 0, 0
+            self.device_thread = True  # a step's sleep overlaps the host's work, as a GPU's compute does
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             dtypes = ", ".join(KV_CACHE_DTYPES)
             raise ValueError(f"kv_cache_dtype must be one of {dtypes}, got {self.kv_cache_dtype!r}")

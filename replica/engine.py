@@ -35,7 +35,7 @@ from kvmesh.replica.cpu_memory import keep_freed_memory
 from kvmesh.replica.detokenizer import IncrementalDetokenizer
 from kvmesh.replica.device_queue import DeviceQueue
 from kvmesh.replica.device_step import DeviceStep
-from kvmesh.replica.disk_tier import DiskTier, cache_fingerprint
+from kvmesh.replica.disk_tier import DiskTier
 from kvmesh.replica.kv_cache_manager import KVCacheManager
 from kvmesh.replica.kv_events import KVEvent, KVEventLog
 from kvmesh.replica.kv_exchange import KVExchange
@@ -51,6 +51,7 @@ from kvmesh.replica.pool_sizing import device_blocks, host_blocks
 from kvmesh.replica.recovery import StepRecovery
 from kvmesh.replica.request import Request
 from kvmesh.replica.scheduler import ScheduledRequest, Scheduler
+from kvmesh.replica.simulated import SimulatedRunner, SimulatedStep, load_simulated
 from kvmesh.replica.step_plan import (
     Advanced,
     LaunchedStep,
@@ -85,7 +86,11 @@ class LLMEngine:
         self.config = config
         device = _prepare_device(config)
         dtype = getattr(torch, config.dtype) if config.dtype else None
-        self.loaded = load_model(config.model, device, dtype, config.max_model_len)
+        self.loaded = (
+            load_model(config.model, device, dtype, config.max_model_len)
+            if config.simulate is None
+            else load_simulated(config.model)
+        )
         self.tokenizer = self.loaded.tokenizer
         self.model_id = config.model
         self.max_model_len = config.max_model_len or self.loaded.config.max_position_embeddings
@@ -112,7 +117,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = config.async_scheduling
         self.device = DeviceQueue(device, config.async_scheduling and config.device_thread, config.torch_threads)
-        self.device_step = DeviceStep(self.runner, self.swap, self.penalties)
+        self.device_step = (DeviceStep if config.simulate is None else SimulatedStep)(
+            self.runner, self.swap, self.penalties
+        )
         self.exchange = KVExchange(
             self.pool, self.swap, BlockBytes(self.runner.kv_caches), self.device, self._flush_events
         )
@@ -136,10 +143,9 @@ class LLMEngine:
         on CUDA, the decode steps' kernels and graphs."""
         config = self.config
         max_blocks_per_seq = -(-self.max_request_tokens // config.block_size) + 1
-        self.runner = ModelRunner(
-            self.loaded, config, num_blocks=self.num_blocks, max_blocks_per_seq=max_blocks_per_seq
-        )
-        self.kv_fingerprint = cache_fingerprint(self.runner, self.model_id, self.hash_seed, config)
+        runner = ModelRunner if config.simulate is None else SimulatedRunner
+        self.runner = runner(self.loaded, config, num_blocks=self.num_blocks, max_blocks_per_seq=max_blocks_per_seq)
+        self.kv_fingerprint = self.runner.fingerprint(self.model_id, self.hash_seed, config)
         """What a block's bytes depend on besides its tokens: blocks from disk or a peer must carry this one."""
         self.swap = self._host_tier(device)
         host_cache = self.swap if self.swap is not None and self.swap.cache_blocks else None

@@ -84,7 +84,7 @@ class KVPeer:
         self.llm, self.engine, self.exchange = llm, llm.engine, llm.engine.exchange
         self.fingerprint = self.engine.kv_fingerprint
         self.block_bytes = self.exchange.blocks.block_bytes
-        self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
+        self.chunk_blocks = max(1, chunk_bytes // max(1, self.block_bytes))  # 0 bytes: a simulated engine
         self.buffers = ChunkBuffers(self.chunk_blocks, self.block_bytes)
         self.receiver = Receiver(llm, self.buffers)
         self.host, self.port, self.advertise = host, port, advertise or host

@@ -144,7 +144,7 @@ class BlockBytes:
             self.spans.append((offset, width, dtype))
             offset += width
         views = all(r.data_ptr() == t.data_ptr() and r.is_contiguous() for r, t in zip(rows, cache, strict=True))
-        self.direct = rows[0].device.type == "cpu" and views
+        self.direct = bool(rows) and rows[0].device.type == "cpu" and views  # no rows: a simulated engine
         self._host_rows = [r.numpy() for r in rows] if self.direct else []
 
     def views(self, block_id: int) -> list:

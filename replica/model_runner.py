@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.hashing import BlockHash
 from kvmesh.core.kv_dtype import kv_bytes_per_token
 from kvmesh.kernels import AttentionMetadata, model_kernels
 from kvmesh.kernels.int4_store import KeyTails
@@ -82,6 +83,12 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps (CUDA); ``forward`` replays them for the decode batches they fit."""
+
+    def fingerprint(self, model_id: str, hash_seed: BlockHash, config: EngineConfig) -> bytes:
+        """What a block's bytes depend on besides its tokens (``disk_tier.cache_fingerprint``)."""
+        from kvmesh.replica.disk_tier import cache_fingerprint
+
+        return cache_fingerprint(self, model_id, hash_seed, config)
 
     def prepare_decode(self, config: EngineConfig) -> None:
         """On CUDA, before serving: compile the Triton decode attention for every split count, and capture the

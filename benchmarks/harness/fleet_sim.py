@@ -46,6 +46,7 @@ from pathlib import Path
 from kvmesh.bench.harness.cache_bounds import BLOCK_TOKENS, lru_hit_rate, replicated_bound
 from kvmesh.core.defaults import PREDICT_TTL_S
 from kvmesh.core.messages import KVFetch
+from kvmesh.core.step_timing import StepTiming
 from kvmesh.replica.telemetry import BusyShare
 from kvmesh.router.baselines import POLICIES, make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
@@ -62,14 +63,9 @@ last about a second of simulated time at GPU-class rates, so the engine's 10 s w
 
 
 @dataclass(frozen=True)
-class Costs:
-    """How fast a simulated replica works."""
+class Costs(StepTiming):
+    """How fast a simulated replica works: the step timing (``core/step_timing.py``) and the rest of a replica."""
 
-    prefill_tok_s: float = 20_000.0
-    decode_s_per_seq: float = 0.00025
-    """Seconds one running sequence adds to a decode step."""
-    min_step_s: float = 0.015
-    """A decode step's base cost: ``step = min_step_s + running * decode_s_per_seq``, as our engine measures."""
     slots: int = 64
     host_load_tok_s: float = 200_000.0
     """Tokens per second a host-tier prefix loads back at (PCIe-class: ~25 GB/s over ~128 KiB of KV per
@@ -80,14 +76,6 @@ class Costs:
     """LoRA adapters a replica holds ready at once (least recently used out), for traces with adapters."""
     lora_load_s: float = 0.05
     """Seconds a replica takes to read an adapter it does not hold, before the request's prefill."""
-
-    @classmethod
-    def from_calibration(cls, path: Path, speedup: float | None = None) -> tuple[Costs, float]:
-        """The measured engine, ``speedup`` times faster (default: to the GPU-class prefill rate)."""
-        cal = json.loads(path.read_text())
-        f = speedup or cls.prefill_tok_s / cal["prefill_tok_s"]
-        costs = cls(cal["prefill_tok_s"] * f, cal["decode_s_per_seq"] / f, cal["step_base_s"] / f)
-        return costs, f
 
 
 @dataclass
@@ -205,7 +193,7 @@ class Replica:
 
     def step_s(self) -> float:
         """A decode step's time at the current batch."""
-        return self.costs.min_step_s + self.running * self.costs.decode_s_per_seq
+        return self.costs.step_s(0, self.running)
 
     def load(self, now: float = 0.0) -> ReplicaLoad:
         return ReplicaLoad(

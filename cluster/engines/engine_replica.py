@@ -110,8 +110,8 @@ class EngineReplica:
         """Serve this engine's blocks to peers (``replica/kv_peer.py``), then, in a deployment with an index,
         pull the hottest blocks of the other replicas (a scale-up or restart starts warm); the address peers
         fetch from."""
-        if self.peer.port:
-            return self.peer.address
+        if self.peer.port or self.engine.config.simulate is not None:  # a simulated engine's blocks hold no bytes
+            return self.peer.address if self.peer.port else ""
         address = await self.peer.start()
         log.info("replica %s serves its KV blocks at %s", self.index_id, address)
         peers = await self._peer_addresses() if self.keep_kv else []

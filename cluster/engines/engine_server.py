@@ -16,11 +16,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from kvmesh.cluster.engines.engine_replica import EngineReplica
-from kvmesh.cluster.hosting.listen import listen, serve
+from kvmesh.cluster.hosting.listen import listen, serve_all
 from kvmesh.cluster.ingress.admission import key_digests
 from kvmesh.cluster.ingress.front_door import IngressSettings, front_door
 from kvmesh.cluster.ingress.generation import LocalHandle
-from kvmesh.cluster.ingress.http_api import HttpApi, bound_app, set_admission
+from kvmesh.cluster.ingress.http_api import HttpApi, bound_app
 from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.kv_event_wire import KVEventsConfig
 from kvmesh.core.messages import ReplicaStatus
@@ -40,7 +40,6 @@ class EngineServer(HttpApi):
         self.settings = settings
         self.index = None
         self.generation, self.admission = front_door(settings, LocalHandle(replica.generate))
-        set_admission(self.admission)
 
     async def health(self) -> JSONResponse:
         """``ok`` once the engine is loaded (the server listens only then); no router sits in front here."""
@@ -81,27 +80,43 @@ def build_app(server: EngineServer) -> FastAPI:
 
 
 def run_engine_server(args: argparse.Namespace, engine: EngineConfig, kv_events: KVEventsConfig | None) -> int:
-    sock = listen(args.host, args.port)
+    """``kvmesh engine``: ``--engines`` engines (more than one only simulated), each on its own port."""
+    count = args.engines
+    if count < 1 or (count > 1 and engine.simulate is None):
+        raise ValueError(f"--engines {count}: one engine per process, or several with --simulate")
+    socks = [listen(args.host, args.port + rank) for rank in range(count)]
+    servers = [_engine_server(args, engine, kv_events, rank) for rank in range(count)]
+    name = servers[0].settings.served_model_name
+    urls = ", ".join(f"http://{args.host}:{args.port + rank}/v1" for rank in range(count))
+    events = f", KV events on {servers[0].replica.kv_events.config.endpoint}" if servers[0].replica.kv_events else ""
+    more = f" (+{count - 1} on the next ports)" if count > 1 else ""
+    ready = f"kvmesh engine ready: {urls if count < 4 else f'http://{args.host}:{args.port}/v1'}{more} ({name}{events})"
+    serve_all([(build_app(server), sock) for server, sock in zip(servers, socks, strict=True)], ready)
+    for server in servers:
+        server.replica.close()
+    return 0
+
+
+def _engine_server(args: argparse.Namespace, engine: EngineConfig, kv_events: KVEventsConfig | None, rank: int):
+    """The ``rank``-th engine of this process behind its routes (KV event ports offset by the rank)."""
     replica = EngineReplica(
-        engine, redis_url=None, kv_events=kv_events, kv_host=args.host, kv_port=args.kv_transfer_port
+        engine,
+        redis_url=None,
+        kv_events=kv_events.for_rank(rank) if kv_events else None,
+        kv_host=args.host,
+        kv_port=args.kv_transfer_port + rank if args.kv_transfer_port else 0,
     )
     config = replica.engine.config
-    digests = key_digests(args.api_key or [])
     settings = IngressSettings(
         model=args.model,
         served_model_name=args.served_model_name or args.model,
         block_size=config.block_size,
         max_model_len=config.max_model_len,
         max_n=min(MAX_N, config.max_num_seqs),
-        api_key_digests=digests,
+        api_key_digests=key_digests(args.api_key or []),
         max_inflight_requests=args.max_inflight_requests,
         enable_lora=config.enable_lora,
         lora_modules=dict(config.lora_modules or {}),
         lora_roots=list(args.lora_root or []),
     )
-    server = EngineServer(replica, settings)
-    events = f", KV events on {replica.kv_events.config.endpoint}" if replica.kv_events else ""
-    ready = f"kvmesh engine ready: http://{args.host}:{args.port}/v1 ({settings.served_model_name}{events})"
-    serve(build_app(server), sock, ready)
-    replica.close()
-    return 0
+    return EngineServer(replica, settings)

@@ -7,7 +7,9 @@ out of range, by a server that never listens).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import signal
 import socket
 
 
@@ -40,3 +42,27 @@ def serve(app, sock: socket.socket, ready: str) -> None:
     print(ready, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
+
+
+def serve_all(apps: list[tuple[object, socket.socket]], ready: str) -> None:
+    """Serve each ASGI app on its socket, all in this process, printing ``ready`` first, until SIGINT or SIGTERM;
+    then return normally. Each uvicorn server takes the signals while it runs and, shut down, restores the
+    handler before it and raises the signal again: the servers stop one after another, the first into a
+    handler that ignores it."""
+    if len(apps) == 1:
+        return serve(*apps[0], ready)
+    import uvicorn
+
+    servers = [(uvicorn.Server(uvicorn.Config(app, log_level="warning")), sock) for app, sock in apps]
+
+    async def run() -> None:
+        await asyncio.gather(*(server.serve(sockets=[sock]) for server, sock in servers))
+
+    print(ready, flush=True)
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        asyncio.run(run())
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -396,12 +396,13 @@ def _api_routes(routes: list) -> Iterator[APIRoute]:
 
 
 def bound_app(server: HttpApi, title: str) -> FastAPI:
-    """A FastAPI app of ``app``'s routes, error handlers and admission middleware, bound to ``server``: the
-    front door of a process without Ray Serve (``kvmesh engine``, ``kvmesh router``)."""
+    """A FastAPI app of ``app``'s routes and error handlers bound to ``server``, admitted by ``server.admission``:
+    the front door of a process without Ray Serve (``kvmesh engine``, ``kvmesh router``), several of which may
+    share a process (simulated engines)."""
     bound = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
     for route in _api_routes(app.routes):
         handler = getattr(server, route.endpoint.__name__)
         bound.add_api_route(route.path, handler, methods=sorted(route.methods), name=route.name)
     bound.exception_handlers.update(app.exception_handlers)
-    bound.user_middleware = list(app.user_middleware)
+    bound.add_middleware(AdmissionMiddleware, admission=lambda: server.admission)
     return bound

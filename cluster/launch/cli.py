@@ -73,6 +73,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
         "device": args.device,
         "torch_threads": args.threads,
         "enforce_eager": args.enforce_eager,
+        "simulate": args.simulate,
     }
     return {k: v for k, v in engine.items() if v is not None}
 
@@ -236,6 +237,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch threads per replica (default: cores / replicas)")
     parser.add_argument(
+        "--simulate",
+        nargs="?",
+        const="default",
+        metavar="TIMING",
+        help="run no model: each step sleeps as a timing model says and yields deterministic tokens (default: a "
+        "GPU-class replica; a `kvmesh bench calibrate` JSON as PATH[:SPEEDUP]; or "
+        "prefill_tok_s=..,decode_s_per_seq=..,min_step_s=..) (docs/simulated_engine.md)",
+    )
+    parser.add_argument(
         "--kv-events-config",
         help='publish KV events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (vLLM\'s keys; docs/kv_events.md)',
@@ -398,6 +408,12 @@ def _add_engine_command(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="where peers fetch this engine's KV blocks, on --host (default 0: any free port; GET /load names it)",
+    )
+    eng.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engines in this process, on --port, --port+1, ... (KV event ports offset alike); with --simulate only",
     )
     _add_engine_args(eng)
     _add_lora_args(eng)

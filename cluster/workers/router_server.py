@@ -22,7 +22,7 @@ from kvmesh.cluster.hosting.listen import listen, serve
 from kvmesh.cluster.ingress.admission import key_digests
 from kvmesh.cluster.ingress.front_door import IngressSettings, front_door
 from kvmesh.cluster.ingress.generation import LocalHandle
-from kvmesh.cluster.ingress.http_api import HttpApi, bound_app, set_admission
+from kvmesh.cluster.ingress.http_api import HttpApi, bound_app
 from kvmesh.cluster.workers.worker_client import Worker
 from kvmesh.cluster.workers.worker_spec import WorkerSpec, distinct
 from kvmesh.core.messages import GenerateCall, GenerateChunk, IndexCutOff, ReplicaStatus, RoutingCount
@@ -123,7 +123,6 @@ class RouterServer(HttpApi):
         self.index = None
         self.generation, self.admission = front_door(settings, LocalHandle(router.generate))
         self.generation.adapters = WorkerAdapters(list(router.workers.values()))
-        set_admission(self.admission)
 
     async def _replica_reports(self) -> dict[str, ReplicaStatus]:
         return {url: w.status() for url, w in self.router.workers.items()}
