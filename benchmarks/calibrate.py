@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--json", type=Path, default=None, help="where to write (default: the results' calibration.json)")
     args = ap.parse_args(argv)
     result = measure(args.model, args.threads)
     print_table(
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             ["per running sequence (ms)", 1000 * result["decode_s_per_seq"]],
         ],
     )
-    write_json("calibration", {**result, "command": "kvmesh bench calibrate"})
+    write_json("calibration", {**result, "command": "kvmesh bench calibrate"}, args.json)
 
 
 if __name__ == "__main__":

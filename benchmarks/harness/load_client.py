@@ -9,6 +9,8 @@ time to first token and inter-token gaps are measured at the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import sys
 import time
@@ -82,6 +84,17 @@ async def _send(client: httpx.AsyncClient, model: str, session: Session, history
     return ttft, itls, time.perf_counter() - t0, "".join(text), usage or {}, replica
 
 
+class RoundRobin:
+    """Several front doors taken in turn, request by request: a round-robin balancer in front of router instances,
+    as a highly available deployment runs them."""
+
+    def __init__(self, clients: list[httpx.AsyncClient]) -> None:
+        self.clients, self.turn = clients, itertools.count()
+
+    def stream(self, *args, **kwargs):
+        return self.clients[next(self.turn) % len(self.clients)].stream(*args, **kwargs)
+
+
 async def _session(client, model, session: Session, t_start: float, results: list, wait_for_start: bool) -> None:
     if wait_for_start:
         await asyncio.sleep(max(0.0, t_start + session.start_s - time.perf_counter()))
@@ -142,18 +155,25 @@ async def run_closed_loop(
 
 
 async def run_sessions(
-    url: str,
+    url: str | list[str],
     model: str,
     sessions: list[Session],
     concurrency: int | None = None,
     progress_label: str = "",
     timeout_s: float = 600.0,
 ) -> tuple[list[Result], float]:
-    """Run every session; returns the results and the wall time from the first send to the last reply."""
+    """Run every session; returns the results and the wall time from the first send to the last reply. Several
+    ``url``: each request goes to the next in turn (``RoundRobin``)."""
     results: list[Result] = []
     total = sum(len(s.steps) for s in sessions)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+    urls = [url] if isinstance(url, str) else url
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=u, timeout=timeout_s, limits=limits))
+            for u in urls
+        ]
+        client = clients[0] if len(clients) == 1 else RoundRobin(clients)
         t_start = time.perf_counter()
         if concurrency:
             queue = list(sessions)

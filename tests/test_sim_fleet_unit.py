@@ -1,0 +1,47 @@
+"""Pure logic of the simulated fleet: the step timing's forms, workloads scaled to a fleet, per-pair ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvmesh.bench.sim_fleet import pair_ratios, scaled
+from kvmesh.core.step_timing import StepTiming
+
+
+def test_step_timing_forms(tmp_path):
+    assert StepTiming.parse("default") == StepTiming()
+    timing = StepTiming.parse("prefill_tok_s=1000,min_step_s=0.05")
+    assert timing == StepTiming(prefill_tok_s=1000.0, min_step_s=0.05)
+    assert timing.step_s(500, 10) == pytest.approx(0.05 + 10 * 0.00025 + 0.5)
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"prefill_tok_s": 500.0, "decode_s_per_seq": 0.004, "step_base_s": 0.08}))
+    assert StepTiming.parse(str(cal)) == StepTiming(20_000.0, 0.0001, 0.002)  # to the default prefill rate
+    assert StepTiming.parse(f"{cal}:1") == StepTiming(500.0, 0.004, 0.08)
+    for bad in ("prefill_tok_s=0", "speed=3", str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError):
+            StepTiming.parse(bad)
+
+
+def test_workloads_scale_with_the_fleet():
+    args = argparse.Namespace(sessions=12, rate=0.4, requests=60, documents=12, speed=1.0)
+    big = scaled(args, 30)
+    assert (big.sessions, big.requests, big.documents) == (120, 600, 120)
+    assert big.rate == pytest.approx(4.0) and big.speed == pytest.approx(10.0) and args.sessions == 12
+
+
+def test_pair_ratios_take_the_best_peer_of_each_repeat():
+    run = lambda mean, p90: {"ttft_mean_s": mean, "ttft_p90_s": p90}  # noqa: E731
+    runs = {
+        "16 engines / rag": {
+            "kvmesh_router": [run(1.0, 2.0), run(2.0, 2.0)],
+            "smg_cache_aware": [run(2.0, 4.0), run(1.0, 1.0)],
+            "round_robin": [run(4.0, 3.0), run(4.0, 4.0)],
+        }
+    }
+    ratios = {r["stat"]: r for r in pair_ratios(runs, ["kvmesh_router", "smg_cache_aware", "round_robin"])}
+    assert ratios["ttft_mean_s"]["median"] == pytest.approx(1.25) and ratios["ttft_mean_s"]["n"] == 2
+    assert (ratios["ttft_mean_s"]["min"], ratios["ttft_mean_s"]["max"]) == (0.5, 2.0)
+    assert ratios["ttft_p90_s"]["median"] == pytest.approx((2 / 3 + 2.0) / 2)
