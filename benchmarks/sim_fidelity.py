@@ -6,10 +6,10 @@ Real against simulated: ``--real`` real ``kvmesh engine`` servers of SmolLM2 (on
 many simulated ones timed by ``--timing`` (what ``kvmesh bench calibrate --threads 1`` measured on this machine),
 each behind ``kvmesh router`` on ``kvmesh bench peer_routers``' workloads (``multi_turn``, ``rag``), alternating,
 ``--repeats`` pairs: mean TTFT simulated over real per pair (goal within 20%) and hit rates (goal within 2
-points). Simulator against fleet: a RAG trace (``--documents``, ``--requests`` at ``--speed``) sent as token ids
-through ``kvmesh router`` to ``--engines`` simulated engines, and replayed by ``benchmarks/harness/fleet_sim.py``
-with the same timing, engines, KV blocks and arrival times (goal: hit rates within 2 points). Writes
-``benchmarks/results/sim_fidelity.json``.
+points). Simulator against fleet: a RAG trace (``--trace-documents``, ``--trace-requests`` at ``--trace-speed``)
+as token ids through ``kvmesh router`` to ``--engines`` simulated engines, and replayed by
+``benchmarks/harness/fleet_sim.py`` with the same timing, engines, KV blocks and arrival times (goal: hit rates
+within 2 points). Writes ``benchmarks/results/sim_fidelity.json``.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def real_against_simulated(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 def simulator_against_fleet(args: argparse.Namespace, tmp: Path) -> dict:
     """The same RAG trace on ``--engines`` simulated engines behind ``kvmesh router`` and in the fleet simulator."""
-    rows = rag(seed=args.seed, size=args.requests / 2000, documents=args.documents)[: args.requests]
+    n = args.trace_requests
+    rows = rag(seed=args.seed, size=n / 2000, documents=args.trace_documents)[:n]
     for row in rows:  # the simulator's decode steps and the sessions' output tokens alike
         row["output_length"] = min(row["output_length"], args.max_tokens * 32)
-    sessions = trace_sessions(rows, block_tokens=BLOCK, speed=args.speed, max_output_tokens=args.max_tokens)
+    sessions = trace_sessions(rows, block_tokens=BLOCK, speed=args.trace_speed, max_output_tokens=args.max_tokens)
     fleet, engines = start_fleet(args.engines, tmp, args)
     try:
         reset_caches(engines)
@@ -78,7 +79,7 @@ def simulator_against_fleet(args: argparse.Namespace, tmp: Path) -> dict:
     timing = StepTiming.parse(args.timing)
     costs = Costs(timing.prefill_tok_s, timing.decode_s_per_seq, timing.min_step_s, slots=args.max_num_seqs)
     sim = FleetSim(
-        trace_rows(rows), args.engines, args.kv_blocks, "kv_aware", {}, 1, 1 / args.speed, PREDICT_TTL_S, costs
+        trace_rows(rows), args.engines, args.kv_blocks, "kv_aware", {}, 1, 1 / args.trace_speed, PREDICT_TTL_S, costs
     )
     des = sim.run()
     return {
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--timing", required=True, help="--simulate's timing: this machine's calibration")
     ap.add_argument("--kv-blocks", type=int, default=160, help="KV blocks per engine")
-    ap.add_argument("--trace-documents", dest="trace_documents", type=int, default=200)
+    ap.add_argument("--trace-documents", type=int, default=200, help="the trace check's RAG documents")
+    ap.add_argument("--trace-requests", type=int, default=1000, help="the trace check's requests")
+    ap.add_argument("--trace-speed", type=float, default=8.0, help="the trace check's speed-up (the trace is 2/s)")
     ap.add_argument("--json", type=Path, default=None)
     add_workload_args(ap)
     args = ap.parse_args(argv)
@@ -121,9 +124,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{args.real} real vs simulated engines behind kvmesh router")
             print_table(["workload", "TTFT sim/real median", "n", "min", "max", "hit rate gap (points)"], rows)
         if args.engines:
-            args.documents = args.trace_documents
             out["simulator_vs_fleet"] = check = simulator_against_fleet(args, Path(tmp))
-            print(f"\nRAG trace, {args.requests} requests: {args.engines} simulated engines vs the fleet simulator")
+            print(
+                f"\nRAG trace, {args.trace_requests} requests: {args.engines} simulated engines vs the fleet simulator"
+            )
             print_table(
                 ["run", "hit rate", "TTFT mean ms"],
                 [[k, f"{100 * v['hit_rate']:.1f}%", 1000 * (v["ttft_mean_s"] or 0)] for k, v in check.items()],
