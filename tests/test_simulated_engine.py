@@ -5,6 +5,7 @@ steps that take what the timing says. As servers: the OpenAI API from several en
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -169,3 +170,35 @@ def test_kvmesh_router_sends_repeated_prefixes_to_their_holders_among_16(engines
     finally:
         router.send_signal(signal.SIGINT)
         assert router.wait(timeout=30) == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_serve_replicas_simulated_are_routed_by_their_cache(ray_serve, redis_server, smollm_dir):
+    """``kvmesh serve --simulate``'s setting on a Serve deployment: replicas index their blocks in Redis and the
+    KV-aware router sends each repeated prompt back to the replica that holds it."""
+    from kvmesh.cluster.engines.engine_deployment import engine_deployment
+    from kvmesh.cluster.engines.router_config import RoutingSettings
+    from tests.test_serve_routing import call
+
+    engine = EngineConfig(model=str(smollm_dir), simulate=TIMING, num_kv_blocks=300, max_num_seqs=8)
+    routing = RoutingSettings(redis_url=redis_server.url, deployment="sim", stats_period_s=0.5)
+    handle = ray_serve.run(engine_deployment(engine, routing, num_replicas=3), name="sim-it", route_prefix=None)
+    handle = handle.options(method_name="generate", stream=True)
+    time.sleep(1.5)  # first load reports reach the router
+    try:
+        homes = {}
+        for p in range(6):
+            reply, cached, homes[p] = asyncio.run(
+                call(handle, str(smollm_dir), [30_000 + 131 * p + i for i in range(160)])
+            )
+            assert len(reply) == 8 and cached == 0
+        time.sleep(1.0)  # the replicas' index writes land
+        for p in range(6):
+            reply, cached, replica = asyncio.run(
+                call(handle, str(smollm_dir), [30_000 + 131 * p + i for i in range(160)])
+            )
+            assert replica == homes[p] and cached >= 144
+        assert len(set(homes.values())) >= 2
+    finally:
+        ray_serve.delete("sim-it")
