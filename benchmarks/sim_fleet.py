@@ -107,13 +107,21 @@ def run_cell(kind: str, name: str, args: argparse.Namespace, engines: list) -> d
     }
 
 
+def peers_of(ours: str, kinds: list[str]) -> list[str]:
+    """The peers a kvmesh router is judged against: one instance against single-instance peers, three against
+    three-instance ones; round robin keeps no state, so it stands in both."""
+    many = ours.endswith("_x3")
+    return [k for k in kinds if k not in OURS and (k == "round_robin" or k.endswith("_x3") == many)]
+
+
 def pair_ratios(runs: dict, kinds: list[str]) -> list[dict]:
-    """Per cell, for each of kvmesh's routers: its mean and P90 TTFT over the best peer's in the same repeat."""
+    """Per cell, for each of kvmesh's routers: its mean and P90 TTFT over the best of its peers (``peers_of``)
+    in the same repeat."""
     out = []
-    peers = [k for k in kinds if k not in OURS]
     for cell, by_kind in runs.items():
         repeats = min(len(v) for v in by_kind.values())
-        for ours in (k for k in kinds if k in OURS):
+        for ours in (k for k in kinds if k in OURS and k in by_kind):
+            peers = [p for p in peers_of(ours, kinds) if p in by_kind]
             for key in ("ttft_mean_s", "ttft_p90_s"):
                 ratios = []
                 for i in range(repeats):
@@ -123,7 +131,7 @@ def pair_ratios(runs: dict, kinds: list[str]) -> list[dict]:
                 if ratios:
                     out.append(
                         {"cell": cell, "router": ours, "stat": key, "median": statistics.median(ratios)}
-                        | {"n": len(ratios), "min": min(ratios), "max": max(ratios)}
+                        | {"n": len(ratios), "min": min(ratios), "max": max(ratios), "peers": peers}
                     )
     return out
 
@@ -140,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-blocks", type=int, default=160, help="KV blocks per engine (16 tokens each)")
     ap.add_argument("--routers", help="only these routers (comma-separated)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report", type=Path, help="print the tables of a saved result (its runs) and run nothing")
     add_workload_args(ap)
     return ap
 
@@ -159,6 +168,10 @@ def router_kinds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[
 def main(argv: list[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        kinds = list(dict.fromkeys(k for cell in saved["runs"].values() for k in cell))
+        return report(argparse.Namespace(**saved["args"]), kinds, saved["runs"], args.report)
     kinds, names = router_kinds(ap, args), args.workloads.split(",")
     sizes = sorted(int(n) for n in args.engines.split(","))
     out = args.json or results_dir() / "sim_fleet.json"

@@ -33,15 +33,24 @@ def test_workloads_scale_with_the_fleet():
 
 
 def test_pair_ratios_take_the_best_peer_of_each_repeat():
+    """One kvmesh router against single-instance peers, three against three; round robin stands in both."""
     run = lambda mean, p90: {"ttft_mean_s": mean, "ttft_p90_s": p90}  # noqa: E731
     runs = {
         "16 engines / rag": {
             "kvmesh_router": [run(1.0, 2.0), run(2.0, 2.0)],
             "smg_cache_aware": [run(2.0, 4.0), run(1.0, 1.0)],
             "round_robin": [run(4.0, 3.0), run(4.0, 4.0)],
+            "kvmesh_router_x3": [run(3.0, 3.0), run(3.0, 3.0)],
+            "smg_x3": [run(6.0, 6.0), run(2.0, 2.0)],
         }
     }
-    ratios = {r["stat"]: r for r in pair_ratios(runs, ["kvmesh_router", "smg_cache_aware", "round_robin"])}
+    kinds = ["kvmesh_router", "kvmesh_router_x3", "smg_cache_aware", "smg_x3", "round_robin"]
+    found = pair_ratios(runs, kinds)
+    many = {r["stat"]: r for r in found if r["router"] == "kvmesh_router_x3"}
+    assert many["ttft_mean_s"]["peers"] == ["smg_x3", "round_robin"]
+    assert (many["ttft_mean_s"]["min"], many["ttft_mean_s"]["max"]) == (0.75, 1.5)
+    ratios = {r["stat"]: r for r in found if r["router"] == "kvmesh_router"}
+    assert ratios["ttft_mean_s"]["peers"] == ["smg_cache_aware", "round_robin"]
     assert ratios["ttft_mean_s"]["median"] == pytest.approx(1.25) and ratios["ttft_mean_s"]["n"] == 2
     assert (ratios["ttft_mean_s"]["min"], ratios["ttft_mean_s"]["max"]) == (0.5, 2.0)
     assert ratios["ttft_p90_s"]["median"] == pytest.approx((2 / 3 + 2.0) / 2)
