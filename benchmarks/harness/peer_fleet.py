@@ -168,7 +168,8 @@ def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model
     if name == "multi_turn":
         n = 3 if warmup else args.sessions
         return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
-    rows = rag(seed=seed, size=0.05, documents=args.documents)[: 3 if warmup else args.requests]
+    rows = rag(seed=seed, size=max(0.05, args.requests / 2000), documents=args.documents)  # 2,000 rows per size
+    rows = rows[: 3 if warmup else args.requests]
     sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
     for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
         for step in session.steps:
