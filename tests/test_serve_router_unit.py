@@ -153,7 +153,7 @@ def test_in_a_burst_a_tie_is_offered_as_the_replica_it_is_counted_against(monkey
         for i in range(10, 16):
             ranked = await router.choose_replicas(reps, pending([i] * 300, i))
             assert [len(group) for group in ranked] == [1, 1, 1]
-            assert router._routed[f"q{i}"] == ranked[0][0].replica_id  # offered alone where it is counted
+            assert router.routes.where(f"q{i}") == ranked[0][0].replica_id  # offered alone where it is counted
             homes.append(ranked[0][0].replica_id.unique_id)
         assert sorted(homes) == ["u0", "u0", "u1", "u1", "u2", "u2"]
 
@@ -311,7 +311,7 @@ def test_router_memory_stays_bounded_when_queued_requests_are_cancelled():
         router = make_router(None, max_tracked=50)
         for i in range(200):  # decided, then cancelled: Ray never calls on_request_routed / _completed
             await router.choose_replicas(reps, pending([i % 7] * 40, i))
-        assert len(router._planned) <= 50 and len(router._routed) <= 50
+        assert len(router._planned) <= 50 and len(router.routes._where) <= 50
         next(iter(router._planned.values())).at = time.monotonic() - 1e6  # a decision long ago
         await router.choose_replicas(reps, pending([1] * 40, 999))
         assert all(p.at > time.monotonic() - serve_router.PLANNED_TTL_S for p in router._planned.values())

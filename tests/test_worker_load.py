@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from aiohttp import web
 
@@ -221,6 +222,37 @@ def test_a_new_prompt_among_near_tied_workers_goes_to_the_smallest_cache():
         )
         url, hits = router.choose(call)
         assert url == "http://b:1" and hits == 0, p
+
+
+def test_kvmesh_router_counts_other_routers_requests_from_a_workers_report_and_its_own_sent_since():
+    """Several ``kvmesh router`` processes in front of one fleet: each sees the others' requests in a worker's
+    ``/load`` report (its own queue), and adds what it sent itself since. A burst another router sent to ``a``
+    moves a new prompt to ``b``; once this router has sent ``b`` more than ``a`` holds, the next goes to ``a``."""
+    a, b = worker("http://a:1"), worker("http://b:1")
+    now = time.time()
+    a.report = LoadReport(
+        index_id="a", reported_at=now, num_waiting=3, pending_prefill_tokens=3000, prefill_tok_s=1000.0, cache_fill=0.0
+    )
+    b.report = LoadReport(index_id="b", reported_at=now, prefill_tok_s=1000.0, cache_fill=0.0)
+    router = LocalRouter([a, b])
+
+    def call(p: int) -> GenerateCall:
+        tokens = list(range(1000 * p, 1000 * p + 320))
+        hashes = hash_blocks(tokens, 16, model_seed(MODEL))
+        params = SamplingParams(max_tokens=4)
+        return GenerateCall(
+            request_id=f"r{p}", prompt_token_ids=tokens, block_hashes=hashes, block_size=16, params=params
+        )
+
+    assert router._load("http://a:1").num_requests == 3 and router.choose(call(0))[0] == "http://b:1"
+    for p in range(3):  # sent by this router after b's report
+        router.routes.add(f"s{p}", "http://b:1", 2000)
+    load = router._load("http://b:1")
+    assert load.num_requests == 3 and load.routed_prefill_tokens > 5000
+    assert router.choose(call(1))[0] == "http://a:1"
+    for p in range(3):
+        router.routes.done(f"s{p}")
+    assert router._load("http://b:1").num_requests == 0
 
 
 VLLM_LORA_INFO = """# HELP vllm:lora_requests_info Running stats on lora requests.

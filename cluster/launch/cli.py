@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvmesh.core.defaults import ROUTER_LOAD_PERIOD_S
 from kvmesh.core.engine_config import GPU_KV_FRACTION, PREEMPTION_MODES, EngineConfig
 from kvmesh.core.kv_dtype import KV_CACHE_DTYPES, MODEL_DTYPE_BYTES
 from kvmesh.core.kv_event_wire import KVEventsConfig
@@ -458,6 +459,13 @@ def _add_router_command(sub: argparse._SubParsersAction) -> None:
     rtr.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     rtr.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     rtr.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024)")
+    rtr.add_argument(
+        "--load-period-s",
+        type=float,
+        default=ROUTER_LOAD_PERIOD_S,
+        help=f"how often each worker's load is read (default {ROUTER_LOAD_PERIOD_S}): what other routers sent "
+        "there is seen this late",
+    )
     rtr.set_defaults(func=_router)
 
 

@@ -25,10 +25,12 @@ from kvmesh.cluster.ingress.generation import LocalHandle
 from kvmesh.cluster.ingress.http_api import HttpApi, bound_app
 from kvmesh.cluster.workers.worker_client import Worker
 from kvmesh.cluster.workers.worker_spec import WorkerSpec, distinct
+from kvmesh.core.defaults import DEFAULT_PREFILL_TOK_S
 from kvmesh.core.messages import GenerateCall, GenerateChunk, IndexCutOff, ReplicaStatus, RoutingCount
 from kvmesh.router import metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
+from kvmesh.router.recent_routes import RecentRoutes
 from kvmesh.router.worker_blocks import HOST
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ class LocalRouter:
         self.decisions: Counter[str] = Counter()
         self._waiting: dict[str, dict[str, int]] = {url: {} for url in self.workers}
         """Per worker, the requests sent there still before their first chunk: their tokens to prefill."""
+        period = max((w.load_period_s for w in workers), default=1.0)
+        self.routes = RecentRoutes(period)
+        """What this router sent each worker since its last ``/load`` report."""
         router_metrics.register_router(self)
 
     @property
@@ -59,38 +64,47 @@ class LocalRouter:
             live = [url for url in live if self.workers[url].serves(call.lora_name)] or live
         device = {url: self.workers[url].blocks.leading(req.block_hashes) for url in live}
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
-        decision = self.policy.rank(req, [self._load(url) for url in live], device, None, host)
+        loads = {url: self._load(url) for url in live}
+        decision = self.policy.rank(req, list(loads.values()), device, None, host)
         self.decisions[decision.reason] += 1
-        # Among near-ties: the fewest in flight (fresher than the costs), then the smallest cache (new prompts
+        # Among near-ties: the fewest requests (fresher than the costs), then the smallest cache (new prompts
         # land apart, as hot documents should), then the order offered.
-        chosen = min(decision.tied_group, key=lambda url: (self.workers[url].in_flight, len(self.workers[url].blocks)))
+        chosen = min(decision.tied_group, key=lambda url: (loads[url].num_requests, len(self.workers[url].blocks)))
         self.policy.on_routed(req, chosen, decision)
         return chosen, device[chosen]
 
     def _load(self, url: str) -> ReplicaLoad:
         """The worker as the policy prices it: its measured speed and capacity where it reports them (``kvmesh
-        engine``; else the defaults) and, for requests, what this router has in flight there."""
+        engine``; else the defaults); for requests, its own count at its last report (every router's) with what
+        this router sent since, and never less than what this router has in flight there."""
         worker, waiting = self.workers[url], self._waiting[url]
-        return ReplicaLoad(
-            index_id=url,
-            reported_at=time.time(),
-            num_running=worker.in_flight - len(waiting),
-            num_waiting=len(waiting),
-            routed_prefill_tokens=sum(waiting.values()),
-            kv_usage=worker.gauges.get("kv_usage", 0.0),
-            **worker.measured(),
-        )
+        load = ReplicaLoad(index_id=url, kv_usage=worker.gauges.get("kv_usage", 0.0), **worker.measured())
+        if (report := worker.report) is not None:
+            load.reported_at = report.reported_at
+            load.num_running, load.num_waiting = report.num_running, report.num_waiting
+            rate = load.prefill_tok_s or DEFAULT_PREFILL_TOK_S
+            queued = self.routes.queued(url, report.reported_at, report.pending_prefill_tokens, rate)
+            load.routed_requests, load.pending_prefill_tokens, load.routed_prefill_tokens = queued
+            load.report_age_s = max(0.0, time.time() - report.reported_at)
+        else:
+            load.reported_at = time.time()
+        load.num_running += max(0, worker.in_flight - load.num_requests)
+        own_prefill = sum(waiting.values()) - load.pending_prefill_tokens - load.routed_prefill_tokens
+        load.routed_prefill_tokens += max(0, own_prefill)
+        return load
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         url, hits = self.choose(call)
         waiting = self._waiting[url]
-        waiting[call.request_id] = max(call.num_tokens - hits * call.block_size, 1)
+        waiting[call.request_id] = prefill = max(call.num_tokens - hits * call.block_size, 1)
+        self.routes.add(call.request_id, url, prefill)
         try:
             async for chunk in self.workers[url].generate(call, url):
                 waiting.pop(call.request_id, None)
                 yield chunk
         finally:
             waiting.pop(call.request_id, None)
+            self.routes.done(call.request_id)
 
 
 class WorkerAdapters(Mapping[str, str | None]):
@@ -147,7 +161,7 @@ def run_router_server(args: argparse.Namespace, policy_kwargs: dict | None = Non
     sock = listen(args.host, args.port)
     resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
     served = args.served_model_name or args.model
-    workers = [Worker(spec, args.model, served, args.block_size) for spec in specs]
+    workers = [Worker(spec, args.model, served, args.block_size, load_period_s=args.load_period_s) for spec in specs]
     router = LocalRouter(workers, args.policy, policy_kwargs)  # a bad policy setting fails before serving
     digests = key_digests(args.api_key or [])
     settings = IngressSettings(

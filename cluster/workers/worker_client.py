@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import urllib.error
 import urllib.request
@@ -39,10 +40,11 @@ from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
 log = logging.getLogger(__name__)
 
 METRICS_PERIOD_S = 1.0
-MODELS_EVERY = 5
-"""Every how many load reads the worker's ``/v1/models`` (the adapters it serves) is read again."""
-DOWN_AFTER = 2
-"""Consecutive unanswered polls (one a second) after which a worker counts as down."""
+"""How often a worker's load is read, by default."""
+MODELS_PERIOD_S = 5.0
+"""How often the worker's ``/v1/models`` (the adapters it serves) is read again."""
+DOWN_AFTER_S = 2.0
+"""Seconds of unanswered load reads (at least two) after which a worker counts as down."""
 START_TIMEOUT_S = 10.0
 """How long a start waits for the worker's ``/health``."""
 POLL_TIMEOUT_S = 2.0
@@ -190,7 +192,11 @@ class Worker:
         served_name: str,
         block_size: int,
         on_changes: Callable[[list[IndexEvent]], None] | None = None,
+        load_period_s: float = METRICS_PERIOD_S,
     ) -> None:
+        if load_period_s <= 0:
+            raise ValueError(f"load_period_s must be > 0, got {load_period_s}")
+        self.load_period_s = load_period_s
         self.spec = spec
         self.model = spec.model or served_name
         headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
@@ -339,17 +345,19 @@ class Worker:
         )
 
     async def _poll_metrics(self) -> None:
-        """Read the worker's load every second; after ``DOWN_AFTER`` unanswered polls it is down: its cache view
-        goes at once and routers rank it last, until it answers again (its cache is then rebuilt from its event
-        stream)."""
+        """Read the worker's load every ``load_period_s``; after ``DOWN_AFTER_S`` of unanswered reads (two at
+        least) it is down: its cache view goes at once and routers rank it last, until it answers again (its
+        cache is then rebuilt from its event stream)."""
+        down_after = max(2, math.ceil(DOWN_AFTER_S / self.load_period_s))
+        models_every = max(1, round(MODELS_PERIOD_S / self.load_period_s))
         failures, polls = 0, 0
         while True:
             answered = await self._read_load()
-            if answered and polls % MODELS_EVERY == 0:
+            if answered and polls % models_every == 0:
                 await self._read_models()
             polls += 1
             failures = 0 if answered else failures + 1
-            if failures == DOWN_AFTER:
+            if failures == down_after:
                 log.warning("worker %s stopped answering: its index entries are removed", self.spec.url)
                 self.down = True
                 self.forget()
@@ -358,7 +366,7 @@ class Worker:
                 self.down = False
                 if self.subscriber is not None:
                     self.subscriber.request_rebuild()
-            await asyncio.sleep(METRICS_PERIOD_S)
+            await asyncio.sleep(self.load_period_s)
 
     async def _read_load(self) -> bool:
         """Whether the worker answered a read of its load: its ``LoadReport`` (``GET /load``, a ``kvmesh engine``'s,
