@@ -1,7 +1,7 @@
 """Routers head to head on fleets of simulated engines (``kvmesh engine --simulate``), side by side in one run.
 
     kvmesh bench sim_fleet --smg SMG_VENV/bin/smg --vllm-router VLLM_ROUTER_VENV/bin/vllm-router \\
-        [--engines 16,32] [--workloads multi_turn,rag] [--repeats 2] [--timing PATH[:SPEEDUP] | name=value,...]
+        [--engines 16,32] [--workloads multi_turn,rag,mooncake] [--repeats 2] [--timing PATH[:SPEEDUP] | name=value,...]
 
 One process runs the largest fleet's simulated engines (``--timing``: by default the CPU engine ``kvmesh bench
 calibrate`` measured, ``benchmarks/results/calibration.json``, so each simulated engine is as fast as one real
@@ -10,9 +10,12 @@ workload and router, in rotating order: empty the fleet's prefix caches, start t
 it, which the load client takes in turn, as a round-robin balancer in front of an HA deployment spreads
 requests), run the workload and read the engines' own counters (hit rate by tokens as the engines saw them).
 The workloads are ``kvmesh bench peer_routers``' 3-engine workloads scaled to N engines: N/3 times the sessions
-(or RAG requests and documents) at N/3 times the arrival rate, so each engine's share of the load stays put.
+(or RAG requests and documents) at N/3 times the arrival rate, so each engine's share of the load stays put;
+``mooncake`` replays the real Mooncake conversation trace's first rows the same way (N/3 times the requests at
+N/3 times its pace; ``benchmarks/workloads/mooncake``).
 
-Routers: ``kvmesh_router`` (one process) and ``kvmesh_router_x3`` (three, each following every engine's events),
+Routers: ``kvmesh_router`` (one process) and ``kvmesh_router_x3`` (three, each following every engine's events and
+sharing what each routes through one Redis, ``--redis-url``; ``kvmesh_router_x3_alone``: without it),
 ``smg_cache_aware`` and ``smg_x3``, ``vllm_router_cache_aware``, ``round_robin`` (``smg --policy round_robin``);
 the peers run from their own virtualenvs and are left out when their command is not given. Prints medians over
 the repeats per cell, then kvmesh's mean and P90 TTFT over the best peer's, pair by pair (each repeat's runs of
@@ -38,12 +41,19 @@ from kvmesh.bench.harness.load_client import run_sessions
 from kvmesh.bench.harness.peer_fleet import MODEL, Child, add_workload_args, cpu_seconds, start_router, workload
 from kvmesh.bench.harness.report import print_table, results_dir, write_json
 from kvmesh.bench.peer_routers import engine_counters, reset_caches
-from kvmesh.cluster.launch.embedded_redis import free_port
+from kvmesh.cluster.launch.embedded_redis import EmbeddedRedis, free_port
 
-INSTANCES = {"kvmesh_router_x3": ("kvmesh_router", 3), "smg_x3": ("smg_cache_aware", 3)}
+INSTANCES = {
+    "kvmesh_router_x3": ("kvmesh_router", 3),
+    "kvmesh_router_x3_alone": ("kvmesh_router", 3),
+    "smg_x3": ("smg_cache_aware", 3),
+}
 """Kinds that run several instances of another kind behind the client's round robin."""
+SHARED = ("kvmesh_router_x3",)
+"""Kinds whose instances share what each routes through one Redis (``kvmesh router --redis-url``), its CPU
+counted with theirs."""
 SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate", "router_cpu_s", "errors")
-OURS = ("kvmesh_router", "kvmesh_router_x3")
+OURS = ("kvmesh_router", "kvmesh_router_x3", "kvmesh_router_x3_alone")
 
 
 def start_fleet(n: int, tmp: Path, args: argparse.Namespace) -> tuple[Child, list[tuple[SimpleNamespace, dict]]]:
@@ -77,19 +87,24 @@ def run_cell(kind: str, name: str, args: argparse.Namespace, engines: list) -> d
     """One router (its instances) over ``engines`` on one workload: TTFT summary, hit rate, router CPU."""
     reset_caches(engines)
     base, count = INSTANCES.get(kind, (kind, 1))
-    routers = [start_router(base, args, engines, args.model) for _ in range(count)]
+    redis = EmbeddedRedis().start() if kind in SHARED else None
+    shared = ("--redis-url", redis.url) if redis else ()
+    routers = [start_router(base, args, engines, args.model, shared) for _ in range(count)]
     urls = [r.url for r in routers]
+    pids = [r.proc.pid for r in routers] + ([redis.process.pid] if redis else [])
     try:
         asyncio.run(run_sessions(urls, args.model, workload(name, args.seed + 1000, True, args), concurrency=3))
         time.sleep(1.0)
         prompt0, cached0, admitted0 = engine_counters(engines)
-        cpu0 = sum(cpu_seconds(r.proc.pid) for r in routers)
+        cpu0 = sum(map(cpu_seconds, pids))
         results, wall = asyncio.run(run_sessions(urls, args.model, workload(name, args.seed, False, args)))
-        cpu1 = sum(cpu_seconds(r.proc.pid) for r in routers)
+        cpu1 = sum(map(cpu_seconds, pids))
         prompt1, cached1, admitted1 = engine_counters(engines)
     finally:
         for router in routers:
             router.stop()
+        if redis is not None:
+            redis.stop()
     ok = sorted(r.ttft_s for r in results if r.error is None and r.ttft_s is not None)
     pick = lambda q: ok[min(len(ok) - 1, round(q * (len(ok) - 1)))] if ok else None  # noqa: E731
     served = [b - a for a, b in zip(admitted0, admitted1, strict=True)]
@@ -110,8 +125,8 @@ def run_cell(kind: str, name: str, args: argparse.Namespace, engines: list) -> d
 def peers_of(ours: str, kinds: list[str]) -> list[str]:
     """The peers a kvmesh router is judged against: one instance against single-instance peers, three against
     three-instance ones; round robin keeps no state, so it stands in both."""
-    many = ours.endswith("_x3")
-    return [k for k in kinds if k not in OURS and (k == "round_robin" or k.endswith("_x3") == many)]
+    many = ours in INSTANCES
+    return [k for k in kinds if k not in OURS and (k == "round_robin" or (k in INSTANCES) == many)]
 
 
 def pair_ratios(runs: dict, kinds: list[str]) -> list[dict]:
@@ -158,6 +173,7 @@ def router_kinds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[
     kinds += ["smg_cache_aware", "smg_x3", "round_robin"] if args.smg else []
     kinds += ["vllm_router_cache_aware"] if args.vllm_router else []
     if args.routers:
+        kinds += ["kvmesh_router_x3_alone"]  # only when asked for: the sharing's ablation
         unknown = set(args.routers.split(",")) - set(kinds)
         if unknown:
             ap.error(f"--routers: {', '.join(sorted(unknown))} not among {', '.join(kinds)} (give their commands)")

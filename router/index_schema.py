@@ -11,6 +11,8 @@ small enough to stay in Redis' compact listpack/ziplist encoding:
     <prefix>hb:<id>        STRING  the replica's live slot, with a TTL: the heartbeat
     <prefix>st:<id>        STRING  the replica's status report (JSON: KV usage, hit rate, queues), same TTL
     <prefix>p:<8 bytes>    STRING  replica id a router just sent this block's request to (short TTL)
+    <prefix>r:<worker url> ZSET  "<router id> <request id> <prefill tokens>" by unix time sent: what each
+                           ``kvmesh router`` sharing the Redis sent the worker (``router/shared_routes.py``)
     <prefix>ss             HASH  replica id -> "<count> <seconds>": decaying count of conversations routers
                            started there (new conversations are placed with bounded loads)
     <prefix>reg / pending  HASH  replica id -> live slot / slot being resynchronised
@@ -72,6 +74,18 @@ def index_prefix(deployment: str, model: str) -> str:
 
 def block_key(block_hash: BlockHash) -> bytes:
     return block_hash[:KEY_BYTES]
+
+
+def probe_depths(n: int) -> list[int]:
+    """The prefix depths (in blocks) at which routers record and look up where a prefix was just sent:
+    1, 2, 4, ..., n. Siblings sharing any of them find the prefix before the replica's events arrive."""
+    depths, d = [], 1
+    while n > 0:
+        depths.append(d)
+        if d == n:
+            break
+        d = min(2 * d, n)
+    return depths
 
 
 def chain_arg(block_hashes: list[BlockHash]) -> bytes:

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from kvmesh.core.defaults import PREDICT_TTL_S
 from kvmesh.core.hashing import BlockHash
 from kvmesh.core.messages import RedisHealth, ReplicaStatus
-from kvmesh.router.index_schema import block_key, chain_arg, index_prefix, script_source
+from kvmesh.router.index_schema import block_key, chain_arg, index_prefix, probe_depths, script_source
 from kvmesh.router.sessions import SESSION_DECAY_S, decayed
 
 log = logging.getLogger(__name__)
@@ -142,15 +142,9 @@ class PrefixIndex:
         Keys sit at the depths the lookup script checks (1, 2, 4, ..., the end) so siblings routed by any
         router process before the replica's events arrive still find the prefix. Failures are ignored.
         """
-        n = len(block_hashes)
-        if not n or time.monotonic() < self._down_until:
+        if not block_hashes or time.monotonic() < self._down_until:
             return
-        depths, d = [], 1
-        while True:
-            depths.append(d)
-            if d == n:
-                break
-            d = min(2 * d, n)
+        depths = probe_depths(len(block_hashes))
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for d in depths:

@@ -1,4 +1,5 @@
-"""Pure logic of the simulated fleet: the step timing's forms, workloads scaled to a fleet, per-pair ratios."""
+"""Pure logic of the simulated fleet: the step timing's forms, workloads (scaled to a fleet; the Mooncake trace's),
+per-pair ratios."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from kvmesh.bench.harness.peer_fleet import MOONCAKE_WARMUP_ROW, _mooncake_rows, workload
 from kvmesh.bench.sim_fleet import pair_ratios, scaled
 from kvmesh.core.step_timing import StepTiming
 
@@ -30,6 +32,28 @@ def test_workloads_scale_with_the_fleet():
     big = scaled(args, 30)
     assert (big.sessions, big.requests, big.documents) == (120, 600, 120)
     assert big.rate == pytest.approx(4.0) and big.speed == pytest.approx(10.0) and args.sessions == 12
+
+
+def test_the_mooncake_workload_replays_the_trace_in_order_as_text():
+    """``--workloads mooncake``: the real trace's first rows at their own pace (sped up by ``speed``), as text
+    prompts any router takes; conversations that continue share their prompt's start; the warm-up is far away."""
+    args = argparse.Namespace(requests=40, speed=2.0, max_tokens=16)
+    rows = _mooncake_rows()
+    sessions = workload("mooncake", 0, False, args)
+    assert len(sessions) == 40 and all(s.steps[0].text and s.steps[0].token_ids is None for s in sessions)
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts) and starts[-1] == pytest.approx(
+        (rows[39]["timestamp"] - rows[0]["timestamp"]) / 2000
+    )
+    first_block = {}
+    for row, session in zip(rows, sessions, strict=False):  # the same first block: the same leading text
+        first_block.setdefault(row["hash_ids"][0], []).append(session.steps[0].text)
+    shared = [texts for texts in first_block.values() if len(texts) > 1]
+    assert shared and all(len({text[:40] for text in texts}) == 1 for texts in shared)
+    warm = {h for row in rows[MOONCAKE_WARMUP_ROW : MOONCAKE_WARMUP_ROW + 3] for h in row["hash_ids"][1:]}
+    assert len(workload("mooncake", 0, True, args)) == 3 and not warm & {
+        h for row in rows[:40] for h in row["hash_ids"]
+    }
 
 
 def test_pair_ratios_take_the_best_peer_of_each_repeat():

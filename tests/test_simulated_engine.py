@@ -1,7 +1,7 @@
 """The simulated engine (``kvmesh engine --simulate``): the real scheduler, KV cache and events over a timing
 model. In process: tokens that depend only on the prompt, the prefix cache and eviction with vLLM-schema events,
 steps that take what the timing says. As servers: the OpenAI API from several engines in one process, and
-``kvmesh router`` over 16 of them sending repeated prefixes to their holders."""
+two ``kvmesh router`` processes sharing a Redis over 16 of them, sending repeated prefixes to their holders."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+import redis
 import zmq
 
 from kvmesh.core.step_timing import StepTiming
@@ -136,40 +137,54 @@ def test_several_simulated_engines_serve_the_openai_api(engines, smollm_dir):
     assert len(ids) == 16
 
 
-def test_kvmesh_router_sends_repeated_prefixes_to_their_holders_among_16(engines, smollm_dir, tmp_path):
+def test_two_kvmesh_routers_sharing_redis_send_repeated_prefixes_to_their_holders_among_16(
+    engines, smollm_dir, redis_server, tmp_path
+):
+    """Two ``kvmesh router`` processes over 16 simulated engines, sharing one Redis (``--redis-url``): each prompt
+    is sent through one router, then again through the other, which sends it to the engine that cached it. Both
+    recorded their routes in the Redis."""
     _, port, events = engines
     specs = []
     for rank in range(16):
         pub, replay = (events[key] + (f"_{rank}" if rank else "") for key in ("endpoint", "replay_endpoint"))
         specs += ["--worker", f"http://127.0.0.1:{port + rank},kv_events={pub},replay={replay}"]
         assert httpx.post(f"http://127.0.0.1:{port + rank}/reset_prefix_cache").json() == {"status": "ok"}
-    router_port, log = free_port(), tmp_path / "router.log"
     cmd = [sys.executable, "-m", "kvmesh.cluster.launch.cli", "router", "--model", str(smollm_dir)]
-    router = subprocess.Popen(
-        [*cmd, "--port", str(router_port), *specs], stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{router_port}"
+    routers, urls = [], []
+    for i in range(2):
+        router_port, log = free_port(), tmp_path / f"router{i}.log"
+        args = [*cmd, "--port", str(router_port), "--redis-url", redis_server.url, *specs]
+        routers.append((subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
+        urls.append(f"http://127.0.0.1:{router_port}")
     try:
-        wait_healthy(url, router)
+        for url, (router, _) in zip(urls, routers, strict=True):
+            wait_healthy(url, router)
         homes = {}
         for p in range(12):
+            url = urls[p % 2]
             tokens = [20_000 + 97 * p + i for i in range(256)]
             request = {"model": str(smollm_dir), "prompt": tokens, "max_tokens": 4}
             r = httpx.post(url + "/v1/completions", json=request, timeout=60)
             assert r.status_code == 200, r.text
             homes[p] = r.headers["x-kvmesh-replica"]
             deadline = time.monotonic() + 10
-            while httpx.get(url + "/status").json()["index"]["entries"] < 16 * (p + 1) and time.monotonic() < deadline:
+            while (
+                min(httpx.get(u + "/status").json()["index"]["entries"] for u in urls) < 16 * (p + 1)
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
         for p in range(12):
             request = {"model": str(smollm_dir), "prompt": [20_000 + 97 * p + i for i in range(256)], "max_tokens": 4}
-            r = httpx.post(url + "/v1/completions", json=request, timeout=60)
+            r = httpx.post(urls[(p + 1) % 2] + "/v1/completions", json=request, timeout=60)
             assert r.headers["x-kvmesh-replica"] == homes[p]
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 240
         assert len(set(homes.values())) >= 6, homes  # new prompts spread over the fleet
+        keys = redis.Redis.from_url(redis_server.url).keys("*")
+        assert sum(b":r:http://127.0.0.1:" in k for k in keys) >= 6  # each engine sent to has its routes
     finally:
-        router.send_signal(signal.SIGINT)
-        assert router.wait(timeout=30) == 0, log.read_text()[-2000:]
+        for router, log in routers:
+            router.send_signal(signal.SIGINT)
+            assert router.wait(timeout=30) == 0, log.read_text()[-2000:]
 
 
 @pytest.mark.integration

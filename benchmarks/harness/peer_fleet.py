@@ -29,6 +29,10 @@ from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.processes import die_with_parent
 
 MODEL = "smollm2-135m"
+MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "workloads" / "mooncake" / "conversation_trace.jsonl"
+MOONCAKE_WARMUP_ROW = 6000
+"""The warm-up's rows start here, far from the timed rows' (the trace's first rows), so it caches none of their
+conversations."""
 
 
 class Child:
@@ -110,8 +114,13 @@ def start_engines(
 
 
 def start_router(
-    kind: str, args: argparse.Namespace, engines: list[tuple[Child, dict]], model: str = MODEL
+    kind: str,
+    args: argparse.Namespace,
+    engines: list[tuple[Child, dict]],
+    model: str = MODEL,
+    router_args: tuple[str, ...] = (),
 ) -> Child | ServeProcess:
+    """One router of ``kind`` over ``engines``, ready; ``router_args``: more options for ``kvmesh router``."""
     urls = [c.url for c, _ in engines]
     port, metrics = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
@@ -133,6 +142,7 @@ def start_router(
             "--port",
             str(port),
             *workers,
+            *router_args,
         ]
         child = Child(kind, cmd, url, "/health")
     elif kind in ("smg_cache_aware", "round_robin"):
@@ -165,16 +175,30 @@ def cpu_seconds(pid: int) -> float:
 
 
 def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model: str = MODEL):
+    """``name``'s sessions: ``multi_turn`` chat, ``rag`` (documents by Zipf popularity) or ``mooncake`` (the real
+    conversation trace's rows in order, each 512-token block as 16 tokens; the warm-up's from far into it)."""
     if name == "multi_turn":
         n = 3 if warmup else args.sessions
         return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
-    rows = rag(seed=seed, size=max(0.05, args.requests / 2000), documents=args.documents)  # 2,000 rows per size
-    rows = rows[: 3 if warmup else args.requests]
+    count = 3 if warmup else args.requests
+    if name == "rag":
+        rows = rag(seed=seed, size=max(0.05, args.requests / 2000), documents=args.documents)[:count]  # 2,000 a size
+    elif name == "mooncake":
+        start = MOONCAKE_WARMUP_ROW if warmup else 0
+        rows = _mooncake_rows()[start : start + count]
+    else:
+        raise ValueError(f"unknown workload {name!r}: multi_turn, rag or mooncake")
     sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
     for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
         for step in session.steps:
             step.text, step.token_ids = _tokenizer(model).decode(step.token_ids), None
     return sessions
+
+
+@functools.cache
+def _mooncake_rows() -> list[dict]:
+    with MOONCAKE_TRACE.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @functools.cache
@@ -204,9 +228,11 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sessions", type=int, default=12, help="multi_turn: conversations")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rate", type=float, default=0.4, help="multi_turn: conversations started per second")
-    ap.add_argument("--requests", type=int, default=60, help="rag: requests")
+    ap.add_argument("--requests", type=int, default=60, help="rag, mooncake: requests")
     ap.add_argument("--documents", type=int, default=12, help="rag: documents (Zipf popularity)")
-    ap.add_argument("--speed", type=float, default=1.0, help="rag: arrival speed-up (the trace is 2 requests/s)")
+    ap.add_argument(
+        "--speed", type=float, default=1.0, help="rag, mooncake: arrival speed-up (the traces: 2 and 3.4 requests/s)"
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)

@@ -460,6 +460,11 @@ def _add_router_command(sub: argparse._SubParsersAction) -> None:
     rtr.add_argument("--api-key", action="append", help="require this Bearer key (repeatable)")
     rtr.add_argument("--max-inflight-requests", type=int, default=1024, help="more get 429 (default 1024)")
     rtr.add_argument(
+        "--redis-url",
+        help="share what this router sends with the other kvmesh router processes in front of the same workers "
+        "(each counts the others' requests and recent prefixes at once, not one load read late); default: none",
+    )
+    rtr.add_argument(
         "--load-period-s",
         type=float,
         default=ROUTER_LOAD_PERIOD_S,

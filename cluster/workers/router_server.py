@@ -1,13 +1,13 @@
-"""``kvmesh router``: kvmesh's KV-aware router in one process, without Ray or Redis, in front of external workers.
+"""``kvmesh router``: kvmesh's KV-aware router in one process, without Ray, in front of external workers.
 
 The analogue of SGLang's ``smg`` and ``vllm-router``: the cluster ingress's front door (chat template,
 tokenize once, hash the prompt's blocks once) and the same routing policy (``router/policy.py``), but
 each worker's cache is followed here, from its KV events (``Worker``, ``cluster/workers/worker_client.py``),
-and its load is what this router has in flight there: requests still before their first token, with the
-prompt tokens they must prefill, and those decoding. No Ray hop per request and no background stack, so
-the router's own CPU stays off the engines' cores. Several routers each follow every worker's events, as
-Dynamo's and SGLang's do; ``kvmesh serve --worker`` is the same routing inside a Ray cluster, shared
-through Redis.
+and its load is the worker's own count at its last ``/load`` with what this router sent since, never less
+than what this router has in flight there. No Ray hop per request and no background stack, so the router's
+own CPU stays off the engines' cores. Several routers each follow every worker's events, as Dynamo's and
+SGLang's do; with ``--redis-url`` they share what each just sent (``router/shared_routes.py``). ``kvmesh
+serve --worker`` is the same routing inside a Ray cluster, shared through the Redis index.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvmesh.router import metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
 from kvmesh.router.recent_routes import RecentRoutes
+from kvmesh.router.shared_routes import WINDOW_S, SharedRoutes, SharedView
 from kvmesh.router.worker_blocks import HOST
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,16 @@ log = logging.getLogger(__name__)
 class LocalRouter:
     """Routes each call to one of ``workers`` (by their URLs) with a kvmesh policy, on what this process sees."""
 
-    def __init__(self, workers: list[Worker], policy: str = "kv_aware", policy_kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        workers: list[Worker],
+        policy: str = "kv_aware",
+        policy_kwargs: dict | None = None,
+        shared: SharedRoutes | None = None,
+    ) -> None:
         self.workers = {w.spec.url: w for w in workers}
+        self.shared = shared
+        """Other ``kvmesh router`` processes' routes, through Redis (``--redis-url``); None: this router's alone."""
         self.policy = make_policy(policy, **(policy_kwargs or {}))
         self.policy_name = policy
         self.decisions: Counter[str] = Counter()
@@ -56,8 +65,8 @@ class LocalRouter:
         """The workers answering (what ``/health`` and a request's wait for a live one count)."""
         return {url: w for url, w in self.workers.items() if not w.down}
 
-    def choose(self, call: GenerateCall) -> tuple[str, int]:
-        """The worker for ``call`` and the leading blocks it holds."""
+    def choose(self, call: GenerateCall, view: SharedView | None = None) -> tuple[str, int]:
+        """The worker for ``call`` and the leading blocks it holds (or will, by ``view``: other routers' routes)."""
         req = RouteRequest(call.block_hashes, call.num_tokens, call.block_size, call.session_id, call.lora_name)
         live = list(self.curr_replicas) or list(self.workers)
         if call.lora_name:  # only workers that serve the adapter, where any does
@@ -65,6 +74,8 @@ class LocalRouter:
         device = {url: self.workers[url].blocks.leading(req.block_hashes) for url in live}
         host = {url: self.workers[url].blocks.leading(req.block_hashes, HOST, device[url]) for url in live}
         loads = {url: self._load(url) for url in live}
+        if view is not None:
+            _add_others(view, device, loads)
         decision = self.policy.rank(req, list(loads.values()), device, None, host)
         self.decisions[decision.reason] += 1
         # Among near-ties: the fewest requests (fresher than the costs), then the smallest cache (new prompts
@@ -93,11 +104,21 @@ class LocalRouter:
         load.routed_prefill_tokens += max(0, own_prefill)
         return load
 
+    async def _shared_view(self, call: GenerateCall) -> SharedView | None:
+        """What other routers did that this decision needs (None without ``shared``, or if Redis is slow)."""
+        if self.shared is None:
+            return None
+        floor = time.time() - WINDOW_S
+        since = {url: max(w.report.reported_at, floor) if w.report else floor for url, w in self.workers.items()}
+        return await self.shared.look(call.block_hashes, since)
+
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
-        url, hits = self.choose(call)
+        url, hits = self.choose(call, await self._shared_view(call))
         waiting = self._waiting[url]
         waiting[call.request_id] = prefill = max(call.num_tokens - hits * call.block_size, 1)
         self.routes.add(call.request_id, url, prefill)
+        if self.shared is not None:
+            self.shared.record(call.block_hashes, url, call.request_id, prefill)
         try:
             async for chunk in self.workers[url].generate(call, url):
                 waiting.pop(call.request_id, None)
@@ -105,6 +126,23 @@ class LocalRouter:
         finally:
             waiting.pop(call.request_id, None)
             self.routes.done(call.request_id)
+            if self.shared is not None:
+                self.shared.done(url, call.request_id, prefill)
+
+
+def _add_others(view: SharedView, device: dict[str, int], loads: dict[str, ReplicaLoad]) -> None:
+    """Other routers' routes into one decision's view: their requests since each worker's report into its load,
+    and a prefix they just sent somewhere as held there, where no worker's events show it deeper (a prefix
+    really cached, such as a system prompt, must not pull traffic to the latest choice; as the index's
+    lookup rules)."""
+    for url, (requests, tokens) in view.routed.items():
+        if url in loads:
+            loads[url].routed_requests += requests
+            loads[url].routed_prefill_tokens += tokens
+    indexed = max(device.values(), default=0)
+    for url, depth in view.predicted.items():
+        if url in device and depth > indexed and depth > device[url]:
+            device[url] = depth
 
 
 class WorkerAdapters(Mapping[str, str | None]):
@@ -162,7 +200,8 @@ def run_router_server(args: argparse.Namespace, policy_kwargs: dict | None = Non
     resolve_model_dir(args.model, weights=False)  # a bad model fails before any worker is contacted
     served = args.served_model_name or args.model
     workers = [Worker(spec, args.model, served, args.block_size, load_period_s=args.load_period_s) for spec in specs]
-    router = LocalRouter(workers, args.policy, policy_kwargs)  # a bad policy setting fails before serving
+    shared = SharedRoutes(args.redis_url, served) if args.redis_url else None
+    router = LocalRouter(workers, args.policy, policy_kwargs, shared)  # a bad policy setting fails before serving
     digests = key_digests(args.api_key or [])
     settings = IngressSettings(
         model=args.model,
@@ -183,6 +222,8 @@ def run_router_server(args: argparse.Namespace, policy_kwargs: dict | None = Non
     async def stop_workers() -> None:
         for worker in workers:
             await worker.aclose()
+        if shared is not None:
+            await shared.aclose()
 
     app.router.on_startup.append(start_workers)
     app.router.on_shutdown.append(stop_workers)
