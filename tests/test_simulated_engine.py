@@ -138,11 +138,11 @@ def test_several_simulated_engines_serve_the_openai_api(engines, smollm_dir):
 
 
 def test_two_kvmesh_routers_sharing_redis_send_repeated_prefixes_to_their_holders_among_16(
-    engines, smollm_dir, redis_server, tmp_path
+    engines, smollm_dir, own_redis, tmp_path
 ):
     """Two ``kvmesh router`` processes over 16 simulated engines, sharing one Redis (``--redis-url``): each prompt
-    is sent through one router, then again through the other, which sends it to the engine that cached it. Both
-    recorded their routes in the Redis."""
+    is sent through one router, then again through the other, which sends it to the engine that cached it. Each
+    router recorded every request it sent in the Redis and read the others' before each decision."""
     _, port, events = engines
     specs = []
     for rank in range(16):
@@ -153,7 +153,7 @@ def test_two_kvmesh_routers_sharing_redis_send_repeated_prefixes_to_their_holder
     routers, urls = [], []
     for i in range(2):
         router_port, log = free_port(), tmp_path / f"router{i}.log"
-        args = [*cmd, "--port", str(router_port), "--redis-url", redis_server.url, *specs]
+        args = [*cmd, "--port", str(router_port), "--redis-url", own_redis.url, *specs]
         routers.append((subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
         urls.append(f"http://127.0.0.1:{router_port}")
     try:
@@ -179,8 +179,9 @@ def test_two_kvmesh_routers_sharing_redis_send_repeated_prefixes_to_their_holder
             assert r.headers["x-kvmesh-replica"] == homes[p]
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 240
         assert len(set(homes.values())) >= 6, homes  # new prompts spread over the fleet
-        keys = redis.Redis.from_url(redis_server.url).keys("*")
-        assert sum(b":r:http://127.0.0.1:" in k for k in keys) >= 6  # each engine sent to has its routes
+        calls = {k: v["calls"] for k, v in redis.Redis.from_url(own_redis.url).info("commandstats").items()}
+        assert calls["cmdstat_zadd"] == calls["cmdstat_zrem"] == 24  # each request recorded, then taken back
+        assert calls.get("cmdstat_evalsha", 0) + calls.get("cmdstat_eval", 0) >= 24  # each decision read them
     finally:
         for router, log in routers:
             router.send_signal(signal.SIGINT)

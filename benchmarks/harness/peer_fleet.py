@@ -31,6 +31,9 @@ from kvmesh.core.processes import die_with_parent
 MODEL = "smollm2-135m"
 MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "workloads" / "mooncake" / "conversation_trace.jsonl"
 MOONCAKE_WARMUP_ROW = 6000
+MOONCAKE_BLOCK_TOKENS = 8
+"""Tokens standing for each of the trace's 512-token blocks: its longest prompts (239 blocks) then fit one engine's
+160-block cache of 16-token blocks. Its arrivals run twice as fast, so prompt tokens arrive as fast as at 16."""
 """The warm-up's rows start here, far from the timed rows' (the trace's first rows), so it caches none of their
 conversations."""
 
@@ -176,19 +179,21 @@ def cpu_seconds(pid: int) -> float:
 
 def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model: str = MODEL):
     """``name``'s sessions: ``multi_turn`` chat, ``rag`` (documents by Zipf popularity) or ``mooncake`` (the real
-    conversation trace's rows in order, each 512-token block as 16 tokens; the warm-up's from far into it)."""
+    conversation trace's rows in order, each 512-token block as ``MOONCAKE_BLOCK_TOKENS``; the warm-up's from far
+    into it)."""
     if name == "multi_turn":
         n = 3 if warmup else args.sessions
         return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
-    count = 3 if warmup else args.requests
+    count, block, speed = 3 if warmup else args.requests, 16, args.speed
     if name == "rag":
         rows = rag(seed=seed, size=max(0.05, args.requests / 2000), documents=args.documents)[:count]  # 2,000 a size
     elif name == "mooncake":
         start = MOONCAKE_WARMUP_ROW if warmup else 0
         rows = _mooncake_rows()[start : start + count]
+        block, speed = MOONCAKE_BLOCK_TOKENS, speed * 16 / MOONCAKE_BLOCK_TOKENS
     else:
         raise ValueError(f"unknown workload {name!r}: multi_turn, rag or mooncake")
-    sessions = trace_sessions(rows, block_tokens=16, speed=args.speed, max_output_tokens=args.max_tokens)
+    sessions = trace_sessions(rows, block_tokens=block, speed=speed, max_output_tokens=args.max_tokens)
     for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
         for step in session.steps:
             step.text, step.token_ids = _tokenizer(model).decode(step.token_ids), None
