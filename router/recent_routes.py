@@ -61,8 +61,8 @@ class RecentRoutes:
         now = time.time()
         routes = self._routes.get(replica)
         horizon = max(reported_at, now - 2 * self.report_period_s)  # never trust a stale report forever
-        while routes and next(iter(routes.values()))[0] < horizon:  # counted by the report, or too old to
-            self._where.pop(routes.popitem(last=False)[0], None)  # be still queued: forgotten for good
+        while routes and next(iter(routes.values()))[0] < horizon:  # counted by the report, or too old to be
+            routes.popitem(last=False)  # still queued; ``where`` still answers for it (no re-counting on a move)
         queued = list(routes.values()) if routes else []  # in routing order, none before the report
         start = min(reported_at, now)  # 0 without a report: nothing reported to drain
         backlog, prev = float(reported_prefill), start
