@@ -31,7 +31,7 @@ from kvmesh.router import metrics as router_metrics
 from kvmesh.router.baselines import make_policy
 from kvmesh.router.policy import ReplicaLoad, RouteRequest
 from kvmesh.router.recent_routes import RecentRoutes
-from kvmesh.router.shared_routes import WINDOW_S, SharedRoutes, SharedView
+from kvmesh.router.shared_routes import SharedRoutes, SharedView
 from kvmesh.router.worker_blocks import HOST
 
 log = logging.getLogger(__name__)
@@ -108,9 +108,8 @@ class LocalRouter:
         """What other routers did that this decision needs (None without ``shared``, or if Redis is slow)."""
         if self.shared is None:
             return None
-        floor = time.time() - WINDOW_S
-        since = {url: max(w.report.reported_at, floor) if w.report else floor for url, w in self.workers.items()}
-        return await self.shared.look(call.block_hashes, since)
+        since = {url: w.report.reported_at if w.report else 0.0 for url, w in self.workers.items()}
+        return await self.shared.look(call.block_hashes, since)  # it bounds each by its window
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
         url, hits = self.choose(call, await self._shared_view(call))
