@@ -11,6 +11,7 @@ DEFAULT_MEAN_OUTPUT_TOKENS = 128.0
 PREDICT_TTL_S = 2.0
 """How long a routing decision stands as a prediction of where its blocks will be, until the replica's KV
 events reach the index (the serve router's ``p:`` keys; the simulator's predictions, on trace time)."""
-ROUTER_LOAD_PERIOD_S = 0.25
-"""How often ``kvmesh router`` reads each worker's load: between two reads it sees only the requests it sent
-itself, so several routers in front of one fleet see each other's this late."""
+ROUTER_LOAD_PERIOD_S = 1.0
+"""How long ``kvmesh router`` goes without a worker's load report before it reads one (``GET /load``); a
+``kvmesh engine`` sends one with each response, so a busy worker is read far more often. Between two reports a
+router sees only the requests it sent itself (and, with ``--redis-url``, those the others sent)."""

@@ -5,7 +5,8 @@
 - ``GenerateChunk``: engine replica -> ingress, one per step and sequence; the request's last chunk carries
   its ``Usage``, which is how the stream's end is known.
 - ``LoadReport``: engine replica -> routers (Ray Serve's ``record_routing_stats``, which travels as a dict:
-  ``as_dict`` / ``from_dict`` at that boundary only).
+  ``as_dict`` / ``from_dict`` at that boundary only; a ``kvmesh engine``'s ``GET /load`` and the ``LOAD_HEADER``
+  of each of its responses, as JSON).
 - ``KVPressure``: engine replica -> the autoscaling policy on Ray's controller (``record_autoscaling_stats``,
   a dict of numbers).
 - ``ReplicaStatus``: engine replica -> Redis (JSON beside its heartbeat) -> ingress (metrics, ``/status``)
@@ -224,6 +225,11 @@ def _conforms(value: Any, hint: Any) -> bool:
     if dataclasses.is_dataclass(hint):
         return isinstance(value, dict)
     return True  # Any
+
+
+LOAD_HEADER = "x-kvmesh-load"
+"""The response header in which a ``kvmesh engine`` sends its ``LoadReport`` (JSON) with each generation, taken
+as the response starts: routers read every worker they send to without polling it."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -17,6 +17,10 @@ import pytest
 import redis
 import zmq
 
+from kvmesh.cluster.workers.worker_client import Worker
+from kvmesh.cluster.workers.worker_spec import WorkerSpec
+from kvmesh.core.hashing import hash_blocks, model_seed
+from kvmesh.core.messages import LOAD_HEADER, GenerateCall, LoadReport
 from kvmesh.core.step_timing import StepTiming
 from kvmesh.replica import EngineConfig, LLMEngine, SamplingParams
 from kvmesh.replica.kv_event_publisher import ZmqKVEventPublisher
@@ -135,6 +139,41 @@ def test_several_simulated_engines_serve_the_openai_api(engines, smollm_dir):
     assert answers[0] == answers[1]  # the same prompt on two engines
     ids = {httpx.get(f"http://127.0.0.1:{port + rank}/load").json()["index_id"] for rank in range(16)}
     assert len(ids) == 16
+
+
+def test_each_response_carries_the_engines_load_which_a_router_takes(engines, smollm_dir):
+    """A simulated engine's responses carry its ``LoadReport`` (``LOAD_HEADER``), taken once the request runs;
+    a router's ``Worker`` sending there takes it as the worker's newest report, with no ``/load`` read."""
+    _, port, _ = engines
+    url = f"http://127.0.0.1:{port + 3}"
+    body = {"model": str(smollm_dir), "prompt": "Name three rivers.", "max_tokens": 4}
+    header = httpx.post(url + "/v1/completions", json=body, timeout=30).headers[LOAD_HEADER]
+    report = LoadReport.from_dict(json.loads(header))
+    assert report.index_id == httpx.get(url + "/load").json()["index_id"] and report.num_running == 1
+    tokens = list(range(200, 280))
+    params = SamplingParams(max_tokens=4)
+    call = GenerateCall(
+        request_id="h1",
+        prompt_token_ids=tokens,
+        block_hashes=hash_blocks(tokens, 16, model_seed(str(smollm_dir))),
+        block_size=16,
+        params=params,
+    )
+
+    async def main():
+        worker = Worker(WorkerSpec(url=url), str(smollm_dir), str(smollm_dir), 16, load_period_s=60.0).start()
+        try:
+            while worker.report is None:  # its first read, at start; the next would come in a minute
+                await asyncio.sleep(0.05)
+            polled = worker.report
+            chunks = [chunk async for chunk in worker.generate(call, url)]
+            return polled, worker.report, chunks
+        finally:
+            await worker.aclose()
+
+    polled, taken, chunks = asyncio.run(main())
+    assert chunks[-1].usage.completion_tokens == 4
+    assert taken.reported_at > polled.reported_at and taken.num_running == 1 and polled.num_running == 0
 
 
 def test_two_kvmesh_routers_sharing_redis_send_repeated_prefixes_to_their_holders_among_16(

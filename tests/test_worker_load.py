@@ -118,6 +118,32 @@ def sse(*events: dict | str) -> str:
     return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
 
 
+def test_a_report_a_response_brought_stands_in_for_the_periodic_load_read():
+    """A ``kvmesh engine`` sends its ``LoadReport`` with each response: while one is fresher than the load period
+    the worker's ``/load`` is not read (32 workers read 4 times a second cost a router more CPU than its
+    requests); once none came for a period, it is read again. An older report never replaces a newer one."""
+    now = time.time()
+    pages = Pages({"/load": (200, json.dumps(LoadReport(index_id="w", reported_at=now).as_dict()))})
+
+    async def main():
+        async with pages as w:
+            w.load_period_s = 1.0
+            assert w._take_report(json.dumps(LoadReport(index_id="w", reported_at=now + 5, num_running=2).as_dict()))
+            assert w._take_report(json.dumps(LoadReport(index_id="w", reported_at=now + 1).as_dict()))
+            poller = asyncio.create_task(w._poll_metrics())
+            await asyncio.sleep(0.3)
+            early = pages.asked.count("/load")
+            deadline = time.monotonic() + 10
+            while not pages.asked.count("/load") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            poller.cancel()
+            return early, pages.asked.count("/load"), w.report
+
+    early, later, report = asyncio.run(main())
+    assert early == 0 and later >= 1
+    assert report.reported_at == now + 5 and report.num_running == 2  # the /load answer is older
+
+
 def test_a_workers_stream_its_refusals_and_a_cut_stream():
     """What a router relays: each streamed choice chunk (its token ids, however long its text), then the usage
     with the worker's cached tokens; a 4xx refusal as the client's error with the worker's message; a stream

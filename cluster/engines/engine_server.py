@@ -10,6 +10,7 @@ It is the ingress's own front door (``kvmesh.cluster.ingress.front_door.front_do
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from fastapi import FastAPI
@@ -23,7 +24,7 @@ from kvmesh.cluster.ingress.generation import LocalHandle
 from kvmesh.cluster.ingress.http_api import HttpApi, bound_app
 from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.kv_event_wire import KVEventsConfig
-from kvmesh.core.messages import ReplicaStatus
+from kvmesh.core.messages import LOAD_HEADER, ReplicaStatus
 from kvmesh.core.sampling_params import MAX_N
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class EngineServer(HttpApi):
         limit, gauges), what kvmesh's routers price a replica by; a router in front of ``kvmesh engine`` servers
         reads it instead of ``/metrics``, where a vLLM worker offers only request counts."""
         return JSONResponse(self.replica.record_routing_stats())
+
+    def _load_headers(self) -> dict[str, str]:
+        """The engine's ``LoadReport`` as each response starts (after its first token: the request counts as
+        running), so a router sending here reads the engine's load without a ``GET /load``."""
+        return {LOAD_HEADER: json.dumps(self.replica.record_routing_stats(), separators=(",", ":"))}
 
     async def _load_adapter(self, name: str, path: str) -> str | None:
         """Read the adapter into this engine, between two of its steps; why it cannot be served, or None."""

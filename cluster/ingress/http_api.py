@@ -193,7 +193,7 @@ class HttpApi:
             first = await anext(chunks)  # errors before the first token get a real status code
         except StopAsyncIteration:
             raise APIError("the engine ended the request without output", status=500) from None
-        headers = {"x-kvmesh-replica": first.replica}  # which replica served it: for debugging and tests
+        headers = {"x-kvmesh-replica": first.replica, **self._load_headers()}  # x-kvmesh-replica: for debugging
         if not stream:
             texts, reasons, last, logprobs = await gather(shape.n, _prepend(first, chunks))
             calls = None
@@ -204,6 +204,10 @@ class HttpApi:
         return StreamingResponse(
             _sse(shape, first, chunks, include_usage, tools), media_type="text/event-stream", headers=headers
         )
+
+    def _load_headers(self) -> dict[str, str]:
+        """Headers a generation's response carries about this server's load (none here)."""
+        return {}
 
     async def _prepare_chat(self, body: ChatCompletionRequest, tenant: str) -> tuple[Prepared, ToolReplies | None]:
         """The chat prepared for the engine, and the parser of its replies when it offers tools."""

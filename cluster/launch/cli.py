@@ -462,14 +462,14 @@ def _add_router_command(sub: argparse._SubParsersAction) -> None:
     rtr.add_argument(
         "--redis-url",
         help="share what this router sends with the other kvmesh router processes in front of the same workers "
-        "(each counts the others' requests and recent prefixes at once, not one load read late); default: none",
+        "(each counts the others' requests and recent prefixes at once, not one load report late); default: none",
     )
     rtr.add_argument(
         "--load-period-s",
         type=float,
         default=ROUTER_LOAD_PERIOD_S,
-        help=f"how often each worker's load is read (default {ROUTER_LOAD_PERIOD_S}): what other routers sent "
-        "there is seen this late",
+        help=f"read a worker's load (GET /load) once no report came for this long (default {ROUTER_LOAD_PERIOD_S}; "
+        "a kvmesh engine sends one with each response): what other routers sent there is seen this late",
     )
     rtr.set_defaults(func=_router)
 

@@ -3,9 +3,10 @@ Ray: requests forwarded to its ``/v1/completions`` as token ids (the ingress tok
 tokenizer, so the router's block hashes are the worker's prompt), streaming, with the tenant's ``cache_salt``;
 chunks, usage and its cached-token count back, errors as it said them. Its cache in kvmesh's hashes from its
 KV events (``router/kv_event_subscriber.py``, ``router/worker_blocks.py``); its load from what
-was sent to it and what it reports, read every second: a ``kvmesh engine``'s ``LoadReport`` (``GET /load``:
-gauges and measured rates), other workers' ``/metrics`` gauges; after two unanswered reads it is down (its cache
-forgotten) until it answers again (its cache then rebuilt from its event stream). The HTTP client is aiohttp's: its C
+was sent to it and what it reports: a ``kvmesh engine``'s ``LoadReport`` (with each response, and ``GET /load``
+when none came for a period: gauges and measured rates), other workers' ``/metrics`` gauges, read every period;
+after ``DOWN_AFTER_S`` of unanswered reads it is down (its cache forgotten) until it answers again (its cache
+then rebuilt from its event stream). The HTTP client is aiohttp's: its C
 parser relays a streamed token for less router CPU than a pure-Python one (``benchmarks/router_overhead.py``).
 
 Ray Serve's ``WorkerProxy`` (``cluster/workers/worker_proxy.py``) and the Ray-free ``kvmesh router``
@@ -32,7 +33,7 @@ from kvmesh.cluster.workers.worker_spec import WorkerSpec
 from kvmesh.core.errors import InvalidRequest, RequestFailed
 from kvmesh.core.hashing import model_seed
 from kvmesh.core.kv_event_wire import EventBatch
-from kvmesh.core.messages import GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
+from kvmesh.core.messages import LOAD_HEADER, GenerateCall, GenerateChunk, LoadReport, ReplicaStatus, Usage
 from kvmesh.core.sampling_params import SamplingParams
 from kvmesh.router.kv_event_subscriber import KVEventSubscriber
 from kvmesh.router.worker_blocks import IndexEvent, WorkerBlocks
@@ -209,7 +210,10 @@ class Worker:
         self.down = False
         self.gauges: dict[str, float] = {}
         self.report: LoadReport | None = None
-        """The worker's last ``GET /load`` (``kvmesh engine`` serves one; None: not offered, or not yet read)."""
+        """The worker's newest ``LoadReport``: from its last ``GET /load`` or the last response that carried one
+        (``kvmesh engine`` sends both; None: not offered, or not yet read)."""
+        self.report_received = -math.inf
+        """When (``time.monotonic``) a report last came: the periodic read waits ``load_period_s`` from it."""
         self._offers_load = True
         self.served: frozenset[str] | None = None
         """The LoRA adapters the worker lists in ``/v1/models`` (None: not read yet)."""
@@ -288,6 +292,8 @@ class Worker:
             async with self.session.post(self.spec.url + "/v1/completions", json=body) as response:
                 if response.status != 200:
                     raise _worker_error(response.status, await response.text(errors="replace"))
+                if (header := response.headers.get(LOAD_HEADER)) is not None:
+                    self._take_report(header)
                 async for chunk in self._chunks(response.content, call, replica):
                     yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -345,14 +351,15 @@ class Worker:
         )
 
     async def _poll_metrics(self) -> None:
-        """Read the worker's load every ``load_period_s``; after ``DOWN_AFTER_S`` of unanswered reads (two at
-        least) it is down: its cache view goes at once and routers rank it last, until it answers again (its
-        cache is then rebuilt from its event stream)."""
+        """Read the worker's load once no report came for ``load_period_s`` (a ``kvmesh engine`` sends one with
+        each response); after ``DOWN_AFTER_S`` of unanswered reads (two at least) it is down: its cache view goes
+        at once and routers rank it last, until it answers again (its cache is then rebuilt from its events)."""
         down_after = max(2, math.ceil(DOWN_AFTER_S / self.load_period_s))
         models_every = max(1, round(MODELS_PERIOD_S / self.load_period_s))
         failures, polls = 0, 0
         while True:
-            answered = await self._read_load()
+            age = time.monotonic() - self.report_received
+            answered = age < self.load_period_s or await self._read_load()  # a response just brought a report
             if answered and polls % models_every == 0:
                 await self._read_models()
             polls += 1
@@ -366,7 +373,7 @@ class Worker:
                 self.down = False
                 if self.subscriber is not None:
                     self.subscriber.request_rebuild()
-            await asyncio.sleep(self.load_period_s)
+            await asyncio.sleep(self.load_period_s - age if age < self.load_period_s else self.load_period_s)
 
     async def _read_load(self) -> bool:
         """Whether the worker answered a read of its load: its ``LoadReport`` (``GET /load``, a ``kvmesh engine``'s,
@@ -375,9 +382,7 @@ class Worker:
         try:
             if self._offers_load:
                 status, text = await self.get("/load")
-                if status == 200 and (report := self._report_in(text)) is not None:
-                    self.report = report
-                    self.gauges = dict(running=report.num_running, waiting=report.num_waiting, kv_usage=report.kv_usage)
+                if status == 200 and self._take_report(text):
                     return True
                 if status not in (200, 404):
                     return status < 500
@@ -400,6 +405,18 @@ class Worker:
     def serves(self, adapter: str) -> bool:
         """Whether the worker lists ``adapter`` (True until its list is read)."""
         return self.served is None or adapter in self.served
+
+    def _take_report(self, text: str) -> bool:
+        """Whether ``text`` held a ``LoadReport`` (a ``/load`` answer's, or a response's ``LOAD_HEADER``); the
+        newest report the worker took is kept, with its receipt time."""
+        report = self._report_in(text)
+        if report is None:
+            return False
+        self.report_received = time.monotonic()
+        if self.report is None or report.reported_at >= self.report.reported_at:
+            self.report = report
+            self.gauges = dict(running=report.num_running, waiting=report.num_waiting, kv_usage=report.kv_usage)
+        return True
 
     def _report_in(self, text: str) -> LoadReport | None:
         """The ``LoadReport`` a ``/load`` answer holds; None (with a log line) if it holds none."""
