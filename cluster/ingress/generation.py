@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from jinja2 import TemplateError
 
 from kvmesh.cluster.ingress.admission import RETRY_AFTER_S
+from kvmesh.cluster.ingress.piece_tokens import PieceTokens
 from kvmesh.cluster.monitoring import metrics
 from kvmesh.cluster.protocol.api_errors import APIError
 from kvmesh.cluster.protocol.tool_calls import ToolRequest, template_messages, template_syntax
@@ -189,6 +190,7 @@ class Generation:
         self.errors = errors
         self.no_replica_timeout_s = no_replica_timeout_s
         self.tokenizer = tokenizer
+        self.pieces = PieceTokens.of(tokenizer)
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.block_size = block_size
         self.seed = model_seed(model)
@@ -210,11 +212,16 @@ class Generation:
         return f"key:{tenant}" + (f"|{client_salt}" if client_salt is not None else "")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text`` (a rendered chat carries its own special tokens: encode it without); long
-        texts in a worker thread (the tokenizer releases the GIL), so other streams on this loop keep flowing."""
+        """Token ids of ``text`` (a rendered chat carries its own special tokens: encode it without, piece by
+        piece, its history's pieces remembered: ``piece_tokens.py``); long texts in a worker thread (the
+        tokenizer releases the GIL), so other streams on this loop keep flowing."""
+        if add_special_tokens or self.pieces is None:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens)
+        else:
+            encode = self.pieces.encode
         if len(text) < TOKENIZE_INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+            return encode(text)
+        return await asyncio.to_thread(encode, text)
 
     def with_tools(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[dict], list[dict] | None]:
         """A chat's messages and the tool entries to hand its template: the template's own rendering of tools
