@@ -1,7 +1,8 @@
 """Routers head to head on fleets of simulated engines (``kvmesh engine --simulate``), side by side in one run.
 
     kvmesh bench sim_fleet --smg SMG_VENV/bin/smg --vllm-router VLLM_ROUTER_VENV/bin/vllm-router \\
-        [--engines 16,32] [--workloads multi_turn,rag,mooncake] [--repeats 2] [--timing PATH[:SPEEDUP] | name=value,...]
+        [--engines 16,32] [--workloads multi_turn,rag,mooncake,agentic] [--repeats 2] \\
+        [--timing PATH[:SPEEDUP] | name=value,...] [--kvmesh-args '--load-period-s 1']
 
 One process runs the largest fleet's simulated engines (``--timing``: by default the CPU engine ``kvmesh bench
 calibrate`` measured, ``benchmarks/results/calibration.json``, so each simulated engine is as fast as one real
@@ -12,7 +13,8 @@ requests), run the workload and read the engines' own counters (hit rate by toke
 The workloads are ``kvmesh bench peer_routers``' 3-engine workloads scaled to N engines: N/3 times the sessions
 (or RAG requests and documents) at N/3 times the arrival rate, so each engine's share of the load stays put;
 ``mooncake`` replays the real Mooncake conversation trace's first rows the same way (N/3 times the requests at
-N/3 times its pace; ``benchmarks/workloads/mooncake``).
+N/3 times its pace; ``benchmarks/workloads/mooncake``); ``agentic`` sends agent steps whose sub-agents fork in
+bursts on their parent's context (``trace_workloads.agentic``), scaled as RAG is.
 
 Routers: ``kvmesh_router`` (one process) and ``kvmesh_router_x3`` (three, each following every engine's events and
 sharing what each routes through one Redis, ``--redis-url``; ``kvmesh_router_x3_alone``: without it),
@@ -88,8 +90,8 @@ def run_cell(kind: str, name: str, args: argparse.Namespace, engines: list) -> d
     reset_caches(engines)
     base, count = INSTANCES.get(kind, (kind, 1))
     redis = EmbeddedRedis().start() if kind in SHARED else None
-    shared = ("--redis-url", redis.url) if redis else ()
-    routers = [start_router(base, args, engines, args.model, shared) for _ in range(count)]
+    options = (*(("--redis-url", redis.url) if redis else ()), *(args.kvmesh_args.split() if kind in OURS else ()))
+    routers = [start_router(base, args, engines, args.model, options) for _ in range(count)]
     urls = [r.url for r in routers]
     pids = [r.proc.pid for r in routers] + ([redis.process.pid] if redis else [])
     try:
@@ -162,6 +164,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timing", default=str(results_dir() / "calibration.json") + ":1", help="--simulate's timing")
     ap.add_argument("--kv-blocks", type=int, default=160, help="KV blocks per engine (16 tokens each)")
     ap.add_argument("--routers", help="only these routers (comma-separated)")
+    ap.add_argument("--kvmesh-args", default="", help="more options for each kvmesh router (e.g. '--load-period-s 1')")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report", type=Path, help="print the tables of a saved result (its runs) and run nothing")
     add_workload_args(ap)

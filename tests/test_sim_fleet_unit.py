@@ -4,6 +4,7 @@ per-pair ratios."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import pytest
@@ -52,6 +53,20 @@ def test_the_mooncake_workload_replays_the_trace_in_order_as_text():
     warm = {h for row in rows[MOONCAKE_WARMUP_ROW : MOONCAKE_WARMUP_ROW + 3] for h in row["hash_ids"][1:]}
     timed = {h for row in rows[:40] for h in row["hash_ids"]}
     assert len(workload("mooncake", 0, True, args)) == 3 and not warm & timed
+
+
+def test_the_agentic_workload_sends_fan_out_bursts_that_share_their_parents_context():
+    """``--workloads agentic``: agent steps as text prompts in arrival order; a step that forks sends several
+    sub-agents within a burst, each the same context (the same leading text) with its own task."""
+    args = argparse.Namespace(requests=60, speed=1.0, max_tokens=16)
+    sessions = workload("agentic", 0, False, args)
+    assert len(sessions) == 60 and all(s.steps[0].text and s.steps[0].token_ids is None for s in sessions)
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts)
+    # sub-agents of one fork: arriving together, sharing all but their last block
+    bursts = [(a, b) for a, b in itertools.pairwise(sessions) if b.start_s - a.start_s < 0.1]
+    assert bursts and all(a.steps[0].text[:200] == b.steps[0].text[:200] for a, b in bursts)
+    assert len(workload("agentic", 1000, True, args)) == 3
 
 
 def test_pair_ratios_take_the_best_peer_of_each_repeat():

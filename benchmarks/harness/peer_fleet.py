@@ -23,7 +23,7 @@ import httpx
 import psutil
 
 from kvmesh.bench.harness.serve_process import ServeProcess
-from kvmesh.bench.harness.trace_workloads import rag
+from kvmesh.bench.harness.trace_workloads import agentic, rag
 from kvmesh.bench.harness.workloads import multi_turn_chat, trace_sessions
 from kvmesh.cluster.launch.embedded_redis import free_port
 from kvmesh.core.processes import die_with_parent
@@ -178,21 +178,24 @@ def cpu_seconds(pid: int) -> float:
 
 
 def workload(name: str, seed: int, warmup: bool, args: argparse.Namespace, model: str = MODEL):
-    """``name``'s sessions: ``multi_turn`` chat, ``rag`` (documents by Zipf popularity) or ``mooncake`` (the real
-    conversation trace's rows in order, each 512-token block as ``MOONCAKE_BLOCK_TOKENS``; the warm-up's from far
-    into it)."""
+    """``name``'s sessions: ``multi_turn`` chat, ``rag`` (documents by Zipf popularity), ``agentic`` (agent sessions
+    on shared tool prompts whose steps fork sub-agents in bursts, ``trace_workloads.agentic``; its first requests)
+    or ``mooncake`` (the real conversation trace's rows in order, each 512-token block as
+    ``MOONCAKE_BLOCK_TOKENS``; the warm-up's from far into it)."""
     if name == "multi_turn":
         n = 3 if warmup else args.sessions
         return multi_turn_chat(seed, n, args.turns, args.rate, max_tokens=args.max_tokens, think_s=1.0)
     count, block, speed = 3 if warmup else args.requests, 16, args.speed
     if name == "rag":
         rows = rag(seed=seed, size=max(0.05, args.requests / 2000), documents=args.documents)[:count]  # 2,000 a size
+    elif name == "agentic":  # ~1,000 requests a size: sessions of 3-12 steps, 30% of steps fanning out 3-8 ways
+        rows = agentic(seed=seed, size=max(0.05, 2 * args.requests / 1000))[:count]
     elif name == "mooncake":
         start = MOONCAKE_WARMUP_ROW if warmup else 0
         rows = _mooncake_rows()[start : start + count]
         block, speed = MOONCAKE_BLOCK_TOKENS, speed * 16 / MOONCAKE_BLOCK_TOKENS
     else:
-        raise ValueError(f"unknown workload {name!r}: multi_turn, rag or mooncake")
+        raise ValueError(f"unknown workload {name!r}: multi_turn, rag, agentic or mooncake")
     sessions = trace_sessions(rows, block_tokens=block, speed=speed, max_output_tokens=args.max_tokens)
     for session in sessions:  # as text: SGLang's router takes no token-id prompts (its StringOrArray is strings)
         for step in session.steps:
